@@ -1,0 +1,142 @@
+"""IREE backend: compile linalg IR to a .vmfb with `iree.compiler`, run it with `iree.runtime`."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..targets import Target
+
+
+class CompileError(RuntimeError):
+    """iree-compile rejected the IR; the message names the saved MLIR and a command that reproduces it."""
+
+
+def iree_version() -> str:
+    from importlib.metadata import version
+
+    return version("iree-base-compiler")
+
+
+def failure_dir() -> Path:
+    return Path(os.environ.get("CONVDSL_FAILURE_DIR", Path(tempfile.gettempdir()) / "convdsl-failures"))
+
+
+def compile_mlir(mlir: str, target: Target, extra_flags: Sequence[str] = ()) -> bytes:
+    """MLIR text -> .vmfb bytes.  On failure the input is saved and the error says how to reproduce it."""
+    import iree.compiler as ireec
+    from iree.compiler.tools import CompilerToolError
+
+    flags = [*target.compile_flags(), *extra_flags]
+    try:
+        return ireec.compile_str(mlir, extra_args=flags)
+    except CompilerToolError as err:
+        folder = failure_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{hashlib.sha256(mlir.encode()).hexdigest()[:16]}.mlir"
+        path.write_text(mlir)
+        command = shlex.join(["iree-compile", str(path), *flags, "-o", "/tmp/out.vmfb"])
+        stderr = getattr(err, "stderr_text", None) or str(err)
+        lines = [ln[:300] for ln in str(stderr).splitlines() if "error" in ln][:8]
+        raise CompileError(
+            f"iree-compile failed for target {target}:\n  " + "\n  ".join(lines)
+            + f"\nThe input was saved to {path}; reproduce with:\n  {command}"
+        ) from None
+
+
+_RUNTIME_DTYPES = {"f32": np.float32, "f16": np.float16}
+
+
+def _element_type(dtype: np.dtype):
+    import iree.runtime as rt
+
+    return {
+        "float32": rt.HalElementType.FLOAT_32,
+        "float16": rt.HalElementType.FLOAT_16,
+        "bfloat16": rt.HalElementType.BFLOAT_16,
+    }[np.dtype(dtype).name]
+
+
+@dataclass
+class LoadedModule:
+    """A compiled module bound to a device: call functions with NumPy arrays, get NumPy arrays back."""
+
+    vmfb: bytes
+    target: Target
+    driver: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        import iree.runtime as rt
+
+        self._rt = rt
+        self.config = rt.Config(self.driver or self.target.driver)
+        self.context = rt.SystemContext(config=self.config)
+        self.vm_module = rt.VmModule.copy_buffer(self.config.vm_instance, self.vmfb)
+        self.context.add_vm_module(self.vm_module)
+        self.module = self.context.modules.module
+
+    @property
+    def device(self):
+        return self.config.device
+
+    def upload(self, array: np.ndarray):
+        """Host array -> device array; bf16 goes up as raw 16-bit words with the bf16 element type."""
+        rt = self._rt
+        array = np.ascontiguousarray(array)
+        if array.dtype.name == "bfloat16":
+            return rt.asdevicearray(self.device, array.view(np.uint16), implicit_host_transfer=True).view(
+                np.uint16
+            ) if False else rt.DeviceArray(
+                self.device,
+                self.device.allocator.allocate_buffer_copy(
+                    memory_type=rt.MemoryType.DEVICE_LOCAL,
+                    allowed_usage=rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING,
+                    device=self.device,
+                    buffer=array.view(np.uint16),
+                    element_type=rt.HalElementType.BFLOAT_16,
+                ),
+                implicit_host_transfer=True,
+            )
+        return rt.asdevicearray(self.device, array, implicit_host_transfer=True)
+
+    def call(self, name: str, *args, out_dtype: Optional[str] = None) -> np.ndarray:
+        result = self.call_device(name, *args)
+        return self.download(result, out_dtype)
+
+    def call_device(self, name: str, *args):
+        fn = self.module[name]
+        return fn(*[a if isinstance(a, self._rt.DeviceArray) else self.upload(a) for a in args])
+
+    def download(self, result, out_dtype: Optional[str] = None) -> np.ndarray:
+        if out_dtype == "bf16":
+            import ml_dtypes
+
+            raw = self._bf16_host(result)
+            return raw.view(ml_dtypes.bfloat16)
+        return result.to_host()
+
+    def _bf16_host(self, result) -> np.ndarray:
+        rt = self._rt
+        bv = result._buffer_view
+        mapped = bv.map()
+        return np.array(mapped.asarray(tuple(bv.shape), np.dtype(np.uint16)), copy=True)
+
+    def time(self, name: str, args: Sequence, repeat: int = 20, warmup: int = 3) -> float:
+        """Median seconds per call; the call returns after the device finished (synchronous ABI)."""
+        dev_args = [self.upload(a) for a in args]
+        fn = self.module[name]
+        for _ in range(warmup):
+            fn(*dev_args)
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn(*dev_args)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))

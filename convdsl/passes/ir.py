@@ -1,0 +1,161 @@
+"""Small builders over the MLIR Python bindings (iree.compiler.ir and its dialects).
+
+Tensors are addressed through *logical axes*: activations have n, g, ch and sp0.. (spatial),
+weights g, k, c and t0.. (taps).  A tensor's layout is the order of its logical axes, so a layout
+becomes an indexing map instead of a transpose: `access(axes, exprs)` builds the map whose results
+follow the tensor's axis order.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+from iree.compiler import ir
+from iree.compiler.dialects import arith, linalg, tensor
+
+from ..problem import ConvProblem
+
+PARALLEL = "parallel"
+REDUCTION = "reduction"
+
+
+def element_type(name: str) -> ir.Type:
+    """convdsl dtype names and MLIR float8 names -> MLIR element types (inside an active Context)."""
+    table: Mapping[str, Callable[[], ir.Type]] = {
+        "f32": ir.F32Type.get,
+        "f16": ir.F16Type.get,
+        "bf16": ir.BF16Type.get,
+        "f8E4M3FN": ir.Float8E4M3FNType.get,
+        "f8E5M2": ir.Float8E5M2Type.get,
+        "f8E4M3FNUZ": ir.Float8E4M3FNUZType.get,
+        "f8E5M2FNUZ": ir.Float8E5M2FNUZType.get,
+    }
+    return table[name]()
+
+
+def tensor_type(shape: Sequence[int], elem: ir.Type) -> ir.RankedTensorType:
+    return ir.RankedTensorType.get(list(shape), elem)
+
+
+def activation_axes(p: ConvProblem, channel: str) -> list[str]:
+    """Logical axes of X (channel 'ch' = C) or dY (channel 'ch' = K) in the problem's layout order."""
+    sp = [f"sp{i}" for i in range(p.dims)]
+    if p.layout == "NHWGC":
+        return ["n", *sp, "g", channel]
+    if p.layout == "GNHWC":
+        return ["g", "n", *sp, channel]
+    return ["n", "g", channel, *sp]  # NGCHW
+
+
+def weight_axes(p: ConvProblem) -> list[str]:
+    taps = [f"t{i}" for i in range(p.dims)]
+    return ["g", "k", *taps, "c"] if p.weight_layout == "GKYXC" else ["g", "k", "c", *taps]
+
+
+class Space:
+    """The iteration space of one linalg.generic: named loops, each parallel or reduction."""
+
+    def __init__(self, loops: Sequence[tuple[str, str]]) -> None:
+        self.names = [name for name, _ in loops]
+        self.kinds = [kind for _, kind in loops]
+
+    def __getitem__(self, name: str) -> ir.AffineExpr:
+        return ir.AffineDimExpr.get(self.names.index(name))
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def access(self, axes: Sequence[str], exprs: Mapping[str, ir.AffineExpr]) -> ir.AffineMapAttr:
+        """Map from this space to a tensor with logical `axes`; an axis without an expr is a size-1 axis read at 0."""
+        results = [exprs[a] if a in exprs else ir.AffineConstantExpr.get(0) for a in axes]
+        return ir.AffineMapAttr.get(ir.AffineMap.get(len(self.names), 0, results))
+
+    def iterators(self) -> list:
+        return [getattr(linalg.IteratorType, k) for k in self.kinds]
+
+
+def generic(
+    space: Space,
+    inputs: Sequence[ir.Value],
+    init: ir.Value,
+    maps: Sequence[ir.AffineMapAttr],
+    body: Callable[..., ir.Value],
+) -> ir.Value:
+    """One linalg.generic on tensors with a single result; `body(*input_elems, out_elem)` returns the yield."""
+    op = linalg.GenericOp(
+        result_tensors=[init.type],
+        inputs=list(inputs),
+        outputs=[init],
+        indexing_maps=ir.ArrayAttr.get(list(maps)),
+        iterator_types=ir.ArrayAttr.get([ir.Attribute.parse(f"#linalg.iterator_type<{k}>") for k in space.kinds]),
+    )
+    elem_types = [ir.RankedTensorType(v.type).element_type for v in list(inputs) + [init]]
+    block = op.regions[0].blocks.append(*elem_types)
+    with ir.InsertionPoint(block):
+        linalg.YieldOp([body(*block.arguments)])
+    return op.result
+
+
+def empty(shape: Sequence[int], elem: ir.Type) -> ir.Value:
+    return tensor.EmptyOp(list(shape), elem).result
+
+
+def float_const(value: float, elem: ir.Type) -> ir.Value:
+    return arith.ConstantOp(elem, ir.FloatAttr.get(elem, value)).result
+
+
+def zeros(shape: Sequence[int], elem: ir.Type) -> ir.Value:
+    return linalg.fill(float_const(0.0, elem), outs=[empty(shape, elem)])
+
+
+def convert(value: ir.Value, to: ir.Type) -> ir.Value:
+    """Scalar float conversion inside a region body (extf to wider, truncf to narrower)."""
+    src = value.type
+    if src == to:
+        return value
+    if ir.FloatType(src).width < ir.FloatType(to).width:
+        return arith.extf(to, value)
+    if ir.FloatType(src).width > ir.FloatType(to).width:
+        return arith.truncf(to, value)
+    # same width, different format (f16 <-> bf16): go through f32
+    return arith.truncf(to, arith.extf(ir.F32Type.get(), value))
+
+
+def shape_of(value: ir.Value) -> list[int]:
+    return list(ir.RankedTensorType(value.type).shape)
+
+
+def elem_of(value: ir.Value) -> ir.Type:
+    return ir.RankedTensorType(value.type).element_type
+
+
+def extract(value: ir.Value, offsets: Sequence[int], sizes: Sequence[int], strides: Sequence[int]) -> ir.Value:
+    """A static strided view (tensor.extract_slice); returns `value` itself when it is the whole tensor."""
+    shape = shape_of(value)
+    if list(offsets) == [0] * len(shape) and list(sizes) == shape and all(s == 1 for s in strides):
+        return value
+    result = tensor_type(sizes, elem_of(value))
+    return tensor.extract_slice(result, value, [], [], [], list(offsets), list(sizes), list(strides))
+
+
+def insert(
+    source: ir.Value,
+    dest: ir.Value,
+    offsets: Sequence[int],
+    strides: Sequence[int],
+    sizes: Sequence[int] | None = None,
+) -> ir.Value:
+    """tensor.insert_slice; `sizes` (with 1s for dropped axes) inserts a lower-rank source."""
+    sizes = shape_of(source) if sizes is None else sizes
+    return tensor.insert_slice(source, dest, [], [], [], list(offsets), list(sizes), list(strides))
+
+
+def pad(value: ir.Value, lo: Mapping[int, int], hi: Mapping[int, int]) -> ir.Value:
+    """Zero padding on the given tensor axes; a negative hi crops that axis instead (its tail is never read)."""
+    shape = shape_of(value)
+    crop = [shape[a] + min(0, hi.get(a, 0)) for a in range(len(shape))]
+    value = extract(value, [0] * len(shape), crop, [1] * len(shape))
+    if not any(lo.values()) and not any(max(0, h) for h in hi.values()):
+        return value
+    padded = [crop[a] + lo.get(a, 0) + max(0, hi.get(a, 0)) for a in range(len(shape))]
+    base = zeros(padded, elem_of(value))
+    return insert(value, base, [lo.get(a, 0) for a in range(len(shape))], [1] * len(shape))

@@ -1,0 +1,314 @@
+"""Emission of each kernel as linalg on tensors: the implicit-GEMM forms.
+
+Every contraction is one `linalg.generic` whose indexing maps carry the convolution: strided,
+dilated window reads are affine expressions (o*s + t*d), layouts are the order of each map's
+results, groups are a parallel loop.  The accumulator is f32; a separate elementwise generic
+applies the epilogue and the output cast, which IREE fuses into the contraction's dispatch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from iree.compiler import ir
+from iree.compiler.dialects import arith, func, linalg, tensor
+
+from ..algebra import Phase
+from ..problem import ConvProblem
+from .ir import (
+    PARALLEL,
+    REDUCTION,
+    Space,
+    activation_axes,
+    convert,
+    elem_of,
+    element_type,
+    empty,
+    extract,
+    float_const,
+    generic,
+    insert,
+    pad,
+    shape_of,
+    weight_axes,
+    zeros,
+)
+from .plan import KernelPlan
+
+
+def emit_kernel(plan: KernelPlan) -> None:
+    """Append `func.func @<kernel name>` for `plan` at the current insertion point (inside a module)."""
+    p = plan.problem
+    arg_types = [
+        ir.RankedTensorType.get(list(shape), element_type(dt)) for shape, dt in zip(p.arg_shapes, p.arg_dtypes)
+    ]
+    result_type = ir.RankedTensorType.get(list(p.result_shape), element_type(p.result_dtype))
+    fn = func.FuncOp(p.name, (arg_types, [result_type]))
+    block = fn.add_entry_block()
+    with ir.InsertionPoint(block):
+        args = list(block.arguments)
+        bias = args[2] if p.epilogue.has_tensor else None
+        if p.op == "forward":
+            result = _forward(plan, args[0], args[1], bias)
+        elif p.op in ("grad_input", "transposed"):
+            # transposed(x, w) is grad_input's arithmetic with x in dY's place
+            result = _grad_input(plan, args[0], args[1], bias)
+        else:
+            result = _grad_weight(plan, args[0], args[1], bias)
+        func.ReturnOp([result])
+
+
+# --- shared pieces ------------------------------------------------------------------------------
+def _spatial_positions(p: ConvProblem, axes: list[str]) -> list[int]:
+    return [axes.index(f"sp{i}") for i in range(p.dims)]
+
+
+def _round_operand(value: ir.Value, compute: Optional[str]) -> ir.Value:
+    """Cast an operand to its fp8 compute type once, so the contraction reads (and multiplies) fp8."""
+    if compute is None:
+        return value
+    rank = len(shape_of(value))
+    space = Space([(f"d{i}", PARALLEL) for i in range(rank)])
+    ident = space.access(space.names, {n: space[n] for n in space.names})
+    out_elem = element_type(compute)
+    return generic(space, [value], empty(shape_of(value), out_elem), [ident, ident], lambda a, _: convert(a, out_elem))
+
+
+def _multiply_add(a: ir.Value, b: ir.Value, acc: ir.Value) -> ir.Value:
+    """acc + a*b in f32: operands are widened first, so f16/bf16/fp8 products are exact in f32."""
+    f32 = ir.F32Type.get()
+    return arith.addf(acc, arith.mulf(convert(a, f32), convert(b, f32)))
+
+
+def _epilogue(p: ConvProblem, acc: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+    """out = cast(alpha * acc (+ beta * D)): one elementwise generic, fused by IREE into the producer."""
+    out_elem = element_type(p.result_dtype)
+    ep = p.epilogue
+    if ep.kind == "none" and elem_of(acc) == out_elem:
+        return acc
+    rank = len(shape_of(acc))
+    space = Space([(f"d{i}", PARALLEL) for i in range(rank)])
+    ident = space.access(space.names, {n: space[n] for n in space.names})
+    f32 = ir.F32Type.get()
+
+    def body(*elems: ir.Value) -> ir.Value:
+        v = elems[0]
+        if ep.kind != "none" and ep.alpha != 1.0:
+            v = arith.mulf(v, float_const(ep.alpha, f32))
+        if ep.has_tensor:
+            v = arith.addf(v, arith.mulf(convert(elems[1], f32), float_const(ep.beta, f32)))
+        return convert(v, out_elem)
+
+    inputs = [acc] + ([bias] if ep.has_tensor else [])
+    return generic(space, inputs, empty(shape_of(acc), out_elem), [ident] * (len(inputs) + 1), body)
+
+
+def _channel_loops(p: ConvProblem, *names: str) -> list[str]:
+    """K and C loops exist only when the GEMM has channels: depthwise (C = K = 1) drops them,
+    leaving a stencil (forward, grad_input) or a plain reduction (grad_weight) bound by memory."""
+    return [] if p.depthwise else list(names)
+
+
+# --- forward: Y[n, o, g, k] = sum_{t, c} X[n, o*s + t*d - lo, g, c] * W[g, k, t, c] -------------
+def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+    p = plan.problem
+    x_axes, y_axes, w_axes = activation_axes(p, "ch"), activation_axes(p, "ch"), weight_axes(p)
+    x = _round_operand(x, plan.compute_a)
+    w = _round_operand(w, plan.compute_b)
+    sp = _spatial_positions(p, x_axes)
+    x = pad(x, dict(zip(sp, plan.x_pad_lo)), dict(zip(sp, plan.x_pad_hi)))
+    o = [f"o{i}" for i in range(p.dims)]
+    t = [f"t{i}" for i in range(p.dims)]
+    space = Space(
+        [("g", PARALLEL), ("n", PARALLEL), *[(n, PARALLEL) for n in o]]
+        + [(n, PARALLEL) for n in _channel_loops(p, "k")]
+        + [(n, REDUCTION) for n in t]
+        + [(n, REDUCTION) for n in _channel_loops(p, "c")]
+    )
+    x_map = {"n": space["n"], "g": space["g"]}
+    for i in range(p.dims):
+        x_map[f"sp{i}"] = space[o[i]] * p.stride[i] + space[t[i]] * p.dilation[i]
+    w_map = {"g": space["g"], **{f"t{i}": space[t[i]] for i in range(p.dims)}}
+    y_map = {"n": space["n"], "g": space["g"], **{f"sp{i}": space[o[i]] for i in range(p.dims)}}
+    if not p.depthwise:
+        x_map["ch"], w_map["c"], w_map["k"], y_map["ch"] = space["c"], space["c"], space["k"], space["k"]
+    acc = generic(
+        space,
+        [x, w],
+        zeros(p.y_shape, ir.F32Type.get()),
+        [space.access(x_axes, x_map), space.access(w_axes, w_map), space.access(y_axes, y_map)],
+        _multiply_add,
+    )
+    return _epilogue(p, acc, bias)
+
+
+# --- grad_input by stride phases (see convdsl/algebra.py for the derivation) -------------------
+def _grad_input(plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+    p = plan.problem
+    dy_axes, dx_axes = activation_axes(p, "ch"), activation_axes(p, "ch")
+    sp = _spatial_positions(p, dy_axes)
+    dy = _round_operand(dy, plan.compute_a)
+    dy = pad(dy, dict(zip(sp, plan.dy_pad_lo)), dict(zip(sp, plan.dy_pad_hi)))
+    out_elem = element_type(p.result_dtype)
+    # Residues that no tap reaches are zero: start from zeros unless every phase is written anyway.
+    skip_empty = any(ph.empty for ph in plan.phases) and not p.epilogue.has_tensor
+    result = zeros(p.x_shape, out_elem) if skip_empty else empty(p.x_shape, out_elem)
+    full = list(p.x_shape)
+    for ph in plan.phases:
+        if ph.empty and skip_empty:
+            continue
+        shape = list(full)
+        offsets, strides = [0] * len(full), [1] * len(full)
+        for i, pos in enumerate(sp):
+            shape[pos], offsets[pos], strides[pos] = ph.dims[i].Q, ph.dims[i].r, p.stride[i]
+        if ph.empty:
+            acc = zeros(shape, ir.F32Type.get())  # only reached with a bilinear epilogue: out = beta * D
+        else:
+            acc = _grad_input_phase(plan, ph, dy, w, shape)
+        phase_bias = extract(bias, offsets, shape, strides) if bias is not None else None
+        result = insert(_epilogue(p, acc, phase_bias), result, offsets, strides)
+    return result
+
+
+def _phase_weight(plan: KernelPlan, ph: Phase, w: ir.Value) -> ir.Value:
+    """W restricted to the phase's taps, flipped, as a [G, K, J..., C] tensor (weights are small).
+
+    Tap j' (j' = J-1-j) of the phase is filter tap y0 + (J-1-j')*tap_step; flipping makes the dY
+    read q + j'*o_step increase with j', the form of a stride-1 convolution that IREE recognises.
+    The flip is a gather (linalg.index + tensor.extract): an indexing map with a negative
+    coefficient verifies here but is rejected inside IREE once fused into a dispatch.
+    """
+    p = plan.problem
+    j = [f"j{i}" for i in range(p.dims)]
+    space = Space([("g", PARALLEL), ("k", PARALLEL), *[(n, PARALLEL) for n in j], ("c", PARALLEL)])
+    out_axes = ["g", "k", *[f"t{i}" for i in range(p.dims)], "c"]
+    out_map = {"g": space["g"], "k": space["k"], "c": space["c"], **{f"t{i}": space[j[i]] for i in range(p.dims)}}
+    elem = element_type(plan.compute_b) if plan.compute_b else elem_of(w)
+    shape = [p.groups, p.out_channels, *ph.taps, p.in_channels]
+    index = ir.IndexType.get()
+
+    def body(_: ir.Value) -> ir.Value:
+        loop = {name: linalg.IndexOp(i).result for i, name in enumerate(space.names)}
+        coords = {"g": loop["g"], "k": loop["k"], "c": loop["c"]}
+        for i, d1 in enumerate(ph.dims):
+            # t = y0 + (J-1)*tap_step - j'*tap_step
+            top = arith.ConstantOp(index, d1.y0 + (d1.J - 1) * d1.tap_step).result
+            step = arith.ConstantOp(index, d1.tap_step).result
+            coords[f"t{i}"] = arith.subi(top, arith.muli(loop[j[i]], step))
+        value = tensor.extract(w, [coords[a] for a in weight_axes(p)])
+        return convert(value, elem)
+
+    return generic(space, [], empty(shape, elem), [space.access(out_axes, out_map)], body)
+
+
+def _grad_input_phase(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value, shape: list[int]) -> ir.Value:
+    # dX[n, s*q + r, g, c] = sum_{j', k} dYpad[n, q + base + j'*o_step, g, k] * Wphase[g, k, j', c]
+    # with base = off - (J-1)*o_step + pad_lo: the window of dY this phase reads starts there.
+    p = plan.problem
+    dy_axes = activation_axes(p, "ch")
+    sp = _spatial_positions(p, dy_axes)
+    wph = _phase_weight(plan, ph, w)
+    full = shape_of(dy)
+    offsets, sizes = [0] * len(full), list(full)
+    for i, pos in enumerate(sp):
+        d1 = ph.dims[i]
+        offsets[pos] = d1.off - (d1.J - 1) * d1.o_step + plan.dy_pad_lo[i]
+        sizes[pos] = d1.Q + (d1.J - 1) * d1.o_step
+    window = extract(dy, offsets, sizes, [1] * len(full))
+    q = [f"q{i}" for i in range(p.dims)]
+    j = [f"j{i}" for i in range(p.dims)]
+    space = Space(
+        [("g", PARALLEL), ("n", PARALLEL), *[(n, PARALLEL) for n in q]]
+        + [(n, PARALLEL) for n in _channel_loops(p, "c")]
+        + [(n, REDUCTION) for n in j]
+        + [(n, REDUCTION) for n in _channel_loops(p, "k")]
+    )
+    dy_map = {"n": space["n"], "g": space["g"]}
+    for i in range(p.dims):
+        dy_map[f"sp{i}"] = space[q[i]] + space[j[i]] * ph.dims[i].o_step
+    w_map = {"g": space["g"], **{f"t{i}": space[j[i]] for i in range(p.dims)}}
+    dx_map = {"n": space["n"], "g": space["g"], **{f"sp{i}": space[q[i]] for i in range(p.dims)}}
+    if not p.depthwise:
+        dy_map["ch"], w_map["k"], w_map["c"], dx_map["ch"] = space["k"], space["k"], space["c"], space["c"]
+    wph_axes = ["g", "k", *[f"t{i}" for i in range(p.dims)], "c"]
+    return generic(
+        space,
+        [window, wph],
+        zeros(shape, ir.F32Type.get()),
+        [space.access(dy_axes, dy_map), space.access(wph_axes, w_map), space.access(dy_axes, dx_map)],
+        _multiply_add,
+    )
+
+
+# --- grad_weight with split-K -----------------------------------------------------------------
+def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+    # dW[g, k, t, c] = sum_{n, o} X[n, o*s + t*d - lo, g, c] * dY[n, o, g, k]
+    # The reduction (n, o...) is cut into S chunks; each yields an f32 partial, and one more generic
+    # sums the partials in chunk order (deterministic), then the epilogue casts.
+    p = plan.problem
+    x_axes = activation_axes(p, "ch")
+    sp = _spatial_positions(p, x_axes)
+    n_pos = x_axes.index("n")
+    x = _round_operand(x, plan.compute_a)
+    dy = _round_operand(dy, plan.compute_b)
+    x = pad(x, dict(zip(sp, plan.x_pad_lo)), dict(zip(sp, plan.x_pad_hi)))
+    wshape = list(p.w_shape)
+    partials = []
+    for a, b in plan.split.chunks:
+        x_off, x_size = [0] * len(shape_of(x)), shape_of(x)
+        y_off, y_size = [0] * len(shape_of(dy)), shape_of(dy)
+        if plan.split.axis == "n":
+            x_off[n_pos], x_size[n_pos] = a, b - a
+            y_off[n_pos], y_size[n_pos] = a, b - a
+        else:
+            # output rows [a, b) read padded input rows [a*s, (b-1)*s + (R-1)*d + 1)
+            s0, d0, r0 = p.stride[0], p.dilation[0], p.filter[0]
+            x_off[sp[0]], x_size[sp[0]] = a * s0, (b - 1 - a) * s0 + (r0 - 1) * d0 + 1
+            y_off[sp[0]], y_size[sp[0]] = a, b - a
+        partials.append(
+            _grad_weight_chunk(
+                plan, extract(x, x_off, x_size, [1] * len(x_off)), extract(dy, y_off, y_size, [1] * len(y_off))
+            )
+        )
+    if len(partials) == 1:
+        return _epilogue(p, partials[0], bias)
+    f32 = ir.F32Type.get()
+    stacked = empty([len(partials), *wshape], f32)
+    for i, part in enumerate(partials):
+        stacked = insert(part, stacked, [i] + [0] * len(wshape), [1] * (len(wshape) + 1), [1, *wshape])
+    space = Space([(f"d{i}", PARALLEL) for i in range(len(wshape))] + [("s", REDUCTION)])
+    in_map = space.access(["s", *space.names[:-1]], {n: space[n] for n in space.names})
+    out_map = space.access(space.names[:-1], {n: space[n] for n in space.names})
+    total = generic(space, [stacked], zeros(wshape, f32), [in_map, out_map], lambda v, acc: arith.addf(acc, v))
+    return _epilogue(p, total, bias)
+
+
+def _grad_weight_chunk(plan: KernelPlan, x: ir.Value, dy: ir.Value) -> ir.Value:
+    p = plan.problem
+    x_axes, w_axes = activation_axes(p, "ch"), weight_axes(p)
+    o_sizes = [shape_of(dy)[pos] for pos in _spatial_positions(p, x_axes)]
+    o = [f"o{i}" for i in range(p.dims)]
+    t = [f"t{i}" for i in range(p.dims)]
+    space = Space(
+        [("g", PARALLEL)]
+        + [(n, PARALLEL) for n in _channel_loops(p, "k")]
+        + [(n, PARALLEL) for n in t]
+        + [(n, PARALLEL) for n in _channel_loops(p, "c")]
+        + [("n", REDUCTION), *[(n, REDUCTION) for n in o]]
+    )
+    x_map = {"n": space["n"], "g": space["g"]}
+    for i in range(p.dims):
+        x_map[f"sp{i}"] = space[o[i]] * p.stride[i] + space[t[i]] * p.dilation[i]
+    y_map = {"n": space["n"], "g": space["g"], **{f"sp{i}": space[o[i]] for i in range(p.dims)}}
+    w_map = {"g": space["g"], **{f"t{i}": space[t[i]] for i in range(p.dims)}}
+    if not p.depthwise:
+        x_map["ch"], y_map["ch"], w_map["k"], w_map["c"] = space["c"], space["k"], space["k"], space["c"]
+    assert math.prod(o_sizes) > 0
+    # X (the image) is the first operand: IREE's CUDA backend only recognises the implicit GEMM that way.
+    return generic(
+        space,
+        [x, dy],
+        zeros(p.w_shape, ir.F32Type.get()),
+        [space.access(x_axes, x_map), space.access(x_axes, y_map), space.access(w_axes, w_map)],
+        _multiply_add,
+    )

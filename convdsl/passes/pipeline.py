@@ -1,0 +1,107 @@
+"""The pipeline: ConvProblem -> plan -> linalg on tensors -> canonical IR ready for iree-compile.
+
+Each pass is a plain function `(Stage) -> Stage`; `run_pipeline` runs them in order, verifies the
+IR after every pass that produced one, and hands each stage to `observe` (`convdsl explain`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Sequence
+
+from iree.compiler import ir
+from iree.compiler.dialects import linalg
+from iree.compiler.passmanager import PassManager
+
+from ..problem import ConvProblem
+from ..targets import Target
+from .lower import emit_kernel
+from .plan import KernelPlan, plan_kernel
+
+
+class LoweringError(RuntimeError):
+    """The pipeline produced IR that does not verify or breaks a form contract (a convdsl bug)."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    problems: tuple[ConvProblem, ...]
+    target: Target
+    plans: tuple[KernelPlan, ...] = ()
+    module: Optional[ir.Module] = None
+
+
+def plan_kernels(stage: Stage) -> Stage:
+    # every decision (stride phases, split-K, fp8 types, depthwise form) is made before any IR exists
+    return replace(stage, plans=tuple(plan_kernel(p, stage.target) for p in stage.problems))
+
+
+def emit_linalg(stage: Stage) -> Stage:
+    # one func.func per kernel, built with the MLIR Python bindings as linalg.generic implicit GEMMs
+    ctx = ir.Context()
+    with ctx, ir.Location.unknown():
+        module = ir.Module.create()
+        with ir.InsertionPoint(module.body):
+            for plan in stage.plans:
+                emit_kernel(plan)
+    return replace(stage, module=module)
+
+
+def canonicalize(stage: Stage) -> Stage:
+    # fold the zero-size and whole-tensor slices and constants the emitter leaves, so IREE sees minimal IR
+    with stage.module.context:
+        PassManager.parse("builtin.module(canonicalize,cse)").run(stage.module.operation)
+    return stage
+
+
+def check_iree_forms(stage: Stage) -> Stage:
+    # IREE's CUDA backend fails ("failed to pack reduction dimensions") on a contraction whose first
+    # operand is not the image; refuse to hand such IR on instead of failing deep in iree-compile.
+    def walk(op: ir.Operation) -> None:
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    if child.operation.name == "linalg.generic":
+                        _check_contraction(child.operation)
+                    walk(child.operation)
+
+    walk(stage.module.operation)
+    return stage
+
+
+def _check_contraction(op: ir.Operation) -> None:
+    iterators = [str(a) for a in ir.ArrayAttr(op.attributes["iterator_types"])]
+    if not any("reduction" in it for it in iterators) or len(op.operands) < 3:
+        return
+    maps = [ir.AffineMapAttr(m).value for m in ir.ArrayAttr(op.attributes["indexing_maps"])]
+    first_windowed = any("+" in str(e) for e in maps[0].results)
+    second_windowed = any("+" in str(e) for e in maps[1].results)
+    if second_windowed and not first_windowed:
+        raise LoweringError(f"contraction reads its windowed (image) operand second:\n{op}")
+
+
+PIPELINE: tuple[tuple[str, Callable[[Stage], Stage]], ...] = (
+    ("plan", plan_kernels),
+    ("linalg", emit_linalg),
+    ("canonical", canonicalize),
+    ("iree-forms", check_iree_forms),
+)
+STAGE_NAMES = tuple(name for name, _ in PIPELINE)
+
+
+def run_pipeline(
+    problems: Sequence[ConvProblem],
+    target: Target,
+    observe: Optional[Callable[[str, Stage], None]] = None,
+) -> Stage:
+    stage = Stage(tuple(problems), target)
+    for name, pass_fn in PIPELINE:
+        stage = pass_fn(stage)
+        if stage.module is not None and not stage.module.operation.verify():
+            raise LoweringError(f"IR after pass {name!r} does not verify")
+        if observe is not None:
+            observe(name, stage)
+    return stage
+
+
+def lower_to_mlir(problems: Sequence[ConvProblem], target: Target) -> str:
+    return str(run_pipeline(problems, target).module)

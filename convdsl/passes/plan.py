@@ -1,0 +1,78 @@
+"""The plan of a kernel: every decision made before IR is built, so `convdsl explain` can show it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..algebra import Phase, SplitK, dy_padding, grad_input_phases, plan_split_k, x_window
+from ..problem import ConvProblem
+from ..targets import Target
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    problem: ConvProblem
+    target: Target
+    form: str  # "implicit-gemm" or "depthwise" (memory-bound stencil / reduction, no K or C loop)
+    compute_a: Optional[str] = None  # MLIR element type of operand A when computing in fp8
+    compute_b: Optional[str] = None
+    phases: tuple[Phase, ...] = ()  # grad_input / transposed
+    dy_pad_lo: tuple[int, ...] = ()
+    dy_pad_hi: tuple[int, ...] = ()
+    x_pad_lo: tuple[int, ...] = ()  # forward / grad_weight
+    x_pad_hi: tuple[int, ...] = ()
+    split: Optional[SplitK] = None  # grad_weight
+
+    def describe(self) -> str:
+        p = self.problem
+        lines = [f"kernel {p.name}: {p.describe()}", f"  target: {self.target}", f"  form: {self.form}"]
+        lines.append(
+            f"  args: " + ", ".join(
+                f"{n}: {p.layout_name('w') if n == 'w' else _act(p, n)} {list(s)} {dt}"
+                for n, s, dt in zip(p.arg_names, p.arg_shapes, p.arg_dtypes)
+            )
+            + f" -> {p.result_name} {list(p.result_shape)} {p.result_dtype}"
+        )
+        if self.compute_a:
+            lines.append(f"  compute: A in {self.compute_a}, B in {self.compute_b}, products summed in f32")
+        if self.phases:
+            live = [ph for ph in self.phases if not ph.empty]
+            lines.append(
+                f"  stride phases: {len(self.phases)} ({len(live)} computed, {len(self.phases) - len(live)} all-zero);"
+                f" dY zero border lo={list(self.dy_pad_lo)} hi={list(self.dy_pad_hi)}"
+            )
+            for ph in self.phases:
+                if ph.empty:
+                    lines.append(f"    residue {list(ph.residue)}: no tap reaches it -> zeros, sizes {list(ph.sizes)}")
+                    continue
+                taps = ["y%d in %s" % (i, list(range(d.y0, d.y0 + d.J * d.tap_step, d.tap_step)))
+                        for i, d in enumerate(ph.dims)]
+                lines.append(f"    residue {list(ph.residue)}: sizes {list(ph.sizes)}, taps {'; '.join(taps)}")
+        if self.x_pad_lo:
+            lines.append(f"  X window: pad lo={list(self.x_pad_lo)}, hi={list(self.x_pad_hi)} (negative = crop)")
+        if self.split:
+            lines.append(
+                f"  split-K: S={self.split.parts} along {self.split.axis}, chunks {list(self.split.chunks)};"
+                f" f32 partials summed in chunk order"
+            )
+        return "\n".join(lines)
+
+
+def _act(p: ConvProblem, name: str) -> str:
+    if p.op == "transposed" and name == "x":
+        return p.layout_name("y")
+    return p.layout_name("x" if name in ("x", "d") else "y")
+
+
+def plan_kernel(problem: ConvProblem, target: Target) -> KernelPlan:
+    compute_a = compute_b = None
+    if problem.compute:
+        compute_a, compute_b = (target.fp8_type(c) for c in problem.compute)
+    form = "depthwise" if problem.depthwise else "implicit-gemm"
+    if problem.op in ("grad_input", "transposed"):
+        phases = tuple(grad_input_phases(problem))
+        lo, hi = dy_padding(problem, list(phases))
+        return KernelPlan(problem, target, form, compute_a, compute_b, phases=phases, dy_pad_lo=lo, dy_pad_hi=hi)
+    lo, hi = x_window(problem)
+    split = plan_split_k(problem) if problem.op == "grad_weight" else None
+    return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split)

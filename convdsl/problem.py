@@ -1,0 +1,254 @@
+"""The one description of a convolution kernel that everything downstream derives from.
+
+A `ConvProblem` is frozen and hashable: the parser builds it, the passes read it, the reference
+computes from it and the cache keys hash it.  Index algebra (per spatial dimension, see
+shared/design/conv-algebra.md): input size I, output size O, filter R, stride s, dilation d,
+padding lo/hi;  forward reads input i = o*s + y*d - lo, so O = (I + lo + hi - d*(R-1) - 1) // s + 1.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+OPS = ("forward", "grad_input", "grad_weight", "transposed")
+LAYOUTS = ("NHWGC", "GNHWC", "NGCHW")
+WEIGHT_LAYOUTS = ("GKYXC", "GKCYX")
+DTYPES = ("f32", "f16", "bf16")
+COMPUTE_TYPES = ("fp8", "bf8")  # fp8 = e4m3, bf8 = e5m2, as in CK
+EPILOGUES = ("none", "scale", "bilinear")
+
+_SPATIAL_LETTERS = {1: "W", 2: "HW", 3: "DHW"}
+_TAP_LETTERS = {1: "X", 2: "YX", 3: "ZYX"}
+
+
+class ProblemError(ValueError):
+    """A convolution description that is inconsistent; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """out = alpha * conv (+ beta * D for bilinear), applied in f32 before the output cast."""
+
+    kind: str = "none"
+    alpha: float = 1.0
+    beta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in EPILOGUES:
+            raise ProblemError(f"epilogue: expected one of {', '.join(EPILOGUES)}, got {self.kind!r}")
+
+    @property
+    def has_tensor(self) -> bool:
+        return self.kind == "bilinear"
+
+    def __str__(self) -> str:
+        if self.kind == "none":
+            return "none"
+        if self.kind == "scale":
+            return f"scale({self.alpha:g})"
+        return f"bilinear({self.alpha:g}, {self.beta:g})"
+
+
+@dataclass(frozen=True)
+class ConvProblem:
+    """One kernel: which op of which convolution, with every option that changes its output."""
+
+    op: str
+    dims: int
+    groups: int
+    batch: int
+    in_channels: int  # C, per group
+    out_channels: int  # K, per group
+    input: tuple[int, ...]  # spatial sizes of X, outermost first
+    filter: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    pad_lo: tuple[int, ...]
+    pad_hi: tuple[int, ...]
+    layout: str = "NHWGC"
+    weight_layout: str = "GKYXC"
+    dtype: str = "f32"
+    out_dtype: Optional[str] = None  # None: same as dtype
+    compute: Optional[tuple[str, str]] = None  # (A, B) operand compute types, e.g. ("bf8", "fp8")
+    split_k: Optional[int] = None  # grad_weight only; None = auto
+    epilogue: Epilogue = field(default_factory=Epilogue)
+    name: str = "kernel"
+
+    def __post_init__(self) -> None:
+        d = self.dims
+        if self.op not in OPS:
+            raise ProblemError(f"op: expected one of {', '.join(OPS)}, got {self.op!r}")
+        if d not in (1, 2, 3):
+            raise ProblemError(f"dims: expected 1, 2 or 3, got {d}")
+        for key in ("input", "filter", "stride", "dilation", "pad_lo", "pad_hi"):
+            value = getattr(self, key)
+            if not isinstance(value, tuple) or len(value) != d:
+                raise ProblemError(f"{key}: expected {d} value(s) for dims = {d}, got {value!r}")
+            if any((not isinstance(v, int)) or isinstance(v, bool) for v in value):
+                raise ProblemError(f"{key}: expected integers, got {value!r}")
+        for key in ("groups", "batch", "in_channels", "out_channels"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 1:
+                raise ProblemError(f"{key}: expected a positive integer, got {v!r}")
+        for key in ("input", "filter", "stride", "dilation"):
+            if any(v < 1 for v in getattr(self, key)):
+                raise ProblemError(f"{key}: expected positive values, got {getattr(self, key)}")
+        if any(v < 0 for v in self.pad_lo + self.pad_hi):
+            raise ProblemError(f"padding: expected non-negative values, got {self.pad_lo} / {self.pad_hi}")
+        if self.layout not in LAYOUTS:
+            raise ProblemError(f"layout: expected one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.weight_layout not in WEIGHT_LAYOUTS:
+            raise ProblemError(
+                f"weight_layout: expected one of {', '.join(WEIGHT_LAYOUTS)}, got {self.weight_layout!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ProblemError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.out_dtype is not None and self.out_dtype not in DTYPES:
+            raise ProblemError(f"out_dtype: expected one of {', '.join(DTYPES)}, got {self.out_dtype!r}")
+        if self.compute is not None:
+            if len(self.compute) != 2 or any(c not in COMPUTE_TYPES for c in self.compute):
+                raise ProblemError(f"compute: expected [A, B] from {', '.join(COMPUTE_TYPES)}, got {self.compute!r}")
+        if self.split_k is not None:
+            if self.op != "grad_weight":
+                raise ProblemError(f"split_k: only grad_weight kernels split the reduction, not {self.op}")
+            if not isinstance(self.split_k, int) or self.split_k < 1:
+                raise ProblemError(f"split_k: expected a positive integer or auto, got {self.split_k!r}")
+        for i, o in enumerate(self.output):
+            if o < 1:
+                raise ProblemError(
+                    f"output size {self.output} is empty in spatial dim {i}: input {self.input[i]} + padding "
+                    f"{self.pad_lo[i]}+{self.pad_hi[i]} is smaller than the dilated filter "
+                    f"{self.dilation[i] * (self.filter[i] - 1) + 1}"
+                )
+
+    # --- derived sizes -------------------------------------------------------------------------
+    @property
+    def output(self) -> tuple[int, ...]:
+        # O = (I + lo + hi - d*(R-1) - 1) // s + 1   (floor division of the padded, dilated window count)
+        return tuple(
+            (i + lo + hi - d * (r - 1) - 1) // s + 1
+            for i, r, s, d, lo, hi in zip(self.input, self.filter, self.stride, self.dilation, self.pad_lo, self.pad_hi)
+        )
+
+    @property
+    def result_dtype(self) -> str:
+        return self.out_dtype or self.dtype
+
+    @property
+    def depthwise(self) -> bool:
+        return self.in_channels == 1 and self.out_channels == 1 and self.groups > 1
+
+    @property
+    def flops(self) -> int:
+        # 2 * G * N * prod(O) * K * C * prod(R), the same for every op
+        return (
+            2 * self.groups * self.batch * math.prod(self.output) * self.out_channels * self.in_channels
+            * math.prod(self.filter)
+        )
+
+    # --- tensor shapes in their layouts ------------------------------------------------------
+    def _activation_shape(self, spatial: tuple[int, ...], channels: int) -> tuple[int, ...]:
+        n, g = self.batch, self.groups
+        if self.layout == "NHWGC":
+            return (n, *spatial, g, channels)
+        if self.layout == "GNHWC":
+            return (g, n, *spatial, channels)
+        return (n, g, channels, *spatial)  # NGCHW
+
+    @property
+    def x_shape(self) -> tuple[int, ...]:
+        return self._activation_shape(self.input, self.in_channels)
+
+    @property
+    def y_shape(self) -> tuple[int, ...]:
+        return self._activation_shape(self.output, self.out_channels)
+
+    @property
+    def w_shape(self) -> tuple[int, ...]:
+        g, k, c = self.groups, self.out_channels, self.in_channels
+        if self.weight_layout == "GKYXC":
+            return (g, k, *self.filter, c)
+        return (g, k, c, *self.filter)
+
+    def layout_name(self, tensor: str) -> str:
+        """The axis letters of 'x', 'y' or 'w' for this rank, e.g. NDHWGC or GKZYXC."""
+        sp, taps = _SPATIAL_LETTERS[self.dims], _TAP_LETTERS[self.dims]
+        if tensor == "w":
+            return "GK" + taps + "C" if self.weight_layout == "GKYXC" else "GKC" + taps
+        ch = "C" if tensor == "x" else "K"
+        return {"NHWGC": "N" + sp + "G" + ch, "GNHWC": "GN" + sp + ch, "NGCHW": "NG" + ch + sp}[self.layout]
+
+    # --- kernel signature --------------------------------------------------------------------
+    @property
+    def arg_names(self) -> tuple[str, ...]:
+        names = {
+            "forward": ("x", "w"),
+            "grad_input": ("dy", "w"),
+            "grad_weight": ("x", "dy"),
+            "transposed": ("x", "w"),
+        }[self.op]
+        return names + (("d",) if self.epilogue.has_tensor else ())
+
+    @property
+    def result_name(self) -> str:
+        return {"forward": "y", "grad_input": "dx", "grad_weight": "dw", "transposed": "y"}[self.op]
+
+    @property
+    def result_shape(self) -> tuple[int, ...]:
+        return {"forward": self.y_shape, "grad_input": self.x_shape, "grad_weight": self.w_shape,
+                "transposed": self.x_shape}[self.op]
+
+    @property
+    def arg_shapes(self) -> tuple[tuple[int, ...], ...]:
+        shapes = {
+            "forward": (self.x_shape, self.w_shape),
+            "grad_input": (self.y_shape, self.w_shape),
+            "grad_weight": (self.x_shape, self.y_shape),
+            "transposed": (self.y_shape, self.w_shape),
+        }[self.op]
+        return shapes + ((self.result_shape,) if self.epilogue.has_tensor else ())
+
+    @property
+    def arg_dtypes(self) -> tuple[str, ...]:
+        return (self.dtype, self.dtype) + ((self.result_dtype,) if self.epilogue.has_tensor else ())
+
+    def with_(self, **changes) -> "ConvProblem":
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        sp = "x".join(map(str, self.input))
+        fl = "x".join(map(str, self.filter))
+        return (
+            f"{self.op} {self.dims}D G={self.groups} N={self.batch} C={self.in_channels} K={self.out_channels} "
+            f"in={sp} filter={fl} stride={list(self.stride)} dil={list(self.dilation)} "
+            f"pad={list(self.pad_lo)}/{list(self.pad_hi)} {self.layout}/{self.weight_layout} {self.dtype}"
+            + (f"->{self.out_dtype}" if self.out_dtype else "")
+            + (f" compute={list(self.compute)}" if self.compute else "")
+            + (f" split_k={self.split_k}" if self.split_k else "")
+            + (f" epilogue={self.epilogue}" if self.epilogue.kind != "none" else "")
+        )
+
+
+def expand(value, dims: int, key: str) -> tuple[int, ...]:
+    """One number or one per spatial dim -> a tuple of `dims` numbers."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,) * dims
+    value = tuple(value)
+    if len(value) != dims:
+        raise ProblemError(f"{key}: expected one number or {dims} numbers, got {len(value)}")
+    return value
+
+
+def expand_padding(value, dims: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """padding: one number, one per dim, or [[lo, hi], ...] per dim -> (lo tuple, hi tuple)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,) * dims, (value,) * dims
+    value = list(value)
+    if len(value) != dims:
+        raise ProblemError(f"padding: expected one number, {dims} numbers or {dims} [lo, hi] pairs, got {len(value)}")
+    if all(isinstance(v, int) for v in value):
+        return tuple(value), tuple(value)
+    if all(not isinstance(v, int) and len(v) == 2 for v in value):
+        return tuple(v[0] for v in value), tuple(v[1] for v in value)
+    raise ProblemError(f"padding: expected numbers or [lo, hi] pairs, got {value!r}")

@@ -1,0 +1,58 @@
+"""Compilation targets: which IREE backend, which chip, and what the chip computes natively."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("cpu", "cuda", "rocm")
+DEFAULT_ARCH = {"cpu": "host", "cuda": "sm_80", "rocm": "gfx942"}
+
+
+class TargetError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Target:
+    backend: str = "cpu"
+    arch: str = "host"
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise TargetError(f"--target: expected one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "cuda" and not self.arch.startswith("sm_"):
+            raise TargetError(f"--arch: a CUDA target names an sm_XY architecture, got {self.arch!r}")
+        if self.backend == "rocm" and not self.arch.startswith("gfx"):
+            raise TargetError(f"--arch: a ROCm target names a gfxNNN architecture, got {self.arch!r}")
+
+    @staticmethod
+    def parse(backend: str, arch: str | None = None) -> "Target":
+        if backend not in BACKENDS:
+            raise TargetError(f"--target: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+        return Target(backend, arch or DEFAULT_ARCH[backend])
+
+    @property
+    def fp8_native(self) -> bool:
+        """fp8 matrix instructions: CUDA sm_89+ (mma.sync e4m3/e5m2), ROCm gfx942+."""
+        if self.backend == "cuda":
+            return int(self.arch[3:].rstrip("a")) >= 89
+        return self.backend == "rocm" and self.arch in ("gfx942", "gfx950")
+
+    def fp8_type(self, kind: str) -> str:
+        """CK's fp8 is e4m3 and bf8 is e5m2; gfx942 implements the FNUZ variants of both."""
+        fnuz = self.backend == "rocm" and self.arch == "gfx942"
+        return {"fp8": "f8E4M3FN", "bf8": "f8E5M2"}[kind] + ("FNUZ" if fnuz else "")
+
+    def compile_flags(self) -> list[str]:
+        if self.backend == "cpu":
+            return ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
+                    "--iree-llvmcpu-target-cpu=host"]
+        if self.backend == "cuda":
+            return ["--iree-hal-target-device=cuda", f"--iree-cuda-target={self.arch}"]
+        return ["--iree-hal-target-device=hip", f"--iree-hip-target={self.arch}"]
+
+    @property
+    def driver(self) -> str:
+        return {"cpu": "local-task", "cuda": "cuda", "rocm": "hip"}[self.backend]
+
+    def __str__(self) -> str:
+        return f"{self.backend}:{self.arch}"
