@@ -32,15 +32,20 @@ class Target:
 
     @property
     def fp8_native(self) -> bool:
-        """fp8 matrix instructions: CUDA sm_89+ (mma.sync e4m3/e5m2), ROCm gfx942+."""
-        if self.backend == "cuda":
-            return int(self.arch[3:].rstrip("a")) >= 89
+        """Whether fp8 operands are kept as fp8 tensors for the chip's fp8 matrix instructions.
+
+        ROCm gfx942/gfx950: yes.  CUDA sm_89+ has fp8 mma.sync, but IREE 3.13's CUDA backend cannot
+        lower `arith.truncf` to f8 ("missing LLVMTranslationDialectInterface"), so CUDA, like the CPU,
+        gets the emulated form: operands rounded to the fp8 grid, stored in f16 (every e4m3 and e5m2
+        value is exact in f16) and multiplied on f16 units with f32 accumulation: the same products.
+        """
         return self.backend == "rocm" and self.arch in ("gfx942", "gfx950")
 
     def fp8_type(self, kind: str) -> str:
         """CK's fp8 is e4m3 and bf8 is e5m2; gfx942 implements the FNUZ variants of both."""
-        fnuz = self.backend == "rocm" and self.arch == "gfx942"
-        return {"fp8": "f8E4M3FN", "bf8": "f8E5M2"}[kind] + ("FNUZ" if fnuz else "")
+        if self.backend == "rocm" and self.arch == "gfx942":
+            return {"fp8": "f8E4M3FNUZ", "bf8": "f8E5M2FNUZ"}[kind]
+        return {"fp8": "f8E4M3FN", "bf8": "f8E5M2"}[kind]
 
     def compile_flags(self) -> list[str]:
         if self.backend == "cpu":
@@ -48,7 +53,7 @@ class Target:
                     "--iree-llvmcpu-target-cpu=host"]
         if self.backend == "cuda":
             return ["--iree-hal-target-device=cuda", f"--iree-cuda-target={self.arch}"]
-        return ["--iree-hal-target-device=hip", f"--iree-hip-target={self.arch}"]
+        return ["--iree-hal-target-device=hip", f"--iree-rocm-target={self.arch}"]
 
     @property
     def driver(self) -> str:

@@ -44,7 +44,7 @@ def compile_mlir(mlir: str, target: Target, extra_flags: Sequence[str] = ()) -> 
         path.write_text(mlir)
         command = shlex.join(["iree-compile", str(path), *flags, "-o", "/tmp/out.vmfb"])
         stderr = getattr(err, "stderr_text", None) or str(err)
-        lines = [ln[:300] for ln in str(stderr).splitlines() if "error" in ln][:8]
+        lines = [ln[:300] for ln in str(stderr).splitlines() if "error" in ln][:8] or str(stderr).splitlines()[-8:]
         raise CompileError(
             f"iree-compile failed for target {target}:\n  " + "\n  ".join(lines)
             + f"\nThe input was saved to {path}; reproduce with:\n  {command}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, Sequence
 
 from iree.compiler import ir
-from iree.compiler.dialects import arith, linalg, tensor
+from iree.compiler.dialects import arith, linalg, math as math_d, tensor
 
 from ..problem import ConvProblem
 
@@ -112,6 +112,10 @@ def convert(value: ir.Value, to: ir.Type) -> ir.Value:
     src = value.type
     if src == to:
         return value
+    f32 = ir.F32Type.get()
+    if ir.FloatType(to).width == 8 and src != f32:
+        # LLVM lowers f32 -> f8 but not f16 -> f8: round through f32 (exact for f16/bf16 values)
+        value, src = arith.extf(f32, value), f32
     if ir.FloatType(src).width < ir.FloatType(to).width:
         return arith.extf(to, value)
     if ir.FloatType(src).width > ir.FloatType(to).width:
@@ -159,3 +163,29 @@ def pad(value: ir.Value, lo: Mapping[int, int], hi: Mapping[int, int]) -> ir.Val
     padded = [crop[a] + lo.get(a, 0) + max(0, hi.get(a, 0)) for a in range(len(shape))]
     base = zeros(padded, elem_of(value))
     return insert(value, base, [lo.get(a, 0) for a in range(len(shape))], [1] * len(shape))
+
+
+# fp8 formats as (mantissa bits, smallest normal exponent): CK's fp8 = e4m3, bf8 = e5m2
+FP8_FORMATS = {"fp8": (3, -6), "bf8": (2, -14)}
+
+
+def round_to_fp8_grid(value: ir.Value, kind: str) -> ir.Value:
+    """Round an f32 scalar to the nearest fp8 value (ties to even), staying in f32.
+
+    For |v| in [2^e, 2^(e+1)) the fp8 spacing is 2^(e - m) (m mantissa bits); below the smallest
+    normal 2^emin it stays 2^(emin - m) (subnormals).  So v -> roundeven(v * 2^-q) * 2^q with
+    q = max(e, emin) - m, where e is read from the f32 exponent bits.  Both scalings are exact.
+    Values beyond the fp8 range are not saturated (inputs of convolutions stay far below 448).
+    """
+    mbits, emin = FP8_FORMATS[kind]
+    i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+
+    def const(v: int) -> ir.Value:
+        return arith.ConstantOp(i32, v).result
+
+    bits = arith.bitcast(i32, value)
+    biased = arith.andi(arith.shrui(bits, const(23)), const(255))
+    q = arith.subi(arith.maxsi(biased, const(emin + 127)), const(mbits))  # biased q
+    up = arith.bitcast(f32, arith.shli(arith.subi(const(254), q), const(23)))  # 2^-q
+    down = arith.bitcast(f32, arith.shli(q, const(23)))  # 2^q
+    return arith.mulf(math_d.roundeven(arith.mulf(value, up)), down)

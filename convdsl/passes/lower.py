@@ -29,6 +29,7 @@ from .ir import (
     generic,
     insert,
     pad,
+    round_to_fp8_grid,
     shape_of,
     weight_axes,
     zeros,
@@ -63,15 +64,39 @@ def _spatial_positions(p: ConvProblem, axes: list[str]) -> list[int]:
     return [axes.index(f"sp{i}") for i in range(p.dims)]
 
 
-def _round_operand(value: ir.Value, compute: Optional[str]) -> ir.Value:
-    """Cast an operand to its fp8 compute type once, so the contraction reads (and multiplies) fp8."""
-    if compute is None:
-        return value
+def _round_operand(plan: KernelPlan, value: ir.Value, which: int) -> ir.Value:
+    """Round an operand to its fp8 compute type once, before the contraction reads it.
+
+    Native targets get an fp8 tensor (the contraction then runs on fp8 matrix instructions);
+    others get the fp8 values stored exactly in f16 (see Target.fp8_native).
+    """
     rank = len(shape_of(value))
     space = Space([(f"d{i}", PARALLEL) for i in range(rank)])
     ident = space.access(space.names, {n: space[n] for n in space.names})
-    out_elem = element_type(compute)
-    return generic(space, [value], empty(shape_of(value), out_elem), [ident, ident], lambda a, _: convert(a, out_elem))
+    return generic(
+        space, [value], empty(shape_of(value), _operand_elem(plan, which, elem_of(value))), [ident, ident],
+        lambda a, _: _round_scalar(plan, a, which),
+    )
+
+
+def _operand_elem(plan: KernelPlan, which: int, elem: ir.Type) -> ir.Type:
+    """Element type the contraction reads for operand A (0) or B (1)."""
+    compute = plan.problem.compute
+    if compute is None:
+        return elem
+    if plan.target.fp8_native:
+        return element_type(plan.target.fp8_type(compute[which]))
+    return ir.F16Type.get()
+
+
+def _round_scalar(plan: KernelPlan, a: ir.Value, which: int) -> ir.Value:
+    compute = plan.problem.compute
+    if compute is None:
+        return a
+    out = _operand_elem(plan, which, a.type)
+    if plan.target.fp8_native:
+        return convert(a, out)
+    return convert(round_to_fp8_grid(convert(a, ir.F32Type.get()), compute[which]), out)
 
 
 def _multiply_add(a: ir.Value, b: ir.Value, acc: ir.Value) -> ir.Value:
@@ -113,8 +138,8 @@ def _channel_loops(p: ConvProblem, *names: str) -> list[str]:
 def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
     p = plan.problem
     x_axes, y_axes, w_axes = activation_axes(p, "ch"), activation_axes(p, "ch"), weight_axes(p)
-    x = _round_operand(x, plan.compute_a)
-    w = _round_operand(w, plan.compute_b)
+    if p.compute:
+        x, w = _round_operand(plan, x, 0), _round_operand(plan, w, 1)
     sp = _spatial_positions(p, x_axes)
     x = pad(x, dict(zip(sp, plan.x_pad_lo)), dict(zip(sp, plan.x_pad_hi)))
     o = [f"o{i}" for i in range(p.dims)]
@@ -147,7 +172,8 @@ def _grad_input(plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.V
     p = plan.problem
     dy_axes, dx_axes = activation_axes(p, "ch"), activation_axes(p, "ch")
     sp = _spatial_positions(p, dy_axes)
-    dy = _round_operand(dy, plan.compute_a)
+    if p.compute:
+        dy = _round_operand(plan, dy, 0)
     dy = pad(dy, dict(zip(sp, plan.dy_pad_lo)), dict(zip(sp, plan.dy_pad_hi)))
     out_elem = element_type(p.result_dtype)
     # Residues that no tap reaches are zero: start from zeros unless every phase is written anyway.
@@ -183,7 +209,7 @@ def _phase_weight(plan: KernelPlan, ph: Phase, w: ir.Value) -> ir.Value:
     space = Space([("g", PARALLEL), ("k", PARALLEL), *[(n, PARALLEL) for n in j], ("c", PARALLEL)])
     out_axes = ["g", "k", *[f"t{i}" for i in range(p.dims)], "c"]
     out_map = {"g": space["g"], "k": space["k"], "c": space["c"], **{f"t{i}": space[j[i]] for i in range(p.dims)}}
-    elem = element_type(plan.compute_b) if plan.compute_b else elem_of(w)
+    elem = _operand_elem(plan, 1, elem_of(w))
     shape = [p.groups, p.out_channels, *ph.taps, p.in_channels]
     index = ir.IndexType.get()
 
@@ -196,7 +222,7 @@ def _phase_weight(plan: KernelPlan, ph: Phase, w: ir.Value) -> ir.Value:
             step = arith.ConstantOp(index, d1.tap_step).result
             coords[f"t{i}"] = arith.subi(top, arith.muli(loop[j[i]], step))
         value = tensor.extract(w, [coords[a] for a in weight_axes(p)])
-        return convert(value, elem)
+        return _round_scalar(plan, value, 1) if p.compute else value
 
     return generic(space, [], empty(shape, elem), [space.access(out_axes, out_map)], body)
 
@@ -249,8 +275,8 @@ def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.
     x_axes = activation_axes(p, "ch")
     sp = _spatial_positions(p, x_axes)
     n_pos = x_axes.index("n")
-    x = _round_operand(x, plan.compute_a)
-    dy = _round_operand(dy, plan.compute_b)
+    if p.compute:
+        x, dy = _round_operand(plan, x, 0), _round_operand(plan, dy, 1)
     x = pad(x, dict(zip(sp, plan.x_pad_lo)), dict(zip(sp, plan.x_pad_hi)))
     wshape = list(p.w_shape)
     partials = []

@@ -67,7 +67,10 @@ def _act(p: ConvProblem, name: str) -> str:
 def plan_kernel(problem: ConvProblem, target: Target) -> KernelPlan:
     compute_a = compute_b = None
     if problem.compute:
-        compute_a, compute_b = (target.fp8_type(c) for c in problem.compute)
+        if target.fp8_native:
+            compute_a, compute_b = (target.fp8_type(c) for c in problem.compute)
+        else:
+            compute_a, compute_b = (f"{c} values in f16" for c in problem.compute)
     form = "depthwise" if problem.depthwise else "implicit-gemm"
     if problem.op in ("grad_input", "transposed"):
         phases = tuple(grad_input_phases(problem))

@@ -1,0 +1,741 @@
+"""Parse convdsl source text into `ConvProblem`s, one per `kernel` line.
+
+A file holds any number of `conv` blocks and `kernel` lines, in any order: a kernel may refer to a
+conv declared before or after it (convs are collected and checked first, then kernels in file
+order), so a file can list its kernels at the top.  The returned list follows the kernel order.
+
+    conv rx2 {                      # entries separated by newlines or `;`
+      dims = 2; groups = 32; batch = 64
+      in_channels = 4; out_channels = 4      # per group
+      input = [56, 56]; filter = [3, 3]
+      stride = 1; dilation = 1; padding = 1  # padding: n, [n, ...] or [[lo, hi], ...]
+      layout = NHWGC; weight_layout = GKYXC; dtype = f16
+    }
+    kernel wgrad = grad_weight(rx2) { split_k = auto; out_dtype = f32; epilogue = scale(0.5) }
+
+Conv keys: dims, batch, in_channels, out_channels, input, filter (required); groups (1), stride (1),
+dilation (1), padding (0), layout (NHWGC), weight_layout (GKYXC), dtype (f32), and the kernel
+defaults out_dtype and compute.  Kernel options: split_k (grad_weight only), out_dtype, epilogue,
+compute; a kernel's value wins over its conv's default.
+
+`input` and `filter` always take a list, one size per spatial dim, even for dims = 1: a bare number
+there is more likely a slip than a square image.  Layouts are named in their 2D form (NHWGC means
+NWGC in 1D and NDHWGC in 3D); the name for the conv's own rank is accepted too and normalised.
+A padding list may mix the two forms per dim: `[1, [0, 1]]`.  An `out_dtype` equal to `dtype` is
+stored as None ("same as dtype") so that equivalent sources give equal, equally-hashed problems.
+
+Every error in the source raises `ConvSyntaxError` (a ValueError), rendered like a compiler
+diagnostic: `file:line:col: error: expected ..., got ...`, the source line and a `^~~~` underline.
+"""
+from __future__ import annotations
+
+import difflib
+import keyword
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
+
+from lark import Lark, Token, Tree
+from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
+from lark.lark import PostLex
+from lark.lexer import PatternStr
+
+from convdsl.problem import (
+    COMPUTE_TYPES,
+    DTYPES,
+    LAYOUTS,
+    OPS,
+    WEIGHT_LAYOUTS,
+    ConvProblem,
+    Epilogue,
+    ProblemError,
+)
+
+__all__ = ["ConvSyntaxError", "parse", "parse_file", "CONV_KEYS", "KERNEL_KEYS", "REQUIRED_CONV_KEYS"]
+
+# Listing order is the order a reader meets them in a conv block; messages list keys in this order.
+CONV_KEYS = (
+    "dims", "groups", "batch", "in_channels", "out_channels", "input", "filter", "stride",
+    "dilation", "padding", "layout", "weight_layout", "dtype", "out_dtype", "compute",
+)
+REQUIRED_CONV_KEYS = ("dims", "batch", "in_channels", "out_channels", "input", "filter")
+KERNEL_KEYS = ("split_k", "out_dtype", "epilogue", "compute")
+
+# Nothing in the language nests deeper than padding's [[lo, hi], ...]; the limit only keeps a
+# pathological `[[[[...` from turning into a RecursionError in the tree walk.
+_MAX_NESTING = 16
+
+
+# ------------------------------------------------------------------------------------------------
+# Diagnostics
+# ------------------------------------------------------------------------------------------------
+class ConvSyntaxError(ValueError):
+    """An error in convdsl source, pinned to a file position.
+
+    str() gives the full diagnostic: `file:line:col: error: message`, the source line, a caret line
+    underlining `width` characters from `column`, then any `note:` lines.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        filename: str = "<string>",
+        line: int = 1,
+        column: int = 1,
+        source_line: str = "",
+        width: int = 1,
+        notes: Sequence[str] = (),
+    ) -> None:
+        self.message = message
+        self.filename = filename
+        self.line = line
+        self.column = column
+        self.source_line = source_line
+        self.width = max(1, width)
+        self.notes = tuple(notes)
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        # Keep the source line's tabs in the caret line's indent so the caret lines up in a terminal.
+        indent = "".join(c if c == "\t" else " " for c in self.source_line[: self.column - 1])
+        parts = [
+            f"{self.filename}:{self.line}:{self.column}: error: {self.message}",
+            self.source_line,
+            indent + "^" + "~" * (self.width - 1),
+        ]
+        parts.extend(self.notes)
+        return "\n".join(parts)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def __reduce__(self):  # the default would call __init__ with only the rendered text
+        return (
+            type(self),
+            (self.message, self.filename, self.line, self.column, self.source_line, self.width, self.notes),
+        )
+
+
+@dataclass(frozen=True)
+class _Span:
+    line: int
+    column: int
+    end_line: int
+    end_column: int
+    start_pos: int
+    end_pos: int
+
+
+def _span(node: Union[Tree, Token]) -> _Span:
+    if isinstance(node, Token):
+        return _Span(node.line, node.column, node.end_line, node.end_column, node.start_pos, node.end_pos)
+    m = node.meta
+    return _Span(m.line, m.column, m.end_line, m.end_column, m.start_pos, m.end_pos)
+
+
+class _Source:
+    """The text being parsed, able to turn a span and a message into a ConvSyntaxError."""
+
+    def __init__(self, text: str, filename: str) -> None:
+        self.text = text
+        self.filename = filename
+        # Lark counts lines by "\n" only; str.splitlines would also split on \f, \x1c, ... and skew.
+        self.lines = [line.rstrip("\r") for line in text.split("\n")]
+
+    def line_text(self, line: int) -> str:
+        return self.lines[line - 1] if 1 <= line <= len(self.lines) else ""
+
+    def where(self, span: _Span) -> str:
+        return f"{self.filename}:{span.line}:{span.column}"
+
+    def snippet(self, span: _Span, limit: int = 40) -> str:
+        text = " ".join(self.text[span.start_pos : span.end_pos].split())
+        return text if len(text) <= limit else text[: limit - 3] + "..."
+
+    def error(self, span: _Span, message: str, notes: Sequence[str] = ()) -> ConvSyntaxError:
+        source_line = self.line_text(span.line)
+        if span.end_line == span.line:
+            width = span.end_column - span.column
+        else:  # a value wrapped over lines: underline to the end of its first line
+            width = len(source_line) - span.column + 1
+        return ConvSyntaxError(message, self.filename, span.line, span.column, source_line, width, notes)
+
+    def note(self, span: _Span, message: str) -> str:
+        return f"{self.where(span)}: note: {message}"
+
+
+def _one_of(words: Sequence[str]) -> str:
+    words = list(words)
+    if len(words) <= 1:
+        return "".join(words)
+    return ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _did_you_mean(word: str, choices: Sequence[str]) -> str:
+    # Compare case-insensitively: `nhwgc` should still find NHWGC.
+    lowered = {c.lower(): c for c in choices}
+    match = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.6)
+    return f"; did you mean '{lowered[match[0]]}'?" if match else ""
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+# ------------------------------------------------------------------------------------------------
+# Lark: grammar, newline handling, syntax-error translation
+# ------------------------------------------------------------------------------------------------
+class _BracketNewlines(PostLex):
+    """Drop newlines inside [...] and (...), so lists and epilogue arguments may wrap lines."""
+
+    # The contextual lexer only lexes terminals the parser state accepts; _NL must always be
+    # lexed so that this filter, not the lexer, decides where a newline is meaningful.
+    always_accept = ("_NL",)
+
+    def process(self, stream: Iterator[Token]) -> Iterator[Token]:
+        depth = 0
+        for tok in stream:
+            if tok.type == "_NL":
+                if depth:
+                    continue
+            elif tok.value in ("[", "("):
+                depth += 1
+            elif tok.value in ("]", ")"):
+                depth = max(0, depth - 1)
+            yield tok
+
+
+@lru_cache(maxsize=None)
+def _lark() -> Lark:
+    return Lark.open(
+        "grammar.lark",
+        rel_to=__file__,
+        parser="lalr",
+        propagate_positions=True,
+        maybe_placeholders=True,
+        postlex=_BracketNewlines(),
+    )
+
+
+_TERMINAL_WORDS = {"NAME": "a name", "NUMBER": "a number", "_NL": "a newline", "$END": "end of input"}
+
+
+def _terminal_word(name: str) -> tuple[int, str]:
+    """(sort rank, human words) for a terminal name from a Lark error."""
+    # Order: open-ended tokens, then keywords, then punctuation, then line and file ends.
+    if name in _TERMINAL_WORDS:
+        rank = {"NAME": 0, "NUMBER": 1, "_NL": 4, "$END": 5}[name]
+        return rank, _TERMINAL_WORDS[name]
+    try:
+        pattern = _lark().get_terminal(name).pattern
+    except KeyError:
+        return 3, name.lower()
+    if isinstance(pattern, PatternStr):
+        return (2 if pattern.value.isidentifier() else 3), f"'{pattern.value}'"
+    return 3, name.lower()
+
+
+def _token_words(tok: Token) -> str:
+    if tok.type == "$END":
+        return "end of input"
+    if tok.type == "_NL":
+        return "end of line"
+    return f"'{tok.value}'"
+
+
+def _char_words(char: str) -> str:
+    return f"'{char}'" if char.isprintable() and char != "'" else repr(char)
+
+
+def _expected_words(names: Sequence[str]) -> str:
+    ranked = sorted({_terminal_word(n) for n in names if n not in ("WS", "COMMENT")})
+    return _one_of([words for _, words in ranked])
+
+
+def _translate_lark_error(src: _Source, err: UnexpectedInput) -> ConvSyntaxError:
+    # The interactive parser knows exactly which terminals would let parsing go on; the sets on
+    # the exception itself may come from the lexer state and include terminals the parser rejects.
+    expected: Sequence[str] = ()
+    if err.interactive_parser is not None:
+        try:
+            expected = sorted(err.interactive_parser.accepts())
+        except Exception:  # accepts() replays the parser; never let that mask the real error
+            expected = ()
+    if isinstance(err, UnexpectedToken):
+        if not expected:
+            expected = sorted(err.expected)
+        tok = err.token
+        got = _token_words(tok)
+        span = _Span(tok.line, tok.column, tok.line, tok.column + max(1, len(tok.value)), 0, 0)
+        if tok.type in ("_NL", "$END") or tok.end_line != tok.line:
+            span = _Span(tok.line, tok.column, tok.line, tok.column + 1, 0, 0)
+        hint = ""
+        if tok.type not in ("_NL", "$END") and tok.value.isidentifier():
+            words = [_terminal_word(n)[1].strip("'") for n in expected]
+            hint = _did_you_mean(tok.value, [w for w in words if w.isidentifier()])
+        return src.error(span, f"expected {_expected_words(expected)}, got {got}{hint}")
+    if isinstance(err, UnexpectedCharacters):
+        if not expected:
+            expected = sorted(err.allowed or ())
+        span = _Span(err.line, err.column, err.line, err.column + 1, 0, 0)
+        what = f"expected {_expected_words(expected)}" if expected else "unexpected character"
+        return src.error(span, f"{what}, got {_char_words(err.char)}")
+    # UnexpectedEOF (Earley only) or a future subclass: still report a position, never a traceback.
+    line = getattr(err, "line", None)
+    column = getattr(err, "column", None)
+    if not isinstance(line, int) or not isinstance(column, int) or line < 1:
+        line = len(src.lines)
+        column = len(src.line_text(line)) + 1
+    expected = expected or sorted(getattr(err, "expected", ()) or ())
+    return src.error(_Span(line, column, line, column + 1, 0, 0), f"expected {_expected_words(expected)}, got end of input")
+
+
+def _parse_tree(src: _Source) -> Tree:
+    try:
+        # The trailing newline lets the last kernel line end without one in the file.
+        return _lark().parse(src.text + "\n")
+    except UnexpectedInput as err:
+        raise _translate_lark_error(src, err) from None
+
+
+# ------------------------------------------------------------------------------------------------
+# Parse tree -> values with positions
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Value:
+    kind: str  # "int" | "float" | "name" | "list" | "call"
+    span: _Span
+    text: str  # the source text, shortened, for messages
+    number: Union[int, float, None] = None
+    name: str = ""  # of a name, or of a call
+    items: tuple["_Value", ...] = ()  # of a list, or a call's arguments
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: str
+    key_span: _Span
+    value: _Value
+
+
+def _describe(v: _Value) -> str:
+    """The 'got ...' half of a message."""
+    if v.kind in ("int", "float"):
+        return v.text
+    if v.kind == "name":
+        return f"'{v.name}'"
+    if v.kind == "list":
+        return f"a list {v.text}"
+    return v.text
+
+
+def _to_value(src: _Source, node: Tree, depth: int = 0) -> _Value:
+    span = _span(node)
+    if depth > _MAX_NESTING:
+        raise src.error(span, f"expected at most {_MAX_NESTING} levels of brackets, got more")
+    text = src.snippet(span)
+    if node.data == "number":
+        raw = str(node.children[0])
+        if any(c in raw for c in ".eE"):
+            return _Value("float", span, text, number=float(raw))
+        return _Value("int", span, text, number=int(raw))
+    if node.data == "name":
+        return _Value("name", span, text, name=str(node.children[0]))
+    if node.data == "list":
+        items = tuple(_to_value(src, c, depth + 1) for c in node.children if c is not None)
+        return _Value("list", span, text, items=items)
+    # call: NAME "(" args ")"
+    head, *args = node.children
+    items = tuple(_to_value(src, c, depth + 1) for c in args if c is not None)
+    return _Value("call", span, text, name=str(head), items=items)
+
+
+def _entries(src: _Source, nodes: Sequence[Tree]) -> list[_Entry]:
+    out = []
+    for node in nodes:
+        key_tok, value_node = node.children
+        out.append(_Entry(str(key_tok), _span(key_tok), _to_value(src, value_node)))
+    return out
+
+
+def _collect(src: _Source, entries: Sequence[_Entry], block: str) -> dict[str, _Entry]:
+    """Check keys (known, each once) of a conv block or a kernel option block."""
+    valid, foreign = (CONV_KEYS, KERNEL_KEYS) if block == "conv" else (KERNEL_KEYS, CONV_KEYS)
+    noun = "a conv key" if block == "conv" else "a kernel option"
+    seen: dict[str, _Entry] = {}
+    for e in entries:
+        if e.key not in valid:
+            if e.key in foreign:
+                # The key exists, just not here: say where it belongs instead of listing keys.
+                if block == "conv":
+                    why = "a kernel option; set it in a kernel's { ... } block"
+                else:
+                    why = "a conv key; kernels cannot override it, declare another conv instead"
+                raise src.error(e.key_span, f"expected {noun}, got '{e.key}'", [f"note: '{e.key}' is {why}"])
+            raise src.error(
+                e.key_span,
+                f"expected {noun}, got '{e.key}'{_did_you_mean(e.key, valid)}",
+                [f"note: valid {'conv keys' if block == 'conv' else 'kernel options'}: {', '.join(valid)}"],
+            )
+        if e.key in seen:
+            raise src.error(
+                e.key_span,
+                f"expected each key once, got a second '{e.key}'",
+                [src.note(seen[e.key].key_span, f"'{e.key}' first set here")],
+            )
+        seen[e.key] = e
+    return seen
+
+
+# ------------------------------------------------------------------------------------------------
+# Value checks: each returns the Python value or raises pointing at the offending text
+# ------------------------------------------------------------------------------------------------
+def _int(src: _Source, e: _Entry, minimum: int = 1) -> int:
+    v = e.value
+    noun = "a positive integer" if minimum >= 1 else "a non-negative integer"
+    if v.kind != "int" or v.number < minimum:
+        raise src.error(v.span, f"expected {noun} for {e.key}, got {_describe(v)}")
+    return int(v.number)
+
+
+def _dims(src: _Source, e: _Entry) -> int:
+    v = e.value
+    if v.kind != "int" or v.number not in (1, 2, 3):
+        raise src.error(v.span, f"expected 1, 2 or 3 for dims, got {_describe(v)}")
+    return int(v.number)
+
+
+def _per_dim(
+    src: _Source, e: _Entry, dims: int, dims_entry: _Entry, allow_scalar: bool, minimum: int = 1
+) -> tuple[int, ...]:
+    """`n` (if allow_scalar) or `[n, ...]` with one entry per spatial dim."""
+    v = e.value
+    noun = "a positive integer" if minimum >= 1 else "a non-negative integer"
+    if v.kind == "int" and allow_scalar:
+        if v.number < minimum:
+            raise src.error(v.span, f"expected {noun} for {e.key}, got {_describe(v)}")
+        return (int(v.number),) * dims
+    if v.kind != "list":
+        what = f"one number or a list of {dims} numbers" if allow_scalar else f"a list of {dims} numbers"
+        raise src.error(v.span, f"expected {what} for {e.key}, got {_describe(v)}")
+    _check_length(src, v, dims, dims_entry)
+    for item in v.items:
+        if item.kind != "int" or item.number < minimum:
+            raise src.error(item.span, f"expected {noun} in {e.key}, got {_describe(item)}")
+    return tuple(int(item.number) for item in v.items)
+
+
+def _check_length(src: _Source, v: _Value, dims: int, dims_entry: _Entry) -> None:
+    if len(v.items) != dims:
+        raise src.error(
+            v.span,
+            f"expected {_plural(dims, 'value')} for dims = {dims}, got {len(v.items)}",
+            [src.note(dims_entry.value.span, f"dims = {dims} set here")],
+        )
+
+
+def _padding(src: _Source, e: _Entry, dims: int, dims_entry: _Entry) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    v = e.value
+    if v.kind == "int":
+        if v.number < 0:
+            raise src.error(v.span, f"expected a non-negative integer for padding, got {_describe(v)}")
+        return (int(v.number),) * dims, (int(v.number),) * dims
+    if v.kind != "list":
+        raise src.error(
+            v.span, f"expected one number, a list of {dims} or a list of {dims} [lo, hi] pairs for padding, got {_describe(v)}"
+        )
+    _check_length(src, v, dims, dims_entry)
+    lo: list[int] = []
+    hi: list[int] = []
+    for item in v.items:
+        pair = item.items if item.kind == "list" else (item, item)
+        if item.kind == "list" and len(pair) != 2:
+            raise src.error(item.span, f"expected [lo, hi] (2 values) in padding, got {len(pair)}")
+        if item.kind not in ("int", "list"):
+            raise src.error(item.span, f"expected a number or [lo, hi] in padding, got {_describe(item)}")
+        for p in pair:
+            if p.kind != "int" or p.number < 0:
+                raise src.error(p.span, f"expected a non-negative integer in padding, got {_describe(p)}")
+        lo.append(int(pair[0].number))
+        hi.append(int(pair[1].number))
+    return tuple(lo), tuple(hi)
+
+
+def _layout_names(dims: int) -> tuple[dict[str, str], dict[str, str]]:
+    """Accepted spellings -> canonical name, for activation and weight layouts at this rank."""
+    sp = {1: "W", 2: "HW", 3: "DHW"}[dims]
+    taps = {1: "X", 2: "YX", 3: "ZYX"}[dims]
+    act = {"NHWGC": f"N{sp}GC", "GNHWC": f"GN{sp}C", "NGCHW": f"NGC{sp}"}
+    wei = {"GKYXC": f"GK{taps}C", "GKCYX": f"GKC{taps}"}
+    assert set(act) == set(LAYOUTS) and set(wei) == set(WEIGHT_LAYOUTS)
+    acts = {**{c: c for c in LAYOUTS}, **{alias: c for c, alias in act.items()}}
+    weis = {**{c: c for c in WEIGHT_LAYOUTS}, **{alias: c for c, alias in wei.items()}}
+    return acts, weis
+
+
+def _choice(src: _Source, e: _Entry, choices: dict[str, str], what: str, shown: Sequence[str]) -> str:
+    v = e.value
+    if v.kind == "name" and v.name in choices:
+        return choices[v.name]
+    hint = _did_you_mean(v.name, list(choices)) if v.kind == "name" else ""
+    raise src.error(v.span, f"expected {what} ({_one_of(shown)}) for {e.key}, got {_describe(v)}{hint}")
+
+
+def _layout(src: _Source, e: _Entry, dims: int, weight: bool) -> str:
+    acts, weis = _layout_names(dims)
+    choices = weis if weight else acts
+    canon = WEIGHT_LAYOUTS if weight else LAYOUTS
+    return _choice(src, e, choices, "a weight layout" if weight else "a layout", canon)
+
+
+def _dtype(src: _Source, e: _Entry) -> str:
+    return _choice(src, e, {d: d for d in DTYPES}, "a dtype", DTYPES)
+
+
+def _compute(src: _Source, e: _Entry) -> tuple[str, str]:
+    v = e.value
+    if v.kind != "list" or len(v.items) != 2:
+        got = f"a list of {len(v.items)}" if v.kind == "list" else _describe(v)
+        raise src.error(v.span, f"expected a list of 2 compute types [A, B] for compute, got {got}")
+    out = []
+    for item in v.items:
+        if item.kind != "name" or item.name not in COMPUTE_TYPES:
+            hint = _did_you_mean(item.name, COMPUTE_TYPES) if item.kind == "name" else ""
+            raise src.error(item.span, f"expected {_one_of(COMPUTE_TYPES)} in compute, got {_describe(item)}{hint}")
+        out.append(item.name)
+    return out[0], out[1]
+
+
+def _split_k(src: _Source, e: _Entry) -> Optional[int]:
+    v = e.value
+    if v.kind == "name" and v.name == "auto":
+        return None
+    if v.kind != "int" or v.number < 1:
+        raise src.error(v.span, f"expected auto or a positive integer for split_k, got {_describe(v)}")
+    return int(v.number)
+
+
+_EPILOGUE_ARGS = {"scale": ("alpha",), "bilinear": ("alpha", "beta")}
+
+
+def _epilogue(src: _Source, e: _Entry) -> Epilogue:
+    v = e.value
+    if v.kind == "name" and v.name == "none":
+        return Epilogue()
+    if v.kind != "call" or v.name not in _EPILOGUE_ARGS:
+        if v.kind == "name" and v.name in _EPILOGUE_ARGS:  # `scale` without its arguments
+            hint = f"; did you mean {v.name}({', '.join(_EPILOGUE_ARGS[v.name])})?"
+        elif v.kind in ("name", "call"):
+            hint = _did_you_mean(v.name, ["none", *_EPILOGUE_ARGS])
+        else:
+            hint = ""
+        raise src.error(
+            v.span, f"expected none, scale(alpha) or bilinear(alpha, beta) for epilogue, got {_describe(v)}{hint}"
+        )
+    params = _EPILOGUE_ARGS[v.name]
+    signature = f"{v.name}({', '.join(params)})"
+    if len(v.items) != len(params):
+        raise src.error(v.span, f"expected {_plural(len(params), 'argument')} for {signature}, got {len(v.items)}")
+    values = []
+    for param, item in zip(params, v.items):
+        if item.kind not in ("int", "float") or not math.isfinite(item.number):
+            what = "a finite number" if item.kind in ("int", "float") else "a number"
+            raise src.error(item.span, f"expected {what} for {param} in {signature}, got {_describe(item)}")
+        values.append(float(item.number))
+    try:
+        return Epilogue(v.name, *values)
+    except ProblemError as err:  # Epilogue's own checks: keep them authoritative
+        raise src.error(v.span, str(err)) from None
+
+
+# ------------------------------------------------------------------------------------------------
+# Declarations
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class _Conv:
+    name: str
+    span: _Span
+    fields: dict  # ConvProblem keyword arguments shared by every kernel of this conv
+    out_dtype: Optional[str]
+    compute: Optional[tuple[str, str]]
+
+
+def _check_name(src: _Source, tok: Token, what: str) -> str:
+    name = str(tok)
+    # Kernel names become function names in the compiled module, conv names appear in messages and
+    # generated comments: both must be usable Python identifiers.
+    if keyword.iskeyword(name):
+        raise src.error(_span(tok), f"expected a {what} name that is not a Python keyword, got '{name}'")
+    return name
+
+
+def _conv(src: _Source, node: Tree, batch: Optional[int]) -> _Conv:
+    name_tok, *entry_nodes = node.children
+    name = _check_name(src, name_tok, "conv")
+    name_span = _span(name_tok)
+    seen = _collect(src, _entries(src, entry_nodes), "conv")
+    missing = [k for k in REQUIRED_CONV_KEYS if k not in seen]
+    if missing:
+        keys = ", ".join(missing)
+        raise src.error(
+            name_span,
+            f"expected {'a value for required key' if len(missing) == 1 else 'values for required keys'} "
+            f"{keys} in conv {name}, got none",
+        )
+    dims_entry = seen["dims"]
+    dims = _dims(src, dims_entry)
+    fields: dict = {
+        "dims": dims,
+        "groups": 1,
+        "stride": (1,) * dims,
+        "dilation": (1,) * dims,
+        "pad_lo": (0,) * dims,
+        "pad_hi": (0,) * dims,
+        "layout": "NHWGC",
+        "weight_layout": "GKYXC",
+        "dtype": "f32",
+    }
+    out_dtype: Optional[str] = None
+    compute: Optional[tuple[str, str]] = None
+    # Source order, so that with several bad values the first one in the file is reported.
+    for key, e in sorted(seen.items(), key=lambda kv: kv[1].key_span.start_pos):
+        if key == "dims":
+            continue
+        if key in ("groups", "batch", "in_channels", "out_channels"):
+            fields[key] = _int(src, e)
+        elif key in ("input", "filter"):
+            fields[key] = _per_dim(src, e, dims, dims_entry, allow_scalar=False)
+        elif key in ("stride", "dilation"):
+            fields[key] = _per_dim(src, e, dims, dims_entry, allow_scalar=True)
+        elif key == "padding":
+            fields["pad_lo"], fields["pad_hi"] = _padding(src, e, dims, dims_entry)
+        elif key in ("layout", "weight_layout"):
+            fields[key] = _layout(src, e, dims, weight=(key == "weight_layout"))
+        elif key == "dtype":
+            fields[key] = _dtype(src, e)
+        elif key == "out_dtype":
+            out_dtype = _dtype(src, e)
+        elif key == "compute":
+            compute = _compute(src, e)
+        else:  # pragma: no cover - _collect admits only CONV_KEYS
+            raise AssertionError(key)
+    if batch is not None:
+        fields["batch"] = batch
+    try:
+        # A forward problem checks everything the conv itself decides (sizes, empty output), so
+        # a bad conv is reported at its name even when no kernel uses it.
+        ConvProblem(op="forward", name=name, **fields)
+    except ProblemError as err:
+        raise src.error(name_span, f"invalid conv {name}: {err}") from None
+    return _Conv(name, name_span, fields, out_dtype, compute)
+
+
+def _kernel(src: _Source, node: Tree, convs: dict[str, _Conv]) -> tuple[ConvProblem, _Span]:
+    name_tok, op_tok, conv_tok, options = node.children
+    name = _check_name(src, name_tok, "kernel")
+    op = str(op_tok)
+    if op not in OPS:
+        raise src.error(
+            _span(op_tok), f"expected an op ({_one_of(OPS)}), got '{op}'{_did_you_mean(op, OPS)}"
+        )
+    conv_name = str(conv_tok)
+    if conv_name not in convs:
+        notes = [f"note: convs in this file: {', '.join(convs)}"] if convs else ["note: this file declares no conv"]
+        raise src.error(
+            _span(conv_tok),
+            f"expected the name of a conv declared in this file, got '{conv_name}'{_did_you_mean(conv_name, list(convs))}",
+            notes,
+        )
+    conv = convs[conv_name]
+    seen = _collect(src, _entries(src, options.children if options is not None else ()), "kernel")
+    out_dtype, compute = conv.out_dtype, conv.compute
+    split_k: Optional[int] = None
+    epilogue = Epilogue()
+    for key, e in sorted(seen.items(), key=lambda kv: kv[1].key_span.start_pos):
+        if key == "split_k":
+            if op != "grad_weight":
+                raise src.error(
+                    e.key_span,
+                    f"expected split_k only on grad_weight kernels, got it on a {op} kernel",
+                    ["note: only grad_weight reduces over batch and output pixels, the reduction split_k splits"],
+                )
+            split_k = _split_k(src, e)
+        elif key == "out_dtype":
+            out_dtype = _dtype(src, e)
+        elif key == "compute":
+            compute = _compute(src, e)
+        elif key == "epilogue":
+            epilogue = _epilogue(src, e)
+    if out_dtype == conv.fields["dtype"]:
+        out_dtype = None  # "same as dtype", so equal sources give equal problems
+    try:
+        problem = ConvProblem(
+            op=op, name=name, out_dtype=out_dtype, compute=compute, split_k=split_k, epilogue=epilogue, **conv.fields
+        )
+    except ProblemError as err:
+        raise src.error(_span(name_tok), f"invalid kernel {name}: {err}", [src.note(conv.span, f"conv {conv.name} declared here")]) from None
+    return problem, _span(name_tok)
+
+
+def _problems(src: _Source, tree: Tree, batch: Optional[int]) -> list[ConvProblem]:
+    conv_nodes = [n for n in tree.children if isinstance(n, Tree) and n.data == "conv"]
+    kernel_nodes = [n for n in tree.children if isinstance(n, Tree) and n.data == "kernel"]
+    convs: dict[str, _Conv] = {}
+    for node in conv_nodes:
+        conv = _conv(src, node, batch)
+        if conv.name in convs:
+            raise src.error(
+                conv.span,
+                f"expected a unique conv name, got a second '{conv.name}'",
+                [src.note(convs[conv.name].span, f"conv {conv.name} first declared here")],
+            )
+        convs[conv.name] = conv
+    problems: list[ConvProblem] = []
+    first: dict[str, _Span] = {}
+    for node in kernel_nodes:
+        problem, span = _kernel(src, node, convs)
+        if problem.name in first:
+            raise src.error(
+                span,
+                f"expected a unique kernel name, got a second '{problem.name}'",
+                [src.note(first[problem.name], f"kernel {problem.name} first defined here")],
+            )
+        first[problem.name] = span
+        problems.append(problem)
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------
+def parse(text: str, filename: str = "<string>", batch: Optional[int] = None) -> list[ConvProblem]:
+    """Parse convdsl source into one ConvProblem per `kernel` line, in file order.
+
+    `batch`, if given, replaces every conv's batch (to run examples at a reduced size); the source
+    must still set one.  Errors in the source raise ConvSyntaxError; a bad `batch` raises ValueError.
+    """
+    if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch < 1):
+        raise ValueError(f"batch override: expected a positive integer, got {batch!r}")
+    src = _Source(text, filename)
+    return _problems(src, _parse_tree(src), batch)
+
+
+def parse_file(path: Union[str, Path], batch: Optional[int] = None) -> list[ConvProblem]:
+    """Read a .conv file (UTF-8) and parse it; messages name the file as `path` was given."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        # Report bad bytes like any other error: at a line and column, not as a decode traceback.
+        before = data[: err.start]
+        line = before.count(b"\n") + 1
+        line_start = before.rfind(b"\n") + 1
+        shown = data[line_start:].split(b"\n", 1)[0].decode("utf-8", errors="replace")
+        column = len(before[line_start:].decode("utf-8", errors="replace")) + 1
+        raise ConvSyntaxError(
+            f"expected UTF-8 text, got the byte {data[err.start]:#04x}", str(path), line, column, shown, 1
+        ) from None
+    return parse(text, str(path), batch)
