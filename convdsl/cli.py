@@ -1,0 +1,163 @@
+"""The `convdsl` command line: compile, run, explain, check."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from .backends.iree import CompileError
+from .problem import ConvProblem, ProblemError
+from .targets import BACKENDS, Target, TargetError
+
+
+def _progress(enabled: bool, message: str) -> None:
+    """One line per step on a terminal; quiet when piped."""
+    if enabled and sys.stderr.isatty():
+        print(message, file=sys.stderr, flush=True)
+
+
+def _bytes_moved(p: ConvProblem) -> int:
+    from .reference import NUMPY_DTYPES
+
+    size = lambda shape, dt: int(np.prod(shape)) * np.dtype(NUMPY_DTYPES[dt]).itemsize  # noqa: E731
+    moved = sum(size(s, d) for s, d in zip(p.arg_shapes, p.arg_dtypes))
+    return moved + size(p.result_shape, p.result_dtype)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from .compiler import compile as compile_module
+
+    _progress(True, f"compiling {args.file} for {args.target} ...")
+    mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch)
+    out = Path(args.output or Path(args.file).with_suffix(".vmfb").name)
+    mod.save(out)
+    print(f"wrote {out} and {out.with_suffix('.json')} ({len(mod.kernels)} kernels, target {mod.target})")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .compiler import compile as compile_module
+    from .reference import random_inputs, reference, relative_error, tolerance
+
+    kernels = [args.kernel] if args.kernel else None
+    mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch, kernels=kernels)
+    passed = failed = 0
+    for name in mod.kernels:
+        p = mod.problems[name]
+        inputs = random_inputs(p, seed=args.seed)
+        t0 = time.perf_counter()
+        got = mod[name](*inputs)
+        elapsed = time.perf_counter() - t0
+        if args.bench:
+            elapsed = mod.loaded.time(name, inputs, repeat=args.repeat)
+        shapes = " ".join("x".join(map(str, s)) for s in p.arg_shapes) + " -> " + "x".join(map(str, p.result_shape))
+        line = (f"{name:<12} {p.op:<11} {shapes:<40} {elapsed * 1e3:9.3f} ms {p.flops / elapsed / 1e12:8.3f} TFLOP/s "
+                f"{_bytes_moved(p) / elapsed / 1e9:8.2f} GB/s")
+        if args.check:
+            err = relative_error(np.asarray(got, dtype=np.float64), reference(p, *inputs))
+            ok = err <= tolerance(p)
+            passed, failed = passed + ok, failed + (not ok)
+            line += f"  rel.err {err:.2e} (tol {tolerance(p):.0e}) {'PASS' if ok else 'FAIL'}"
+        else:
+            passed += 1
+        print(line, flush=True)
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .compiler import load_problems, resolve_target
+    from .passes import STAGE_NAMES, run_pipeline
+
+    target = resolve_target(args.target, args.arch)
+    problems = load_problems(args.file, args.batch)
+    if args.kernel:
+        problems = [p for p in problems if p.name == args.kernel]
+        if not problems:
+            raise ValueError(f"--kernel: no kernel named {args.kernel!r} in {args.file}")
+    if args.stage != "all" and args.stage not in STAGE_NAMES:
+        raise ValueError(f"--stage: expected all or one of {', '.join(STAGE_NAMES)}, got {args.stage!r}")
+
+    def observe(name: str, stage) -> None:
+        if args.stage not in ("all", name):
+            return
+        print(f"// ----- after pass '{name}' -----")
+        if name == "plan":
+            print("\n".join(plan.describe() for plan in stage.plans))
+        else:
+            print(stage.module)
+
+    run_pipeline(problems, target, observe)
+    print(f"// compile with: iree-compile kernel.mlir {' '.join(target.compile_flags())} -o kernel.vmfb")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .frontend import parse_file
+
+    problems = parse_file(args.file)
+    for p in problems:
+        print(f"{p.name}: {p.describe()}")
+    print(f"{args.file}: {len(problems)} kernels, no errors")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="convdsl", description="A compiler for convolution gradients.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser, default_target: str) -> None:
+        p.add_argument("file", help="a .conv file")
+        p.add_argument("--target", default=default_target, choices=("auto", *BACKENDS))
+        p.add_argument("--arch", default=None, help="sm_80, sm_89, gfx942, ... (default per target)")
+        p.add_argument("--batch", type=int, default=None, help="override every conv's batch size")
+
+    c = sub.add_parser("compile", help="compile a .conv file to OUT.vmfb (+ OUT.json manifest)")
+    common(c, "cpu")
+    c.add_argument("-o", "--output", default=None)
+    c.set_defaults(fn=cmd_compile)
+
+    r = sub.add_parser("run", help="run every kernel on random inputs; --check against the f64 reference")
+    common(r, "auto")
+    r.add_argument("--kernel", default=None)
+    r.add_argument("--check", action="store_true")
+    r.add_argument("--bench", action="store_true", help="time: median of --repeat runs after warm-up")
+    r.add_argument("--repeat", type=int, default=20)
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(fn=cmd_run)
+
+    e = sub.add_parser("explain", help="print the plan and the IR after each pass")
+    common(e, "cpu")
+    e.add_argument("--kernel", default=None)
+    e.add_argument("--stage", default="all")
+    e.set_defaults(fn=cmd_explain)
+
+    k = sub.add_parser("check", help="validate a .conv file without compiling")
+    k.add_argument("file")
+    k.set_defaults(fn=cmd_check)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .compiler import ArgumentError
+    from .frontend import ConvSyntaxError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConvSyntaxError as err:
+        print(err, file=sys.stderr)
+    except (ProblemError, TargetError, ArgumentError, CompileError, ValueError) as err:
+        print(f"convdsl: error: {err}", file=sys.stderr)
+    except FileNotFoundError as err:
+        print(f"convdsl: error: {err.filename}: no such file", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Compile `.conv` kernels to an IREE module and call them with NumPy arrays.
+
+    mod = convdsl.compile("examples/resnext.conv", target="cpu")
+    dx = mod.dgrad(dy, w)
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from . import __version__
+from .backends.iree import LoadedModule, compile_mlir, iree_version
+from .problem import ConvProblem
+from .passes import lower_to_mlir
+from .targets import Target
+
+
+class ArgumentError(TypeError):
+    """A kernel was called with arguments of the wrong number, shape or dtype."""
+
+
+def resolve_target(target: Union[str, Target] = "cpu", arch: Optional[str] = None) -> Target:
+    """'auto' picks CUDA when a CUDA device is present, else the CPU."""
+    if isinstance(target, Target):
+        return target
+    if target == "auto":
+        target = "cuda" if cuda_available() else "cpu"
+    return Target.parse(target, arch)
+
+
+def cuda_available() -> bool:
+    try:
+        import iree.runtime as rt
+
+        return bool(rt.get_driver("cuda").query_available_devices())
+    except Exception:  # no driver, no device, or no libcuda: all mean "no CUDA here"
+        return False
+
+
+def load_problems(source: Union[str, Path, Sequence[ConvProblem]], batch: Optional[int] = None) -> list[ConvProblem]:
+    """A path to a .conv file, .conv source text, or problems already built."""
+    from .frontend import parse, parse_file
+
+    if isinstance(source, (list, tuple)):
+        return list(source)
+    if isinstance(source, Path) or (isinstance(source, str) and "{" not in source and source.endswith(".conv")):
+        return parse_file(source, batch=batch)
+    return parse(str(source), batch=batch)
+
+
+def manifest(problems: Sequence[ConvProblem], target: Target) -> dict:
+    """What `convdsl compile` writes beside the .vmfb: enough to call every function without convdsl."""
+    kernels = []
+    for p in problems:
+        kernels.append(
+            {
+                "function": p.name,
+                "op": p.op,
+                "problem": p.describe(),
+                "args": [
+                    {"name": n, "shape": list(s), "dtype": d, "layout": _layout_of(p, n)}
+                    for n, s, d in zip(p.arg_names, p.arg_shapes, p.arg_dtypes)
+                ],
+                "result": {"name": p.result_name, "shape": list(p.result_shape), "dtype": p.result_dtype,
+                           "layout": _layout_of(p, p.result_name)},
+                "flops": p.flops,
+                "spec": _spec(p),
+            }
+        )
+    return {
+        "target": target.backend,
+        "arch": target.arch,
+        "convdsl_version": __version__,
+        "iree_version": iree_version(),
+        "kernels": kernels,
+    }
+
+
+def _layout_of(p: ConvProblem, name: str) -> str:
+    if name in ("w", "dw"):
+        return p.layout_name("w")
+    if p.op == "transposed":
+        return p.layout_name("y" if name == "x" else "x")
+    return p.layout_name("y" if name in ("dy", "y") else "x")
+
+
+def _spec(p: ConvProblem) -> dict:
+    return {
+        "op": p.op, "dims": p.dims, "groups": p.groups, "batch": p.batch, "in_channels": p.in_channels,
+        "out_channels": p.out_channels, "input": list(p.input), "filter": list(p.filter),
+        "stride": list(p.stride), "dilation": list(p.dilation), "pad_lo": list(p.pad_lo), "pad_hi": list(p.pad_hi),
+        "layout": p.layout, "weight_layout": p.weight_layout, "dtype": p.dtype, "out_dtype": p.out_dtype,
+        "compute": list(p.compute) if p.compute else None, "split_k": p.split_k,
+        "epilogue": {"kind": p.epilogue.kind, "alpha": p.epilogue.alpha, "beta": p.epilogue.beta},
+    }
+
+
+@dataclass
+class Kernel:
+    """One compiled function: checks its arguments, then runs on the module's device."""
+
+    problem: ConvProblem
+    module: "CompiledModule"
+
+    def __call__(self, *args: np.ndarray) -> np.ndarray:
+        self.check_args(args)
+        return self.module.loaded.call(self.problem.name, *args, out_dtype=self.problem.result_dtype)
+
+    def check_args(self, args: Sequence[np.ndarray]) -> None:
+        from .reference import NUMPY_DTYPES
+
+        p = self.problem
+        sig = ", ".join(p.arg_names)
+        if len(args) != len(p.arg_names):
+            raise ArgumentError(f"{p.name}({sig}): expected {len(p.arg_names)} arrays, got {len(args)}")
+        for name, shape, dt, a in zip(p.arg_names, p.arg_shapes, p.arg_dtypes, args):
+            got_shape = tuple(getattr(a, "shape", ()))
+            if got_shape != tuple(shape):
+                raise ArgumentError(
+                    f"{p.name}: argument {name!r} expected shape {list(shape)} ({_layout_of(p, name)}), "
+                    f"got {list(got_shape)}"
+                )
+            want = np.dtype(NUMPY_DTYPES[dt])
+            if np.dtype(getattr(a, "dtype", None)) != want:
+                raise ArgumentError(f"{p.name}: argument {name!r} expected dtype {dt} ({want}), got {a.dtype}")
+
+
+class CompiledModule:
+    """A .vmfb with one function per kernel, loaded on its target's device; kernels are attributes."""
+
+    def __init__(self, problems: Sequence[ConvProblem], target: Target, vmfb: bytes) -> None:
+        self.problems = {p.name: p for p in problems}
+        self.target = target
+        self.vmfb = vmfb
+        self._loaded: Optional[LoadedModule] = None
+
+    @property
+    def loaded(self) -> LoadedModule:
+        if self._loaded is None:
+            self._loaded = LoadedModule(self.vmfb, self.target)
+        return self._loaded
+
+    def __getattr__(self, name: str) -> Kernel:
+        problems = self.__dict__.get("problems", {})
+        if name in problems:
+            return Kernel(problems[name], self)
+        raise AttributeError(f"module has no kernel {name!r}; kernels: {', '.join(problems)}")
+
+    def __getitem__(self, name: str) -> Kernel:
+        return getattr(self, name)
+
+    @property
+    def kernels(self) -> list[str]:
+        return list(self.problems)
+
+    def manifest(self) -> dict:
+        return manifest(list(self.problems.values()), self.target)
+
+    def save(self, path: Union[str, Path]) -> Path:
+        """Write OUT.vmfb and OUT.json beside it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(self.vmfb)
+        path.with_suffix(".json").write_text(json.dumps(self.manifest(), indent=2) + "\n")
+        return path
+
+
+def compile(
+    source: Union[str, Path, Sequence[ConvProblem]],
+    target: Union[str, Target] = "cpu",
+    arch: Optional[str] = None,
+    batch: Optional[int] = None,
+    kernels: Optional[Sequence[str]] = None,
+) -> CompiledModule:
+    """Compile every kernel of a .conv file (path or text) into one module for `target`."""
+    tgt = resolve_target(target, arch)
+    problems = load_problems(source, batch)
+    if kernels:
+        unknown = [k for k in kernels if k not in {p.name for p in problems}]
+        if unknown:
+            raise ValueError(f"--kernel: no kernel named {', '.join(unknown)}; kernels: "
+                             + ", ".join(p.name for p in problems))
+        problems = [p for p in problems if p.name in kernels]
+    vmfb = compile_mlir(lower_to_mlir(problems, tgt), tgt)
+    return CompiledModule(problems, tgt, vmfb)
