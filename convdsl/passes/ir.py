@@ -153,16 +153,24 @@ def insert(
     return tensor.insert_slice(source, dest, [], [], [], list(offsets), list(sizes), list(strides))
 
 
-def pad(value: ir.Value, lo: Mapping[int, int], hi: Mapping[int, int]) -> ir.Value:
-    """Zero padding on the given tensor axes; a negative hi crops that axis instead (its tail is never read)."""
+def window(value: ir.Value, starts: Mapping[int, int], sizes: Mapping[int, int]) -> ir.Value:
+    """out[i] = value[start + i] where that is inside `value`, else 0, on the given axes.
+
+    This is zero padding (start < 0, or a window past the end) and cropping (a window that ends
+    before the tensor does) in one: the part of the window that overlaps the tensor is copied into
+    zeros.  A window entirely in the padding is all zeros.
+    """
     shape = shape_of(value)
-    crop = [shape[a] + min(0, hi.get(a, 0)) for a in range(len(shape))]
-    value = extract(value, [0] * len(shape), crop, [1] * len(shape))
-    if not any(lo.values()) and not any(max(0, h) for h in hi.values()):
-        return value
-    padded = [crop[a] + lo.get(a, 0) + max(0, hi.get(a, 0)) for a in range(len(shape))]
-    base = zeros(padded, elem_of(value))
-    return insert(value, base, [lo.get(a, 0) for a in range(len(shape))], [1] * len(shape))
+    out_shape = [sizes.get(a, n) for a, n in enumerate(shape)]
+    begin = [max(starts.get(a, 0), 0) for a in range(len(shape))]
+    stop = [min(starts.get(a, 0) + out_shape[a], shape[a]) for a in range(len(shape))]
+    if any(b >= e for b, e in zip(begin, stop)):
+        return zeros(out_shape, elem_of(value))
+    inner = extract(value, begin, [e - b for b, e in zip(begin, stop)], [1] * len(shape))
+    if shape_of(inner) == out_shape:
+        return inner
+    offsets = [b - starts.get(a, 0) for a, b in enumerate(begin)]
+    return insert(inner, zeros(out_shape, elem_of(value)), offsets, [1] * len(shape))
 
 
 # fp8 formats as (mantissa bits, smallest normal exponent): CK's fp8 = e4m3, bf8 = e5m2

@@ -28,7 +28,7 @@ from .ir import (
     float_const,
     generic,
     insert,
-    pad,
+    window,
     round_to_fp8_grid,
     shape_of,
     weight_axes,
@@ -128,6 +128,16 @@ def _epilogue(p: ConvProblem, acc: ir.Value, bias: Optional[ir.Value]) -> ir.Val
     return generic(space, inputs, empty(shape_of(acc), out_elem), [ident] * (len(inputs) + 1), body)
 
 
+def _x_window(plan: KernelPlan, x: ir.Value, sp: list[int]) -> ir.Value:
+    """The padded X that the window reads o*s + t*d index directly: positions [-lo, -lo + extent)."""
+    p = plan.problem
+    return window(
+        x,
+        {pos: -lo for pos, lo in zip(sp, plan.x_pad_lo)},
+        {pos: i + lo + hi for pos, i, lo, hi in zip(sp, p.input, plan.x_pad_lo, plan.x_pad_hi)},
+    )
+
+
 def _channel_loops(p: ConvProblem, *names: str) -> list[str]:
     """K and C loops exist only when the GEMM has channels: depthwise (C = K = 1) drops them,
     leaving a stencil (forward, grad_input) or a plain reduction (grad_weight) bound by memory."""
@@ -141,7 +151,7 @@ def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value
     if p.compute:
         x, w = _round_operand(plan, x, 0), _round_operand(plan, w, 1)
     sp = _spatial_positions(p, x_axes)
-    x = pad(x, dict(zip(sp, plan.x_pad_lo)), dict(zip(sp, plan.x_pad_hi)))
+    x = _x_window(plan, x, sp)
     o = [f"o{i}" for i in range(p.dims)]
     t = [f"t{i}" for i in range(p.dims)]
     space = Space(
@@ -174,7 +184,11 @@ def _grad_input(plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.V
     sp = _spatial_positions(p, dy_axes)
     if p.compute:
         dy = _round_operand(plan, dy, 0)
-    dy = pad(dy, dict(zip(sp, plan.dy_pad_lo)), dict(zip(sp, plan.dy_pad_hi)))
+    dy = window(
+        dy,
+        {pos: -lo for pos, lo in zip(sp, plan.dy_pad_lo)},
+        {pos: o + lo + hi for pos, o, lo, hi in zip(sp, p.output, plan.dy_pad_lo, plan.dy_pad_hi)},
+    )
     out_elem = element_type(p.result_dtype)
     # Residues that no tap reaches are zero: start from zeros unless every phase is written anyway.
     skip_empty = any(ph.empty for ph in plan.phases) and not p.epilogue.has_tensor
@@ -277,7 +291,7 @@ def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.
     n_pos = x_axes.index("n")
     if p.compute:
         x, dy = _round_operand(plan, x, 0), _round_operand(plan, dy, 1)
-    x = pad(x, dict(zip(sp, plan.x_pad_lo)), dict(zip(sp, plan.x_pad_hi)))
+    x = _x_window(plan, x, sp)
     wshape = list(p.w_shape)
     partials = []
     for a, b in plan.split.chunks:

@@ -1,0 +1,28 @@
+"""Shared test setup: hypothesis profiles and the GPU marker."""
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+# CI runs on 2 cores: keep the example counts modest there; `HYPOTHESIS_PROFILE=thorough` for more.
+settings.register_profile(
+    "ci", max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.register_profile("thorough", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _cuda_present() -> bool:
+    from convdsl.compiler import cuda_available
+
+    return cuda_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if any("gpu" in item.keywords for item in items) and not _cuda_present():
+        skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine: pytest -m gpu)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
