@@ -1,7 +1,31 @@
-"""convdsl: a compiler for convolution gradients (backward data, backward weight, transposed, forward)."""
+"""convdsl: a compiler for convolution gradients (backward data, backward weight, transposed, forward).
+
+The package imports lazily: `convdsl.reference` and `convdsl.problem` need only NumPy, so a GPU
+machine with just `iree-runtime` can check artifacts; the compiler is loaded on first use.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
 
 from .problem import ConvProblem, Epilogue, ProblemError  # noqa: E402
-from .compiler import CompiledModule, compile  # noqa: E402
 
-__all__ = ["ConvProblem", "Epilogue", "ProblemError", "CompiledModule", "compile", "__version__"]
+_LAZY = {
+    "compile": "compiler",
+    "CompiledModule": "compiler",
+    # the functional JIT API (convdsl/api.py): compile on first use, cached in memory and on disk
+    "conv": "api",
+    "conv_transpose": "api",
+    "grad_input": "api",
+    "grad_weight": "api",
+}
+
+__all__ = ["ConvProblem", "Epilogue", "ProblemError", "__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'convdsl' has no attribute {name!r}")

@@ -13,9 +13,9 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from . import __version__
-from .backends.iree import LoadedModule, compile_mlir, iree_version
-from .problem import ConvProblem
-from .passes import lower_to_mlir
+from .backends.iree import LoadedModule, iree_version
+from .cache import compile_cached
+from .problem import ConvProblem, problem_to_spec
 from .targets import Target
 
 
@@ -68,7 +68,7 @@ def manifest(problems: Sequence[ConvProblem], target: Target) -> dict:
                 "result": {"name": p.result_name, "shape": list(p.result_shape), "dtype": p.result_dtype,
                            "layout": _layout_of(p, p.result_name)},
                 "flops": p.flops,
-                "spec": _spec(p),
+                "spec": problem_to_spec(p),
             }
         )
     return {
@@ -86,17 +86,6 @@ def _layout_of(p: ConvProblem, name: str) -> str:
     if p.op == "transposed":
         return p.layout_name("y" if name == "x" else "x")
     return p.layout_name("y" if name in ("dy", "y") else "x")
-
-
-def _spec(p: ConvProblem) -> dict:
-    return {
-        "op": p.op, "dims": p.dims, "groups": p.groups, "batch": p.batch, "in_channels": p.in_channels,
-        "out_channels": p.out_channels, "input": list(p.input), "filter": list(p.filter),
-        "stride": list(p.stride), "dilation": list(p.dilation), "pad_lo": list(p.pad_lo), "pad_hi": list(p.pad_hi),
-        "layout": p.layout, "weight_layout": p.weight_layout, "dtype": p.dtype, "out_dtype": p.out_dtype,
-        "compute": list(p.compute) if p.compute else None, "split_k": p.split_k,
-        "epilogue": {"kind": p.epilogue.kind, "alpha": p.epilogue.alpha, "beta": p.epilogue.beta},
-    }
 
 
 @dataclass
@@ -185,5 +174,5 @@ def compile(
             raise ValueError(f"--kernel: no kernel named {', '.join(unknown)}; kernels: "
                              + ", ".join(p.name for p in problems))
         problems = [p for p in problems if p.name in kernels]
-    vmfb = compile_mlir(lower_to_mlir(problems, tgt), tgt)
+    vmfb = compile_cached(problems, tgt)  # disk cache keyed by problems, target, flags and versions
     return CompiledModule(problems, tgt, vmfb)

@@ -252,3 +252,25 @@ def expand_padding(value, dims: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if all(not isinstance(v, int) and len(v) == 2 for v in value):
         return tuple(v[0] for v in value), tuple(v[1] for v in value)
     raise ProblemError(f"padding: expected numbers or [lo, hi] pairs, got {value!r}")
+
+
+def problem_to_spec(p: ConvProblem) -> dict:
+    """A JSON-ready dict of every field (the manifest's `spec`); `problem_from_spec` inverts it."""
+    return {
+        "name": p.name, "op": p.op, "dims": p.dims, "groups": p.groups, "batch": p.batch,
+        "in_channels": p.in_channels, "out_channels": p.out_channels, "input": list(p.input),
+        "filter": list(p.filter), "stride": list(p.stride), "dilation": list(p.dilation),
+        "pad_lo": list(p.pad_lo), "pad_hi": list(p.pad_hi), "layout": p.layout, "weight_layout": p.weight_layout,
+        "dtype": p.dtype, "out_dtype": p.out_dtype, "compute": list(p.compute) if p.compute else None,
+        "split_k": p.split_k,
+        "epilogue": {"kind": p.epilogue.kind, "alpha": p.epilogue.alpha, "beta": p.epilogue.beta},
+    }
+
+
+def problem_from_spec(spec: dict) -> ConvProblem:
+    fields = dict(spec)
+    for key in ("input", "filter", "stride", "dilation", "pad_lo", "pad_hi"):
+        fields[key] = tuple(fields[key])
+    fields["compute"] = tuple(fields["compute"]) if fields.get("compute") else None
+    fields["epilogue"] = Epilogue(**fields["epilogue"])
+    return ConvProblem(**fields)

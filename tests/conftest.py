@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -12,6 +13,9 @@ settings.register_profile(
 )
 settings.register_profile("thorough", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Tests never read or fill the user's cache; tests of the cache itself set their own directory.
+os.environ.setdefault("CONVDSL_CACHE_DIR", tempfile.mkdtemp(prefix="convdsl-test-cache-"))
 
 
 def _cuda_present() -> bool:

@@ -1,0 +1,95 @@
+"""The command line as a user runs it: every example passes --check on the CPU, plus explain/check/compile."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from convdsl.cli import main
+from convdsl.passes import STAGE_NAMES
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.conv"))
+
+
+def test_there_is_an_example_per_seed_and_network():
+    names = {p.stem for p in EXAMPLES}
+    assert {"ck15_conv3d_bwd_data", "ck17_conv2d_bwd_data", "ck11_grouped_bwd_weight", "ck20_grouped_bwd_weight",
+            "ascend_conv3d_backprop_input", "resnet_bottleneck", "resnext", "mobilenetv2_block", "unet3d_level",
+            "audio_encoder"} <= names
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_example_passes_check_on_cpu(example, capsys):
+    code = main(["run", str(example), "--target", "cpu", "--check", "--batch", "1"])
+    out = capsys.readouterr().out.strip().splitlines()
+    kernels = [ln for ln in out if "rel.err" in ln]
+    assert code == 0, "\n".join(out)
+    assert kernels and all(ln.endswith("PASS") for ln in kernels)
+    assert out[-1] == f"{len(kernels)} passed, 0 failed"
+
+
+def test_run_reports_a_wrong_result_and_exits_nonzero(monkeypatch, capsys):
+    import convdsl.reference as ref
+
+    real = ref.reference
+    monkeypatch.setattr(ref, "reference", lambda p, *a: real(p, *a) * 1.5)
+    code = main(["run", str(EXAMPLES[0].parent / "resnext.conv"), "--target", "cpu", "--check", "--batch", "1",
+                 "--kernel", "y"])
+    out = capsys.readouterr().out
+    assert code == 1 and "FAIL" in out and out.strip().endswith("0 passed, 1 failed")
+
+
+def test_explain_prints_every_stage(capsys):
+    assert main(["explain", str(EXAMPLES[0].parent / "resnext.conv"), "--kernel", "dgrad"]) == 0
+    out = capsys.readouterr().out
+    for stage in STAGE_NAMES:
+        assert f"after pass '{stage}'" in out
+    assert "stride phases: 1" in out and "linalg.generic" in out and "iree-compile" in out
+
+
+def test_explain_one_stage(capsys):
+    assert main(["explain", str(EXAMPLES[0].parent / "ck17_conv2d_bwd_data.conv"), "--stage", "plan"]) == 0
+    out = capsys.readouterr().out
+    # stride 2 in 2D: four phases, each reading 4, 2, 2 or 1 taps of the 3x3 filter
+    assert "stride phases: 4 (4 computed, 0 all-zero)" in out and "linalg.generic" not in out
+
+
+def test_check_reports_location_and_caret(tmp_path, capsys):
+    bad = tmp_path / "bad.conv"
+    bad.write_text("conv a {\n  dims = 2\n  strid = 2\n}\n")
+    assert main(["check", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:3:3: error:" in err and "did you mean 'stride'" in err and "^~~~~" in err
+
+
+def test_check_accepts_every_example(capsys):
+    for example in EXAMPLES:
+        assert main(["check", str(example)]) == 0
+    assert "no errors" in capsys.readouterr().out
+
+
+def test_compile_writes_module_and_manifest(tmp_path, capsys):
+    out = tmp_path / "rx.vmfb"
+    assert main(["compile", str(EXAMPLES[0].parent / "resnext.conv"), "--target", "cpu", "--batch", "2",
+                 "-o", str(out)]) == 0
+    info = json.loads(out.with_suffix(".json").read_text())
+    assert out.stat().st_size > 0
+    assert info["target"] == "cpu" and info["convdsl_version"] and info["iree_version"].startswith("3.13")
+    dgrad = next(k for k in info["kernels"] if k["function"] == "dgrad")
+    assert dgrad["args"][0] == {"name": "dy", "shape": [2, 56, 56, 32, 4], "dtype": "f16", "layout": "NHWGK"}
+    assert dgrad["result"]["layout"] == "NHWGC" and dgrad["flops"] == 2 * 32 * 2 * 56 * 56 * 4 * 4 * 9
+
+
+@pytest.mark.parametrize("target,arch", [("cuda", "sm_80"), ("rocm", "gfx942")])
+def test_compile_for_gpus_writes_manifest(tmp_path, target, arch, capsys):
+    out = tmp_path / f"rx-{target}.vmfb"
+    assert main(["compile", str(EXAMPLES[0].parent / "resnext.conv"), "--target", target, "--arch", arch,
+                 "-o", str(out)]) == 0
+    info = json.loads(out.with_suffix(".json").read_text())
+    assert info["target"] == target and info["arch"] == arch and len(info["kernels"]) == 4
+
+
+def test_unknown_kernel_is_a_clear_error(capsys):
+    assert main(["run", str(EXAMPLES[0].parent / "resnext.conv"), "--target", "cpu", "--kernel", "nope"]) == 2
+    assert "no kernel named nope" in capsys.readouterr().err

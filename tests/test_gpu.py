@@ -1,0 +1,45 @@
+"""On a CUDA device: run artifacts compiled here (tests/gpu/build_artifacts.sh) and check them.
+
+The GPU machine has iree-runtime, NumPy and ml_dtypes but no iree-compile, so the modules are
+compiled on the CPU machine with their manifests; this test loads each one, runs every kernel on
+fresh random inputs and compares with the float64 reference.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from convdsl.problem import problem_from_spec
+from convdsl.reference import random_inputs, reference, relative_error, tolerance
+
+ARTIFACTS = Path(os.environ.get("CONVDSL_GPU_ARTIFACTS", Path(__file__).parent.parent / "build" / "gpu"))
+MANIFESTS = sorted(ARTIFACTS.glob("*.json"))
+
+
+@pytest.mark.gpu
+def test_artifacts_exist():
+    assert MANIFESTS, f"no artifacts in {ARTIFACTS}: run tests/gpu/build_artifacts.sh where iree-compile is"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: p.stem)
+def test_artifact_kernels_match_reference(manifest: Path):
+    from convdsl.backends.iree import LoadedModule
+    from convdsl.targets import Target
+
+    info = json.loads(manifest.read_text())
+    module = LoadedModule(manifest.with_suffix(".vmfb").read_bytes(), Target(info["target"], info["arch"]))
+    failures = []
+    for kernel in info["kernels"]:
+        p = problem_from_spec(kernel["spec"])
+        inputs = random_inputs(p, seed=7)
+        got = module.call(p.name, *inputs, out_dtype=p.result_dtype)
+        err = relative_error(np.asarray(got, dtype=np.float64), reference(p, *inputs))
+        print(f"{manifest.stem}.{p.name}: rel.err {err:.2e} (tol {tolerance(p):.0e})")
+        if not err <= tolerance(p):
+            failures.append(f"{p.name}: {err:.3e}")
+    assert not failures, failures
