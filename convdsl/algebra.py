@@ -158,6 +158,10 @@ def plan_split_k(p: ConvProblem) -> SplitK:
     """Split along the batch when it has enough samples, else along the outermost output dimension."""
     parts = p.split_k if p.split_k is not None else auto_split_k(p)
     o0 = p.output[0]
+    if p.dynamic_batch:
+        # chunk bounds must be static: with `batch = ?` only the output rows can be cut
+        parts = min(parts, o0)
+        return SplitK(parts, "o0", tuple(split_chunks(o0, parts)))
     if p.batch >= parts:
         axis, length = "n", p.batch
     elif o0 >= parts:

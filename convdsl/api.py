@@ -29,7 +29,7 @@ import numpy as np
 
 from . import cache
 from .compiler import ArgumentError, CompiledModule, Kernel, resolve_target
-from .problem import COMPUTE_TYPES, DTYPES, LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue, ProblemError
+from .problem import DYNAMIC_BATCH_NOMINAL, COMPUTE_TYPES, DTYPES, LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue, ProblemError
 from .targets import Target
 
 __all__ = [
@@ -462,8 +462,11 @@ def get_kernel(problem: ConvProblem, target: Union[str, Target] = "cpu", arch: O
 
 
 def _run(op: str, a: np.ndarray, b: np.ndarray, target: Union[str, Target], arch: Optional[str],
-         **options: Any) -> np.ndarray:
+         dynamic_batch: bool, **options: Any) -> np.ndarray:
     problem = infer_problem(op, a, b, **options)
+    if dynamic_batch:
+        # one module for every batch size: the key no longer depends on N, the kernel accepts any N
+        problem = problem.with_(dynamic_batch=True, batch=DYNAMIC_BATCH_NOMINAL)
     args = (a, b) + ((options["d"],) if problem.epilogue.has_tensor else ())
     return get_kernel(problem, target, arch)(*args)
 
@@ -486,9 +489,10 @@ def conv(
     d: Optional[np.ndarray] = None,
     target: Union[str, Target] = "cpu",
     arch: Optional[str] = None,
+    dynamic_batch: bool = False,
 ) -> np.ndarray:
     """Forward convolution y = conv(x, w); `groups` defaults to the G axis of x."""
-    return _run("forward", x, w, target, arch, stride=stride, dilation=dilation, padding=padding, groups=groups,
+    return _run("forward", x, w, target, arch, dynamic_batch, stride=stride, dilation=dilation, padding=padding, groups=groups,
                 layout=layout, weight_layout=weight_layout, out_dtype=out_dtype, compute=compute,
                 epilogue=epilogue, d=d)
 
@@ -510,9 +514,10 @@ def grad_input(
     d: Optional[np.ndarray] = None,
     target: Union[str, Target] = "cpu",
     arch: Optional[str] = None,
+    dynamic_batch: bool = False,
 ) -> np.ndarray:
     """Backward data dx = grad_input(dy, w); `input=` (required) is the spatial size of dx."""
-    return _run("grad_input", dy, w, target, arch, input=input, stride=stride, dilation=dilation, padding=padding,
+    return _run("grad_input", dy, w, target, arch, dynamic_batch, input=input, stride=stride, dilation=dilation, padding=padding,
                 groups=groups, layout=layout, weight_layout=weight_layout, out_dtype=out_dtype, compute=compute,
                 epilogue=epilogue, d=d)
 
@@ -535,9 +540,10 @@ def grad_weight(
     d: Optional[np.ndarray] = None,
     target: Union[str, Target] = "cpu",
     arch: Optional[str] = None,
+    dynamic_batch: bool = False,
 ) -> np.ndarray:
     """Backward weight dw = grad_weight(x, dy), in `weight_layout`; `filter=` (required) is its taps."""
-    return _run("grad_weight", x, dy, target, arch, filter=filter, stride=stride, dilation=dilation,
+    return _run("grad_weight", x, dy, target, arch, dynamic_batch, filter=filter, stride=stride, dilation=dilation,
                 padding=padding, groups=groups, layout=layout, weight_layout=weight_layout, out_dtype=out_dtype,
                 compute=compute, split_k=split_k, epilogue=epilogue, d=d)
 
@@ -559,12 +565,13 @@ def conv_transpose(
     d: Optional[np.ndarray] = None,
     target: Union[str, Target] = "cpu",
     arch: Optional[str] = None,
+    dynamic_batch: bool = False,
 ) -> np.ndarray:
     """Transposed convolution: grad_input's arithmetic with x in dy's place.
 
     x has K channels per group and w is (G, K, taps..., C) in GKYXC; the result has C channels and the
     spatial size `input=` (required), the size of the forward convolution's input that this one inverts.
     """
-    return _run("transposed", x, w, target, arch, input=input, stride=stride, dilation=dilation, padding=padding,
+    return _run("transposed", x, w, target, arch, dynamic_batch, input=input, stride=stride, dilation=dilation, padding=padding,
                 groups=groups, layout=layout, weight_layout=weight_layout, out_dtype=out_dtype, compute=compute,
                 epilogue=epilogue, d=d)

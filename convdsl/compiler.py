@@ -61,12 +61,13 @@ def manifest(problems: Sequence[ConvProblem], target: Target) -> dict:
                 "function": p.name,
                 "op": p.op,
                 "problem": p.describe(),
+                # a dynamic batch (`batch = ?`) is written as null
                 "args": [
-                    {"name": n, "shape": list(s), "dtype": d, "layout": _layout_of(p, n)}
+                    {"name": n, "shape": _manifest_shape(p, s), "dtype": d, "layout": _layout_of(p, n)}
                     for n, s, d in zip(p.arg_names, p.arg_shapes, p.arg_dtypes)
                 ],
-                "result": {"name": p.result_name, "shape": list(p.result_shape), "dtype": p.result_dtype,
-                           "layout": _layout_of(p, p.result_name)},
+                "result": {"name": p.result_name, "shape": _manifest_shape(p, p.result_shape),
+                           "dtype": p.result_dtype, "layout": _layout_of(p, p.result_name)},
                 "flops": p.flops,
                 "spec": problem_to_spec(p),
             }
@@ -78,6 +79,13 @@ def manifest(problems: Sequence[ConvProblem], target: Target) -> dict:
         "iree_version": iree_version(),
         "kernels": kernels,
     }
+
+
+def _manifest_shape(p: ConvProblem, shape: tuple[int, ...]) -> list:
+    sizes: list = list(shape)
+    if p.dynamic_batch and shape != p.w_shape:
+        sizes[p.batch_axis("x")] = None
+    return sizes
 
 
 def _layout_of(p: ConvProblem, name: str) -> str:
@@ -97,7 +105,17 @@ class Kernel:
 
     def __call__(self, *args: np.ndarray) -> np.ndarray:
         self.check_args(args)
+        self._check_same_batch(args)
         return self.module.loaded.call(self.problem.name, *args, out_dtype=self.problem.result_dtype)
+
+    def _check_same_batch(self, args: Sequence[np.ndarray]) -> None:
+        p = self.problem
+        if not p.dynamic_batch:
+            return
+        axis = p.batch_axis("x")
+        batches = {n: a.shape[axis] for n, s, a in zip(p.arg_names, p.arg_shapes, args) if s != p.w_shape}
+        if len(set(batches.values())) > 1:
+            raise ArgumentError(f"{p.name}: activation arguments must share one batch size, got {batches}")
 
     def check_args(self, args: Sequence[np.ndarray]) -> None:
         from .reference import NUMPY_DTYPES
@@ -108,6 +126,10 @@ class Kernel:
             raise ArgumentError(f"{p.name}({sig}): expected {len(p.arg_names)} arrays, got {len(args)}")
         for name, shape, dt, a in zip(p.arg_names, p.arg_shapes, p.arg_dtypes, args):
             got_shape = tuple(getattr(a, "shape", ()))
+            if p.dynamic_batch and shape != p.w_shape and len(got_shape) == len(shape):
+                # `batch = ?`: any batch is fine, as long as every activation argument has the same one
+                axis = p.batch_axis("x")
+                shape = shape[:axis] + (got_shape[axis],) + shape[axis + 1:]
             if got_shape != tuple(shape):
                 raise ArgumentError(
                     f"{p.name}: argument {name!r} expected shape {list(shape)} ({_layout_of(p, name)}), "

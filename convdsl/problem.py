@@ -18,6 +18,8 @@ DTYPES = ("f32", "f16", "bf16")
 COMPUTE_TYPES = ("fp8", "bf8")  # fp8 = e4m3, bf8 = e5m2, as in CK
 EPILOGUES = ("none", "scale", "bilinear")
 
+DYNAMIC_BATCH_NOMINAL = 2  # the batch `convdsl run` uses for `batch = ?` unless --batch says otherwise
+
 _SPATIAL_LETTERS = {1: "W", 2: "HW", 3: "DHW"}
 _TAP_LETTERS = {1: "X", 2: "YX", 3: "ZYX"}
 
@@ -74,6 +76,9 @@ class ConvProblem:
     split_k: Optional[int] = None  # grad_weight only; None = auto
     epilogue: Epilogue = field(default_factory=Epilogue)
     name: str = "kernel"
+    # One module for any batch size (`batch = ?`); `batch` is then the nominal size used for
+    # FLOP counts and for the inputs `convdsl run` draws.
+    dynamic_batch: bool = False
 
     def __post_init__(self) -> None:
         d = self.dims
@@ -213,6 +218,12 @@ class ConvProblem:
     def arg_dtypes(self) -> tuple[str, ...]:
         return (self.dtype, self.dtype) + ((self.result_dtype,) if self.epilogue.has_tensor else ())
 
+    def batch_axis(self, tensor: str) -> Optional[int]:
+        """Position of N in 'x', 'y' or 'w' (None: the weight has no batch)."""
+        if tensor == "w":
+            return None
+        return 1 if self.layout == "GNHWC" else 0
+
     def with_(self, **changes) -> "ConvProblem":
         return replace(self, **changes)
 
@@ -227,6 +238,7 @@ class ConvProblem:
             + (f" compute={list(self.compute)}" if self.compute else "")
             + (f" split_k={self.split_k}" if self.split_k else "")
             + (f" epilogue={self.epilogue}" if self.epilogue.kind != "none" else "")
+            + (" batch=?" if self.dynamic_batch else "")
         )
 
 
@@ -264,6 +276,7 @@ def problem_to_spec(p: ConvProblem) -> dict:
         "dtype": p.dtype, "out_dtype": p.out_dtype, "compute": list(p.compute) if p.compute else None,
         "split_k": p.split_k,
         "epilogue": {"kind": p.epilogue.kind, "alpha": p.epilogue.alpha, "beta": p.epilogue.beta},
+        "dynamic_batch": p.dynamic_batch,
     }
 
 

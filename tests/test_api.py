@@ -188,3 +188,20 @@ def test_errors(call, error: type, message: str) -> None:
 def test_argument_errors_are_type_errors_and_problem_errors_value_errors() -> None:
     # Callers may catch the builtin families; ArgumentError is what Kernel raises for wrong arrays too.
     assert issubclass(ArgumentError, TypeError) and issubclass(ProblemError, ValueError)
+
+
+def test_dynamic_batch_compiles_once_for_every_batch(tmp_path, monkeypatch):
+    import convdsl
+    from convdsl import api, cache
+
+    monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path))
+    api.clear_memory_cache()
+    cache.stats.reset()
+    rng = np.random.default_rng(5)
+    for n in (1, 3, 4):
+        x = rng.uniform(-1, 1, (n, 8, 8, 2, 3)).astype(np.float32)
+        dy = rng.uniform(-1, 1, (n, 4, 4, 2, 5)).astype(np.float32)
+        dw = convdsl.grad_weight(x, dy, filter=(3, 3), stride=2, padding=1, dynamic_batch=True)
+        problem = api.infer_problem("grad_weight", x, dy, filter=(3, 3), stride=2, padding=1)
+        assert relative_error(dw.astype(np.float64), reference(problem, x, dy)) <= 1e-5
+    assert cache.stats.compiles == 1

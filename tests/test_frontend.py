@@ -211,7 +211,7 @@ BAD_KEYS = "conv c {\n  dims = 2; batch = 2; in_channels = 3; out_channels = 5\n
     [
         # Lark syntax errors, with terminal names turned into words
         ("stride 2", 10, ("expected '=', got '2'",), "         ^"),
-        ("stride = = 2", 12, ("expected a name, a number or '[', got '='",), "           ^"),
+        ("stride = = 2", 12, ("expected a name, a number, '?' or '[', got '='",), "           ^"),
         ("stride = 1 @", 14, ("expected ';', '}' or a newline, got '@'",), "             ^"),
         # key checks
         ("strid = 2", 3, ("expected a conv key, got 'strid'; did you mean 'stride'?", "valid conv keys: dims, groups"), "  ^~~~~"),
@@ -433,3 +433,14 @@ def test_arbitrary_input_raises_only_conv_syntax_errors(tokens: list[str]) -> No
         lines = str(err).split("\n")
         assert lines[0].startswith(f"f.conv:{err.line}:{err.column}: error: ")
         assert lines[2].lstrip(" \t").startswith("^")
+
+
+def test_dynamic_batch():
+    (p,) = parse("conv c { dims = 1; batch = ?; in_channels = 2; out_channels = 3; input = [8]; filter = [3] }\n"
+                 "kernel k = grad_weight(c)\n")
+    assert p.dynamic_batch and p.batch >= 1
+    (q,) = parse("conv c { dims = 1; batch = ?; in_channels = 2; out_channels = 3; input = [8]; filter = [3] }\n"
+                 "kernel k = grad_weight(c)\n", batch=5)
+    assert q.dynamic_batch and q.batch == 5
+    with pytest.raises(ConvSyntaxError, match="got '\\?'"):
+        parse("conv c { dims = 1; batch = 2; in_channels = ?; out_channels = 3; input = [8]; filter = [3] }\n")

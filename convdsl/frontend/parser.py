@@ -43,6 +43,7 @@ from lark.lark import PostLex
 from lark.lexer import PatternStr
 
 from convdsl.problem import (
+    DYNAMIC_BATCH_NOMINAL,
     COMPUTE_TYPES,
     DTYPES,
     LAYOUTS,
@@ -324,6 +325,8 @@ def _describe(v: _Value) -> str:
     """The 'got ...' half of a message."""
     if v.kind in ("int", "float"):
         return v.text
+    if v.kind == "dynamic":
+        return "'?'"
     if v.kind == "name":
         return f"'{v.name}'"
     if v.kind == "list":
@@ -343,6 +346,8 @@ def _to_value(src: _Source, node: Tree, depth: int = 0) -> _Value:
         return _Value("int", span, text, number=int(raw))
     if node.data == "name":
         return _Value("name", span, text, name=str(node.children[0]))
+    if node.data == "dynamic":
+        return _Value("dynamic", span, "?")
     if node.data == "list":
         items = tuple(_to_value(src, c, depth + 1) for c in node.children if c is not None)
         return _Value("list", span, text, items=items)
@@ -603,7 +608,11 @@ def _conv(src: _Source, node: Tree, batch: Optional[int]) -> _Conv:
     for key, e in sorted(seen.items(), key=lambda kv: kv[1].key_span.start_pos):
         if key == "dims":
             continue
-        if key in ("groups", "batch", "in_channels", "out_channels"):
+        if key == "batch" and e.value.kind == "dynamic":
+            # `batch = ?`: one module serves any batch; the nominal size is what `run` draws inputs at
+            fields["dynamic_batch"] = True
+            fields["batch"] = DYNAMIC_BATCH_NOMINAL
+        elif key in ("groups", "batch", "in_channels", "out_channels"):
             fields[key] = _int(src, e)
         elif key in ("input", "filter"):
             fields[key] = _per_dim(src, e, dims, dims_entry, allow_scalar=False)

@@ -7,7 +7,7 @@ follow the tensor's axis order.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, Union
 
 from iree.compiler import ir
 from iree.compiler.dialects import arith, linalg, math as math_d, tensor
@@ -32,8 +32,19 @@ def element_type(name: str) -> ir.Type:
     return table[name]()
 
 
-def tensor_type(shape: Sequence[int], elem: ir.Type) -> ir.RankedTensorType:
-    return ir.RankedTensorType.get(list(shape), elem)
+Size = Union[int, ir.Value]  # a static size, or an SSA index value for a dynamic one (the batch)
+
+
+def _static(sizes: Sequence[Size]) -> list[int]:
+    return [s if isinstance(s, int) else ir.ShapedType.get_dynamic_size() for s in sizes]
+
+
+def _dynamic(sizes: Sequence[Size]) -> list[ir.Value]:
+    return [s for s in sizes if not isinstance(s, int)]
+
+
+def tensor_type(shape: Sequence[Size], elem: ir.Type) -> ir.RankedTensorType:
+    return ir.RankedTensorType.get(_static(shape), elem)
 
 
 def activation_axes(p: ConvProblem, channel: str) -> list[str]:
@@ -95,7 +106,7 @@ def generic(
     return op.result
 
 
-def empty(shape: Sequence[int], elem: ir.Type) -> ir.Value:
+def empty(shape: Sequence[Size], elem: ir.Type) -> ir.Value:
     return tensor.EmptyOp(list(shape), elem).result
 
 
@@ -103,7 +114,7 @@ def float_const(value: float, elem: ir.Type) -> ir.Value:
     return arith.ConstantOp(elem, ir.FloatAttr.get(elem, value)).result
 
 
-def zeros(shape: Sequence[int], elem: ir.Type) -> ir.Value:
+def zeros(shape: Sequence[Size], elem: ir.Type) -> ir.Value:
     return linalg.fill(float_const(0.0, elem), outs=[empty(shape, elem)])
 
 
@@ -128,17 +139,32 @@ def shape_of(value: ir.Value) -> list[int]:
     return list(ir.RankedTensorType(value.type).shape)
 
 
+def sizes_of(value: ir.Value) -> list[Size]:
+    """Static sizes as ints, dynamic ones as `tensor.dim` values."""
+    kind = ir.RankedTensorType(value.type)
+    return [
+        tensor.dim(value, arith.ConstantOp(ir.IndexType.get(), a).result) if kind.is_dynamic_dim(a) else n
+        for a, n in enumerate(kind.shape)
+    ]
+
+
 def elem_of(value: ir.Value) -> ir.Type:
     return ir.RankedTensorType(value.type).element_type
 
 
-def extract(value: ir.Value, offsets: Sequence[int], sizes: Sequence[int], strides: Sequence[int]) -> ir.Value:
-    """A static strided view (tensor.extract_slice); returns `value` itself when it is the whole tensor."""
+def extract(value: ir.Value, offsets: Sequence[int], sizes: Sequence[Size], strides: Sequence[int]) -> ir.Value:
+    """A strided view (tensor.extract_slice); returns `value` itself when it is the whole tensor."""
     shape = shape_of(value)
-    if list(offsets) == [0] * len(shape) and list(sizes) == shape and all(s == 1 for s in strides):
+    whole = all(
+        o == 0 and st == 1 and (not isinstance(sz, int) or sz == n)
+        for o, sz, st, n in zip(offsets, sizes, strides, shape)
+    )
+    if whole and all(isinstance(sz, int) or ir.ShapedType.is_dynamic_size(n) for sz, n in zip(sizes, shape)):
         return value
     result = tensor_type(sizes, elem_of(value))
-    return tensor.extract_slice(result, value, [], [], [], list(offsets), list(sizes), list(strides))
+    return tensor.extract_slice(
+        result, value, [], _dynamic(sizes), [], list(offsets), _static(sizes), list(strides)
+    )
 
 
 def insert(
@@ -146,31 +172,34 @@ def insert(
     dest: ir.Value,
     offsets: Sequence[int],
     strides: Sequence[int],
-    sizes: Sequence[int] | None = None,
+    sizes: Sequence[Size] | None = None,
 ) -> ir.Value:
     """tensor.insert_slice; `sizes` (with 1s for dropped axes) inserts a lower-rank source."""
-    sizes = shape_of(source) if sizes is None else sizes
-    return tensor.insert_slice(source, dest, [], [], [], list(offsets), list(sizes), list(strides))
+    sizes = sizes_of(source) if sizes is None else sizes
+    return tensor.insert_slice(
+        source, dest, [], _dynamic(sizes), [], list(offsets), _static(sizes), list(strides)
+    )
 
 
-def window(value: ir.Value, starts: Mapping[int, int], sizes: Mapping[int, int]) -> ir.Value:
+def window(value: ir.Value, starts: Mapping[int, int], sizes: Mapping[int, int]) -> ir.Value:  # noqa: C901
     """out[i] = value[start + i] where that is inside `value`, else 0, on the given axes.
 
     This is zero padding (start < 0, or a window past the end) and cropping (a window that ends
     before the tensor does) in one: the part of the window that overlaps the tensor is copied into
     zeros.  A window entirely in the padding is all zeros.
     """
-    shape = shape_of(value)
-    out_shape = [sizes.get(a, n) for a, n in enumerate(shape)]
-    begin = [max(starts.get(a, 0), 0) for a in range(len(shape))]
-    stop = [min(starts.get(a, 0) + out_shape[a], shape[a]) for a in range(len(shape))]
-    if any(b >= e for b, e in zip(begin, stop)):
+    full = sizes_of(value)  # axes without a window keep their size, dynamic ones included
+    out_shape = [sizes.get(a, n) for a, n in enumerate(full)]
+    begin = [max(starts.get(a, 0), 0) for a in range(len(full))]
+    stop = [min(starts[a] + sizes[a], full[a]) if a in sizes else full[a] for a in range(len(full))]
+    if any(isinstance(e, int) and b >= e for b, e in zip(begin, stop)):
         return zeros(out_shape, elem_of(value))
-    inner = extract(value, begin, [e - b for b, e in zip(begin, stop)], [1] * len(shape))
-    if shape_of(inner) == out_shape:
+    inner_sizes = [e - b if isinstance(e, int) else e for b, e in zip(begin, stop)]
+    inner = extract(value, begin, inner_sizes, [1] * len(full))
+    if all(a not in sizes or inner_sizes[a] == sizes[a] for a in range(len(full))):
         return inner
     offsets = [b - starts.get(a, 0) for a, b in enumerate(begin)]
-    return insert(inner, zeros(out_shape, elem_of(value)), offsets, [1] * len(shape))
+    return insert(inner, zeros(out_shape, elem_of(value)), offsets, [1] * len(full), inner_sizes)
 
 
 # fp8 formats as (mantissa bits, smallest normal exponent): CK's fp8 = e4m3, bf8 = e5m2

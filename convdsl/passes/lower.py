@@ -31,6 +31,8 @@ from .ir import (
     window,
     round_to_fp8_grid,
     shape_of,
+    tensor_type,
+    sizes_of,
     weight_axes,
     zeros,
 )
@@ -41,9 +43,9 @@ def emit_kernel(plan: KernelPlan) -> None:
     """Append `func.func @<kernel name>` for `plan` at the current insertion point (inside a module)."""
     p = plan.problem
     arg_types = [
-        ir.RankedTensorType.get(list(shape), element_type(dt)) for shape, dt in zip(p.arg_shapes, p.arg_dtypes)
+        tensor_type(_signature_shape(p, shape), element_type(dt)) for shape, dt in zip(p.arg_shapes, p.arg_dtypes)
     ]
-    result_type = ir.RankedTensorType.get(list(p.result_shape), element_type(p.result_dtype))
+    result_type = tensor_type(_signature_shape(p, p.result_shape), element_type(p.result_dtype))
     fn = func.FuncOp(p.name, (arg_types, [result_type]))
     block = fn.add_entry_block()
     with ir.InsertionPoint(block):
@@ -57,6 +59,14 @@ def emit_kernel(plan: KernelPlan) -> None:
         else:
             result = _grad_weight(plan, args[0], args[1], bias)
         func.ReturnOp([result])
+
+
+def _signature_shape(p: ConvProblem, shape: tuple[int, ...]) -> list:
+    """Argument and result shapes; with `batch = ?` the N axis of activations is dynamic."""
+    sizes: list = list(shape)
+    if p.dynamic_batch and shape != p.w_shape:
+        sizes[p.batch_axis("x")] = ir.ShapedType.get_dynamic_size()
+    return sizes
 
 
 # --- shared pieces ------------------------------------------------------------------------------
@@ -74,7 +84,7 @@ def _round_operand(plan: KernelPlan, value: ir.Value, which: int) -> ir.Value:
     space = Space([(f"d{i}", PARALLEL) for i in range(rank)])
     ident = space.access(space.names, {n: space[n] for n in space.names})
     return generic(
-        space, [value], empty(shape_of(value), _operand_elem(plan, which, elem_of(value))), [ident, ident],
+        space, [value], empty(sizes_of(value), _operand_elem(plan, which, elem_of(value))), [ident, ident],
         lambda a, _: _round_scalar(plan, a, which),
     )
 
@@ -125,7 +135,16 @@ def _epilogue(p: ConvProblem, acc: ir.Value, bias: Optional[ir.Value]) -> ir.Val
         return convert(v, out_elem)
 
     inputs = [acc] + ([bias] if ep.has_tensor else [])
-    return generic(space, inputs, empty(shape_of(acc), out_elem), [ident] * (len(inputs) + 1), body)
+    return generic(space, inputs, empty(sizes_of(acc), out_elem), [ident] * (len(inputs) + 1), body)
+
+
+def _shape(p: ConvProblem, shape: tuple[int, ...], like: ir.Value) -> list:
+    """A static activation shape, with the batch taken from `like` when the batch is dynamic."""
+    sizes = list(shape)
+    if p.dynamic_batch:
+        axis = p.batch_axis("x")
+        sizes[axis] = sizes_of(like)[axis]
+    return sizes
 
 
 def _x_window(plan: KernelPlan, x: ir.Value, sp: list[int]) -> ir.Value:
@@ -170,7 +189,7 @@ def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value
     acc = generic(
         space,
         [x, w],
-        zeros(p.y_shape, ir.F32Type.get()),
+        zeros(_shape(p, p.y_shape, x), ir.F32Type.get()),
         [space.access(x_axes, x_map), space.access(w_axes, w_map), space.access(y_axes, y_map)],
         _multiply_add,
     )
@@ -192,8 +211,8 @@ def _grad_input(plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.V
     out_elem = element_type(p.result_dtype)
     # Residues that no tap reaches are zero: start from zeros unless every phase is written anyway.
     skip_empty = any(ph.empty for ph in plan.phases) and not p.epilogue.has_tensor
-    result = zeros(p.x_shape, out_elem) if skip_empty else empty(p.x_shape, out_elem)
-    full = list(p.x_shape)
+    full = _shape(p, p.x_shape, dy)
+    result = zeros(full, out_elem) if skip_empty else empty(full, out_elem)
     for ph in plan.phases:
         if ph.empty and skip_empty:
             continue
@@ -248,7 +267,7 @@ def _grad_input_phase(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value, sh
     dy_axes = activation_axes(p, "ch")
     sp = _spatial_positions(p, dy_axes)
     wph = _phase_weight(plan, ph, w)
-    full = shape_of(dy)
+    full = sizes_of(dy)
     offsets, sizes = [0] * len(full), list(full)
     for i, pos in enumerate(sp):
         d1 = ph.dims[i]
@@ -295,8 +314,8 @@ def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.
     wshape = list(p.w_shape)
     partials = []
     for a, b in plan.split.chunks:
-        x_off, x_size = [0] * len(shape_of(x)), shape_of(x)
-        y_off, y_size = [0] * len(shape_of(dy)), shape_of(dy)
+        x_off, x_size = [0] * len(shape_of(x)), sizes_of(x)
+        y_off, y_size = [0] * len(shape_of(dy)), sizes_of(dy)
         if plan.split.axis == "n":
             x_off[n_pos], x_size[n_pos] = a, b - a
             y_off[n_pos], y_size[n_pos] = a, b - a
