@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.iree_today import TODAY_FLAGS, today_mlir
+from benchmarks.iree_today import ORDERS, TODAY_FLAGS, today_mlir
 from benchmarks.suite import SUITE_PATH, load_suite, minimal_bytes, suite_padding
 from convdsl.problem import ConvProblem
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
@@ -82,13 +82,14 @@ CPU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("problem", CPU_CASES, ids=lambda p: f"{p.op}-{p.dims}d-{p.layout}-{p.dtype}"
                          f"-s{'x'.join(map(str, p.stride))}")
-def test_iree_today_forms_compute_the_convolution_on_cpu(problem):
+def test_iree_today_forms_compute_the_convolution_on_cpu(problem, order):
     from convdsl.backends.iree import LoadedModule, compile_mlir
 
     target = Target("cpu")
-    vmfb = compile_mlir(today_mlir([problem]), target, extra_flags=TODAY_FLAGS)
+    vmfb = compile_mlir(today_mlir([problem], order), target, extra_flags=TODAY_FLAGS)
     args = random_inputs(problem, seed=7)
     got = LoadedModule(vmfb, target).call(problem.name, *args, out_dtype=problem.result_dtype)
     assert got.shape == tuple(problem.result_shape)

@@ -1,0 +1,184 @@
+"""Compile the benchmark suite where iree-compile exists; the GPU machine then only loads .vmfb files.
+
+For each case (or --cases a,b) this writes to benchmarks/build/:
+  <case>.convdsl.vmfb   convdsl's kernel for --target cuda --arch ARCH
+  <case>.iree.vmfb      the "IREE as a user gets it today" forms (benchmarks/iree_today.py), compiled with
+                        IREE's defaults plus --iree-dispatch-creation-enable-split-reduction
+  <case>.convdsl.mlir / <case>.iree.mlir   the linalg each was compiled from
+  cases.json            per case: spec, op, args (kernel order, shapes, dtypes, layouts), result, flops, minimal
+                        bytes, the function name, which vmfbs exist and, for a form that failed, its first error line
+
+    python -m benchmarks.compile_suite [--cases a,b] [--arch sm_80] [--jobs 2] [--out benchmarks/build]
+                                       [--suite benchmarks/suite.toml] [--also-channel-major]
+
+--also-channel-major adds <case>.iree-chmajor.vmfb (impl "iree-today-channel-major"): the iree-today forms
+with torch-mlir's NCHW loop order on any layout, which IREE 3.13's CUDA backend miscompiled (see README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.suite import SUITE_PATH, load_suite  # noqa: E402
+
+DEFAULT_OUT = ROOT / "benchmarks" / "build"
+
+
+def _first_error(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    for ln in lines:
+        if "error" in ln.lower():
+            return ln[:400]
+    return (lines[0] if lines else type(err).__name__)[:400]
+
+
+def _git(*args: str) -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - not a checkout
+        return ""
+
+
+IMPL_FILES = {"convdsl": "convdsl", "iree-today": "iree", "iree-today-channel-major": "iree-chmajor"}
+
+
+def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH),
+                 impls: tuple[str, ...] = ("convdsl", "iree-today")) -> dict:
+    """Both forms of one case; never raises: a failure is recorded in the returned entry."""
+    import convdsl
+    from benchmarks.iree_today import TODAY_FLAGS, today_mlir
+    from convdsl.backends.iree import compile_mlir
+    from convdsl.compiler import manifest
+    from convdsl.passes import lower_to_mlir
+    from convdsl.targets import Target
+
+    out = Path(out_dir)
+    case = load_suite(suite, names=[name])[0]
+    p = case.problem
+    target = Target.parse("cuda", arch)
+    kernel = manifest([p], target)["kernels"][0]
+    entry = {
+        "name": name,
+        "source": case.source,
+        "op": p.op,
+        "problem": p.describe(),
+        "spec": kernel["spec"],
+        "function": kernel["function"],
+        "args": kernel["args"],
+        "result": kernel["result"],
+        "flops": case.flops,
+        "bytes": case.bytes,
+        "vmfbs": {},
+        "errors": {},
+        "compile_s": {},
+    }
+    for impl in impls:
+        suffix = IMPL_FILES[impl]
+        vmfb_path, mlir_path = out / f"{name}.{suffix}.vmfb", out / f"{name}.{suffix}.mlir"
+        for stale in (vmfb_path, mlir_path):
+            stale.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        try:
+            if impl == "convdsl":
+                mlir = lower_to_mlir([p], target)
+                mlir_path.write_text(mlir)
+                vmfb = convdsl.compile([p], target=target).vmfb
+            else:
+                mlir = today_mlir([p], "channel-major" if impl == "iree-today-channel-major" else "layout")
+                mlir_path.write_text(mlir)
+                vmfb = compile_mlir(mlir, target, extra_flags=TODAY_FLAGS)
+            vmfb_path.write_bytes(vmfb)
+            entry["vmfbs"][impl] = vmfb_path.name
+        except Exception as err:  # noqa: BLE001 - record and go on
+            entry["vmfbs"][impl] = None
+            entry["errors"][impl] = f"{impl}: compile failed: {_first_error(err)}"
+            (out / f"{name}.{suffix}.error.txt").write_text(
+                "".join(traceback.format_exception(type(err), err, err.__traceback__))
+            )
+        entry["compile_s"][impl] = round(time.perf_counter() - t0, 2)
+    return entry
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", help="comma-separated case names (default: all)")
+    ap.add_argument("--arch", default="sm_80", help="CUDA architecture for both forms (default sm_80)")
+    ap.add_argument("--jobs", type=int, default=2, help="compile processes (default 2)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default benchmarks/build)")
+    ap.add_argument("--suite", default=str(SUITE_PATH), help="suite file (default benchmarks/suite.toml)")
+    ap.add_argument("--also-channel-major", action="store_true",
+                    help="also compile the iree-today forms in channel-major loop order")
+    args = ap.parse_args(argv)
+
+    names = [c.name for c in load_suite(args.suite, names=args.cases.split(",") if args.cases else None)]
+    impls = ("convdsl", "iree-today") + (("iree-today-channel-major",) if args.also_channel_major else ())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.error.txt"):
+        if stale.name.split(".")[0] in names:
+            stale.unlink()
+
+    from importlib.metadata import version
+
+    t0 = time.perf_counter()
+    entries: dict[str, dict] = {}
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = {pool.submit(compile_case, n, args.arch, str(out), args.suite, impls): n for n in names}
+        for fut in as_completed(futures):
+            n = futures[fut]
+            try:
+                e = fut.result()
+            except Exception as err:  # noqa: BLE001 - a crashed worker
+                e = {"name": n, "vmfbs": {"convdsl": None, "iree-today": None},
+                     "errors": {"harness": f"compile_case crashed: {_first_error(err)}"}}
+            entries[n] = e
+            status = ", ".join(
+                f"{k}: {'ok' if v else 'FAILED'} ({e.get('compile_s', {}).get(k, '?')} s)"
+                for k, v in e["vmfbs"].items()
+            )
+            print(f"{n:24s} {status}", flush=True)
+            for msg in e.get("errors", {}).values():
+                print(f"    {msg}", flush=True)
+
+    manifest = {
+        "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "target": "cuda",
+        "suite": str(Path(args.suite).resolve().relative_to(ROOT)) if Path(args.suite).resolve().is_relative_to(ROOT)
+        else args.suite,
+        "arch": args.arch,
+        "iree_compiler_version": version("iree-base-compiler"),
+        "convdsl_commit": _git("rev-parse", "HEAD"),
+        "convdsl_dirty": bool(_git("status", "--porcelain", "--", "convdsl")),
+        "iree_today_flags": list(__import__("benchmarks.iree_today", fromlist=["TODAY_FLAGS"]).TODAY_FLAGS),
+        "cases": [entries[n] for n in names],
+    }
+    # merge with an existing manifest when only some cases were rebuilt
+    path = out / "cases.json"
+    if args.cases and path.exists():
+        old = json.loads(path.read_text())
+        if old.get("arch") == args.arch:
+            merged = {c["name"]: c for c in old.get("cases", [])}
+            merged.update(entries)
+            order = [c.name for c in load_suite(args.suite)]
+            manifest["cases"] = [merged[n] for n in order if n in merged]
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    failed = sum(1 for e in entries.values() for v in e["vmfbs"].values() if not v)
+    print(f"wrote {path}: {len(manifest['cases'])} cases, {failed} form(s) failed to compile, "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
