@@ -51,7 +51,14 @@ def _git(*args: str) -> str:
         return ""
 
 
-IMPL_FILES = {"convdsl": "convdsl", "iree-today": "iree", "iree-today-channel-major": "iree-chmajor"}
+IMPL_FILES = {
+    "convdsl": "convdsl",
+    "iree-today": "iree",
+    "iree-today-channel-major": "iree-chmajor",
+    # experiments: convdsl with IREE's own split reduction, and with split-K off (grad_weight)
+    "convdsl+sr": "convdsl-sr",
+    "convdsl-sk1+sr": "convdsl-sk1-sr",
+}
 
 
 def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH),
@@ -95,6 +102,11 @@ def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH
                 mlir = lower_to_mlir([p], target)
                 mlir_path.write_text(mlir)
                 vmfb = convdsl.compile([p], target=target).vmfb
+            elif impl.startswith("convdsl"):
+                q = p.with_(split_k=1) if "sk1" in impl and p.op == "grad_weight" else p
+                mlir = lower_to_mlir([q], target)
+                mlir_path.write_text(mlir)
+                vmfb = compile_mlir(mlir, target, extra_flags=TODAY_FLAGS if impl.endswith("+sr") else ())
             else:
                 mlir = today_mlir([p], "channel-major" if impl == "iree-today-channel-major" else "layout")
                 mlir_path.write_text(mlir)
@@ -120,10 +132,15 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", default=str(SUITE_PATH), help="suite file (default benchmarks/suite.toml)")
     ap.add_argument("--also-channel-major", action="store_true",
                     help="also compile the iree-today forms in channel-major loop order")
+    ap.add_argument("--variants", default="", help="extra convdsl variants, comma-separated: convdsl+sr, convdsl-sk1+sr")
     args = ap.parse_args(argv)
 
     names = [c.name for c in load_suite(args.suite, names=args.cases.split(",") if args.cases else None)]
     impls = ("convdsl", "iree-today") + (("iree-today-channel-major",) if args.also_channel_major else ())
+    impls += tuple(v for v in args.variants.split(",") if v)
+    unknown = [v for v in impls if v not in IMPL_FILES]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; known: {', '.join(IMPL_FILES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.error.txt"):

@@ -143,15 +143,20 @@ class SplitK:
 
 
 def auto_split_k(p: ConvProblem) -> int:
-    """S from the shape: enough output tiles to fill a GPU, chunks long enough to amortise the partials.
+    """S from the shape: enough parallel work to fill a GPU, chunks long enough to amortise the partials.
 
-    Output tiles ~ G * ceil(K/64) * ceil(C*taps/64); aim for ~256 tiles*chunks, keep each chunk
-    at least 4096 reduction steps, and at most 32 partials.
+    GEMM-like: output tiles ~ G * ceil(K/64) * ceil(C*taps/64); aim for ~256 tiles*chunks.
+    Depthwise (C = K = 1): the output is only G*taps values, each a long memory-bound reduction;
+    aim for ~64k independent partial sums.  Either way each chunk keeps >= 4096 reduction steps
+    and there are at most 64 partials.
     """
     reduction = p.batch * math.prod(p.output)
-    tiles = p.groups * -(-p.out_channels // 64) * -(-(p.in_channels * math.prod(p.filter)) // 64)
-    s = max(1, min(256 // max(tiles, 1), reduction // 4096, 32))
-    return s
+    if p.depthwise:
+        want = -(-65536 // (p.groups * math.prod(p.filter)))
+    else:
+        tiles = p.groups * -(-p.out_channels // 64) * -(-(p.in_channels * math.prod(p.filter)) // 64)
+        want = 256 // max(tiles, 1)
+    return max(1, min(want, reduction // 4096, 64))
 
 
 def plan_split_k(p: ConvProblem) -> SplitK:
@@ -162,6 +167,11 @@ def plan_split_k(p: ConvProblem) -> SplitK:
         # chunk bounds must be static: with `batch = ?` only the output rows can be cut
         parts = min(parts, o0)
         return SplitK(parts, "o0", tuple(split_chunks(o0, parts)))
+    if p.split_k is None and parts > 1:
+        # auto: the largest S <= the target that divides N, so that all chunks are equal and the
+        # split is one dispatch (a reshape of N into S x N/S); S = 1 when N has no such divisor
+        parts = max(s for s in range(1, min(parts, p.batch) + 1) if p.batch % s == 0)
+        return SplitK(parts, "n", tuple(split_chunks(p.batch, parts)))
     if p.batch >= parts:
         axis, length = "n", p.batch
     elif o0 >= parts:

@@ -166,3 +166,16 @@ def test_dynamic_batch_module_serves_every_batch(layout):
             assert got.shape == concrete.result_shape
             err = relative_error(np.asarray(got, dtype=np.float64), reference(concrete, *inputs))
             assert err <= tolerance(concrete), (n, p.op, err)
+
+
+@pytest.mark.parametrize("op", ["forward", "grad_input", "grad_weight", "transposed"])
+def test_ngchw_channels_last_detour_is_exact(op, monkeypatch):
+    # On GPUs, NGCHW kernels run channels-last between two layout copies (IREE miscompiles the
+    # channel-first form there); check that detour on the CPU, where it can be compared.
+    import convdsl.passes.plan as plan_module
+
+    monkeypatch.setattr(plan_module, "CHANNELS_LAST_BACKENDS", ("cpu",))
+    p = BASE.with_(op=op, layout="NGCHW", weight_layout="GKCYX", dtype="bf16", dynamic_batch=True,
+                   epilogue=Epilogue("bilinear", 0.5, 1.5) if op != "grad_weight" else Epilogue("scale", 2.0))
+    assert "layout: NGCHW activations copied to NHWGC" in plan_module.plan_kernel(p, CPU).describe()
+    check(p)

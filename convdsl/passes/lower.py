@@ -50,15 +50,41 @@ def emit_kernel(plan: KernelPlan) -> None:
     block = fn.add_entry_block()
     with ir.InsertionPoint(block):
         args = list(block.arguments)
-        bias = args[2] if p.epilogue.has_tensor else None
-        if p.op == "forward":
-            result = _forward(plan, args[0], args[1], bias)
-        elif p.op in ("grad_input", "transposed"):
-            # transposed(x, w) is grad_input's arithmetic with x in dY's place
-            result = _grad_input(plan, args[0], args[1], bias)
+        if plan.channels_last is not None:
+            # NGCHW on a GPU: run the channels-last kernel between two layout copies (see plan.py)
+            inner = plan.channels_last
+            args = [_relayout(p, inner.problem, a) if shape != p.w_shape else a
+                    for a, shape in zip(args, p.arg_shapes)]
+            result = _emit_op(inner, args)
+            if p.result_shape != p.w_shape:
+                result = _relayout(inner.problem, p, result)
         else:
-            result = _grad_weight(plan, args[0], args[1], bias)
+            result = _emit_op(plan, args)
         func.ReturnOp([result])
+
+
+def _emit_op(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
+    p = plan.problem
+    bias = args[2] if p.epilogue.has_tensor else None
+    if p.op == "forward":
+        return _forward(plan, args[0], args[1], bias)
+    if p.op in ("grad_input", "transposed"):
+        # transposed(x, w) is grad_input's arithmetic with x in dY's place
+        return _grad_input(plan, args[0], args[1], bias)
+    return _grad_weight(plan, args[0], args[1], bias)
+
+
+def _relayout(src: ConvProblem, dst: ConvProblem, value: ir.Value) -> ir.Value:
+    """Copy an activation from src's layout to dst's (a transpose as one elementwise generic)."""
+    src_axes, dst_axes = activation_axes(src, "ch"), activation_axes(dst, "ch")
+    space = Space([(a, PARALLEL) for a in dst_axes])
+    sizes = sizes_of(value)
+    out_sizes = [sizes[src_axes.index(a)] for a in dst_axes]
+    ident = {a: space[a] for a in dst_axes}
+    return generic(
+        space, [value], empty(out_sizes, elem_of(value)),
+        [space.access(src_axes, ident), space.access(dst_axes, ident)], lambda v, _: v,
+    )
 
 
 def _signature_shape(p: ConvProblem, shape: tuple[int, ...]) -> list:
@@ -157,10 +183,28 @@ def _x_window(plan: KernelPlan, x: ir.Value, sp: list[int]) -> ir.Value:
     )
 
 
-def _channel_loops(p: ConvProblem, *names: str) -> list[str]:
-    """K and C loops exist only when the GEMM has channels: depthwise (C = K = 1) drops them,
-    leaving a stencil (forward, grad_input) or a plain reduction (grad_weight) bound by memory."""
-    return [] if p.depthwise else list(names)
+def _contraction_space(
+    p: ConvProblem,
+    out_axes: list[str],
+    out_loops: dict[str, str],
+    image_axes: list[str],
+    reduction_loops: dict[str, str],
+) -> Space:
+    """Loops in the order of the tensors' memory: parallel loops follow the result's axes,
+    reduction loops the image operand's.
+
+    Why: IREE 3.13's CUDA backend miscompiles f16/bf16 implicit GEMMs whose loop order disagrees
+    with the layout (convdsl's NGCHW grad_input and forward came out wrong on an H200 with
+    (g, n, q, c | j, k); the same op with (n, g, c, q | k, j) is right; see benchmarks/README.md).
+    Following the memory order is also the natural order for coalesced tiles.
+    """
+    # depthwise (C = K = 1) has no K or C loop: a stencil (forward, grad_input) or a plain
+    # reduction (grad_weight), bound by memory, never a GEMM with K = 1
+    channel_loops = {"k", "c"}
+    keep = (lambda loop: loop not in channel_loops) if p.depthwise else (lambda loop: True)
+    loops = [(out_loops[a], PARALLEL) for a in out_axes if a in out_loops and keep(out_loops[a])]
+    loops += [(reduction_loops[a], REDUCTION) for a in image_axes if a in reduction_loops and keep(reduction_loops[a])]
+    return Space(loops)
 
 
 # --- forward: Y[n, o, g, k] = sum_{t, c} X[n, o*s + t*d - lo, g, c] * W[g, k, t, c] -------------
@@ -173,11 +217,10 @@ def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value
     x = _x_window(plan, x, sp)
     o = [f"o{i}" for i in range(p.dims)]
     t = [f"t{i}" for i in range(p.dims)]
-    space = Space(
-        [("g", PARALLEL), ("n", PARALLEL), *[(n, PARALLEL) for n in o]]
-        + [(n, PARALLEL) for n in _channel_loops(p, "k")]
-        + [(n, REDUCTION) for n in t]
-        + [(n, REDUCTION) for n in _channel_loops(p, "c")]
+    space = _contraction_space(
+        p,
+        y_axes, {"n": "n", "g": "g", "ch": "k", **{f"sp{i}": o[i] for i in range(p.dims)}},
+        x_axes, {"ch": "c", **{f"sp{i}": t[i] for i in range(p.dims)}},
     )
     x_map = {"n": space["n"], "g": space["g"]}
     for i in range(p.dims):
@@ -276,11 +319,10 @@ def _grad_input_phase(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value, sh
     window = extract(dy, offsets, sizes, [1] * len(full))
     q = [f"q{i}" for i in range(p.dims)]
     j = [f"j{i}" for i in range(p.dims)]
-    space = Space(
-        [("g", PARALLEL), ("n", PARALLEL), *[(n, PARALLEL) for n in q]]
-        + [(n, PARALLEL) for n in _channel_loops(p, "c")]
-        + [(n, REDUCTION) for n in j]
-        + [(n, REDUCTION) for n in _channel_loops(p, "k")]
+    space = _contraction_space(
+        p,
+        dy_axes, {"n": "n", "g": "g", "ch": "c", **{f"sp{i}": q[i] for i in range(p.dims)}},
+        dy_axes, {"ch": "k", **{f"sp{i}": j[i] for i in range(p.dims)}},
     )
     dy_map = {"n": space["n"], "g": space["g"]}
     for i in range(p.dims):
@@ -312,6 +354,9 @@ def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.
         x, dy = _round_operand(plan, x, 0), _round_operand(plan, dy, 1)
     x = _x_window(plan, x, sp)
     wshape = list(p.w_shape)
+    sizes = {b - a for a, b in plan.split.chunks}
+    if plan.split.axis == "n" and len(plan.split.chunks) > 1 and len(sizes) == 1:
+        return _grad_weight_uniform_split(plan, x, dy, bias, n_pos)
     partials = []
     for a, b in plan.split.chunks:
         x_off, x_size = [0] * len(shape_of(x)), sizes_of(x)
@@ -335,11 +380,72 @@ def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.
     stacked = empty([len(partials), *wshape], f32)
     for i, part in enumerate(partials):
         stacked = insert(part, stacked, [i] + [0] * len(wshape), [1] * (len(wshape) + 1), [1, *wshape])
+    return _sum_partials(p, stacked, bias)
+
+
+def _sum_partials(p: ConvProblem, stacked: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+    """dW = epilogue(sum_s P[s]): the partials are added in chunk order, so every run gives the same bits."""
+    f32 = ir.F32Type.get()
+    wshape = list(p.w_shape)
     space = Space([(f"d{i}", PARALLEL) for i in range(len(wshape))] + [("s", REDUCTION)])
     in_map = space.access(["s", *space.names[:-1]], {n: space[n] for n in space.names})
     out_map = space.access(space.names[:-1], {n: space[n] for n in space.names})
     total = generic(space, [stacked], zeros(wshape, f32), [in_map, out_map], lambda v, acc: arith.addf(acc, v))
     return _epilogue(p, total, bias)
+
+
+def _grad_weight_uniform_split(
+    plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.Value], n_pos: int
+) -> ir.Value:
+    """Equal chunks along the batch: one generic with a parallel chunk loop s.
+
+    N = S * B: X[.., n, ..] is viewed as X[.., s, b, ..] (tensor.expand_shape, no copy), and
+    P[s, g, k, t, c] = sum_{b, o} X[.., s, b, o*s + t*d, ..] * dY[.., s, b, o, ..] in one dispatch whose
+    parallel extent is S times the weight's: the S partials fill the GPU when G*K*C*taps alone cannot.
+    """
+    p = plan.problem
+    parts = plan.split.parts
+    x_axes, w_axes = activation_axes(p, "ch"), weight_axes(p)
+    xs = _split_axis(x, n_pos, parts)
+    dys = _split_axis(dy, n_pos, parts)
+    split_axes = x_axes[:n_pos] + ["s", "n"] + x_axes[n_pos + 1:]
+    o = [f"o{i}" for i in range(p.dims)]
+    t = [f"t{i}" for i in range(p.dims)]
+    out_axes = ["s", *w_axes]
+    space = _contraction_space(
+        p,
+        out_axes, {"s": "s", "g": "g", "k": "k", "c": "c", **{f"t{i}": t[i] for i in range(p.dims)}},
+        split_axes, {"n": "n", **{f"sp{i}": o[i] for i in range(p.dims)}},
+    )
+    x_map = {"s": space["s"], "n": space["n"], "g": space["g"]}
+    for i in range(p.dims):
+        x_map[f"sp{i}"] = space[o[i]] * p.stride[i] + space[t[i]] * p.dilation[i]
+    y_map = {"s": space["s"], "n": space["n"], "g": space["g"], **{f"sp{i}": space[o[i]] for i in range(p.dims)}}
+    w_map = {"s": space["s"], "g": space["g"], **{f"t{i}": space[t[i]] for i in range(p.dims)}}
+    if not p.depthwise:
+        x_map["ch"], y_map["ch"], w_map["k"], w_map["c"] = space["c"], space["k"], space["k"], space["c"]
+    stacked = generic(
+        space,
+        [xs, dys],
+        zeros([parts, *p.w_shape], ir.F32Type.get()),
+        [space.access(split_axes, x_map), space.access(split_axes, y_map), space.access(out_axes, w_map)],
+        _multiply_add,
+    )
+    return _sum_partials(p, stacked, bias)
+
+
+def _split_axis(value: ir.Value, axis: int, parts: int) -> ir.Value:
+    """View axis `axis` (length L) as (parts, L / parts): tensor.expand_shape, a reshape without a copy."""
+    shape = shape_of(value)
+    new_shape = shape[:axis] + [parts, shape[axis] // parts] + shape[axis + 1:]
+    groups, k = [], 0
+    for a in range(len(shape)):
+        groups.append([k, k + 1] if a == axis else [k])
+        k += len(groups[-1])
+    reassociation = ir.ArrayAttr.get(
+        [ir.ArrayAttr.get([ir.IntegerAttr.get(ir.IntegerType.get_signless(64), i) for i in g]) for g in groups]
+    )
+    return tensor.ExpandShapeOp(tensor_type(new_shape, elem_of(value)), value, reassociation, [], new_shape).result
 
 
 def _grad_weight_chunk(plan: KernelPlan, x: ir.Value, dy: ir.Value) -> ir.Value:
@@ -348,12 +454,10 @@ def _grad_weight_chunk(plan: KernelPlan, x: ir.Value, dy: ir.Value) -> ir.Value:
     o_sizes = [shape_of(dy)[pos] for pos in _spatial_positions(p, x_axes)]
     o = [f"o{i}" for i in range(p.dims)]
     t = [f"t{i}" for i in range(p.dims)]
-    space = Space(
-        [("g", PARALLEL)]
-        + [(n, PARALLEL) for n in _channel_loops(p, "k")]
-        + [(n, PARALLEL) for n in t]
-        + [(n, PARALLEL) for n in _channel_loops(p, "c")]
-        + [("n", REDUCTION), *[(n, REDUCTION) for n in o]]
+    space = _contraction_space(
+        p,
+        w_axes, {"g": "g", "k": "k", "c": "c", **{f"t{i}": t[i] for i in range(p.dims)}},
+        x_axes, {"n": "n", **{f"sp{i}": o[i] for i in range(p.dims)}},
     )
     x_map = {"n": space["n"], "g": space["g"]}
     for i in range(p.dims):

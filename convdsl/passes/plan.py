@@ -22,6 +22,8 @@ class KernelPlan:
     x_pad_lo: tuple[int, ...] = ()  # forward / grad_weight
     x_pad_hi: tuple[int, ...] = ()
     split: Optional[SplitK] = None  # grad_weight
+    # GPU + NGCHW: the plan of the same kernel in NHWGC, run between layout copies
+    channels_last: Optional["KernelPlan"] = None
 
     def describe(self) -> str:
         p = self.problem
@@ -50,6 +52,9 @@ class KernelPlan:
                 lines.append(f"    residue {list(ph.residue)}: sizes {list(ph.sizes)}, taps {'; '.join(taps)}")
         if self.x_pad_lo:
             lines.append(f"  X window: pad lo={list(self.x_pad_lo)}, hi={list(self.x_pad_hi)} (negative = crop)")
+        if self.channels_last is not None:
+            lines.append("  layout: NGCHW activations copied to NHWGC and back around the kernel below (GPU)")
+            lines.extend("  " + ln for ln in self.channels_last.describe().splitlines()[1:])
         if self.split:
             lines.append(
                 f"  split-K: S={self.split.parts} along {self.split.axis}, chunks {list(self.split.chunks)};"
@@ -64,7 +69,21 @@ def _act(p: ConvProblem, name: str) -> str:
     return p.layout_name("x" if name in ("x", "d") else "y")
 
 
+# Backends whose NGCHW kernels run channels-last between layout copies (see plan_kernel).
+CHANNELS_LAST_BACKENDS = ("cuda", "rocm")
+
+
 def plan_kernel(problem: ConvProblem, target: Target) -> KernelPlan:
+    if problem.layout == "NGCHW" and target.backend in CHANNELS_LAST_BACKENDS:
+        # IREE 3.13's GPU backends miscompile channel-first implicit GEMMs in f16/bf16 (wrong results
+        # on an H200 for forward, grad_input and grad_weight, whatever the loop order; f32 was right):
+        # run the kernel channels-last, between two layout copies.  Measured: benchmarks/README.md.
+        inner = _plan(problem.with_(layout="NHWGC"), target)
+        return KernelPlan(problem, target, inner.form, inner.compute_a, inner.compute_b, channels_last=inner)
+    return _plan(problem, target)
+
+
+def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
     compute_a = compute_b = None
     if problem.compute:
         if target.fp8_native:
