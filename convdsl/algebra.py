@@ -160,24 +160,19 @@ def auto_split_k(p: ConvProblem) -> int:
 
 
 def plan_split_k(p: ConvProblem) -> SplitK:
-    """Split along the batch when it has enough samples, else along the outermost output dimension."""
+    """Chunks along the batch: S = split_k (or auto), at most N; `batch = ?` does not split (S = 1).
+
+    Cutting along output rows instead was tried and dropped: IREE 3.13's CUDA backend fails to
+    bufferize those chunks ("failed to bufferize op"), so a forced split_k larger than N is
+    clamped to N (the plan printed by `convdsl explain` shows the S used).
+    """
     parts = p.split_k if p.split_k is not None else auto_split_k(p)
-    o0 = p.output[0]
     if p.dynamic_batch:
-        # chunk bounds must be static: with `batch = ?` only the output rows can be cut
-        parts = min(parts, o0)
-        return SplitK(parts, "o0", tuple(split_chunks(o0, parts)))
+        # chunk bounds must be static; IREE's own split reduction still applies on GPUs
+        return SplitK(1, "n", ((0, p.batch),))
+    parts = min(parts, p.batch)
     if p.split_k is None and parts > 1:
         # auto: the largest S <= the target that divides N, so that all chunks are equal and the
         # split is one dispatch (a reshape of N into S x N/S); S = 1 when N has no such divisor
-        parts = max(s for s in range(1, min(parts, p.batch) + 1) if p.batch % s == 0)
-        return SplitK(parts, "n", tuple(split_chunks(p.batch, parts)))
-    if p.batch >= parts:
-        axis, length = "n", p.batch
-    elif o0 >= parts:
-        axis, length = "o0", o0
-    else:
-        # fewer samples and rows than requested chunks: use the longer axis fully
-        axis, length = ("n", p.batch) if p.batch >= o0 else ("o0", o0)
-        parts = length
-    return SplitK(parts, axis, tuple(split_chunks(length, parts)))
+        parts = max(s for s in range(1, parts + 1) if p.batch % s == 0)
+    return SplitK(parts, "n", tuple(split_chunks(p.batch, parts)))

@@ -131,7 +131,15 @@ def key_material(problems: Sequence[ConvProblem], target: Target, extra_flags: S
         "convdsl_version": _convdsl_version(),
         "convdsl_source": source_digest(),
         "iree_version": iree_version(),
+        # the tuned (or heuristic) lowering knobs of each kernel: a new tuning database misses
+        "knobs": [_knobs_for(p, target) for p in problems],
     }
+
+
+def _knobs_for(p: ConvProblem, target: Target) -> dict:
+    from .tuning.db import knobs_for
+
+    return knobs_for(p, target).as_dict()
 
 
 def cache_key(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = ()) -> str:
@@ -237,6 +245,21 @@ def clear() -> int:
     return removed
 
 
+def _compile(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str]) -> bytes:
+    """lower -> iree-compile, with each kernel's tuned knobs on GPU targets."""
+    from .passes import lower_to_mlir
+    from .tuning.db import knobs_for
+
+    mlir = lower_to_mlir(problems, target)
+    knobs = {p.name: knobs_for(p, target) for p in problems}
+    if target.backend == "cpu" or all(k.is_default for k in knobs.values()):
+        # looked up through the module so that a monkeypatched compile_mlir (tests, tracing) is honoured
+        return _iree.compile_mlir(mlir, target, extra_flags)
+    from .tuning.knobs import compile_with_knobs
+
+    return compile_with_knobs(mlir, target, knobs, extra_flags)
+
+
 def compile_cached(
     problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = (), *, refresh: bool = False
 ) -> bytes:
@@ -244,16 +267,13 @@ def compile_cached(
 
     `refresh=True` skips the lookup and overwrites the entry (used when a cached module failed to load).
     """
-    from .passes import lower_to_mlir
-
     problems = list(problems)
     key = cache_key(problems, target, extra_flags)
     if not refresh:
         cached = load(key)
         if cached is not None:
             return cached
-    # Looked up through the module so that a monkeypatched compile_mlir (tests, tracing) is honoured.
-    vmfb = _iree.compile_mlir(lower_to_mlir(problems, target), target, extra_flags)
+    vmfb = _compile(problems, target, extra_flags)
     stats.compiles += 1
     store(key, vmfb)
     return vmfb

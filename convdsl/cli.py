@@ -107,6 +107,24 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .compiler import load_problems, resolve_target
+    from .tuning.tune import candidates, collect
+
+    target = resolve_target(args.target, args.arch)
+    if args.phase == "candidates":
+        path = candidates(load_problems(args.file, args.batch), target, Path(args.out), jobs=args.jobs)
+        print(f"wrote {path}; time the candidates on the GPU machine with:\n"
+              f"  python3 benchmarks/gpu_bench.py --build {args.out} --out RESULTS\n"
+              f"then: convdsl tune collect RESULTS/<device>-<date>.json --cases {path}")
+        return 0
+    chosen = collect(Path(args.file), Path(args.cases), target)
+    for name, (label, base, best) in chosen.items():
+        print(f"{name:<24} {label:<12} {base:8.3f} ms -> {best:8.3f} ms")
+    print(f"{len(chosen)} kernels tuned into the database for {target}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="convdsl", description="A compiler for convolution gradients.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kernel", default=None)
     e.add_argument("--stage", default="all")
     e.set_defaults(fn=cmd_explain)
+
+    t = sub.add_parser("tune", help="autotune: compile candidates here, time them on the GPU, collect the best")
+    t.add_argument("phase", choices=("candidates", "collect"))
+    t.add_argument("file", help="candidates: a .conv file; collect: the results JSON from gpu_bench.py")
+    t.add_argument("--target", default="cuda", choices=BACKENDS)
+    t.add_argument("--arch", default=None)
+    t.add_argument("--batch", type=int, default=None)
+    t.add_argument("--out", default="tune-build", help="candidates: output folder")
+    t.add_argument("--cases", default=None, help="collect: the cases.json that phase 1 wrote")
+    t.add_argument("--jobs", type=int, default=2)
+    t.set_defaults(fn=cmd_tune)
 
     k = sub.add_parser("check", help="validate a .conv file without compiling")
     k.add_argument("file")

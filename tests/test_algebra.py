@@ -76,10 +76,9 @@ def _problem(**kw) -> ConvProblem:
 def test_split_k_plan_covers_the_reduction(batch, parts, rows):
     p = _problem(batch=batch, input=(rows, 5), split_k=parts)
     plan = plan_split_k(p)
-    length = p.batch if plan.axis == "n" else p.output[0]
     steps = [k for a, b in plan.chunks for k in range(a, b)]
-    assert steps == list(range(length))  # each sample (or output row) in exactly one chunk
-    assert plan.parts == len(plan.chunks) and all(b > a for a, b in plan.chunks)
+    assert steps == list(range(p.batch))  # each sample in exactly one chunk
+    assert plan.parts == len(plan.chunks) == min(parts, batch) and all(b > a for a, b in plan.chunks)
 
 
 def test_auto_split_k_grows_with_the_reduction():

@@ -106,8 +106,15 @@ def test_split_k_is_bitwise_deterministic_and_close_to_unsplit():
     assert relative_error(first.astype(np.float64), unsplit.astype(np.float64)) < 1e-6
 
 
-def test_split_k_along_output_rows_when_batch_is_small():
-    check(BASE.with_(op="grad_weight", batch=1, split_k=3))
+def test_split_k_uneven_chunks_and_clamped_to_the_batch():
+    from convdsl.algebra import plan_split_k
+
+    uneven = BASE.with_(op="grad_weight", batch=5, split_k=3)  # chunks of 1, 2, 2 samples
+    assert [b - a for a, b in plan_split_k(uneven).chunks] == [1, 2, 2]
+    check(uneven)
+    clamped = BASE.with_(op="grad_weight", batch=2, split_k=4)
+    assert plan_split_k(clamped).parts == 2
+    check(clamped)
 
 
 def test_phase_that_no_tap_reaches_is_zero():

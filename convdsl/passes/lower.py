@@ -355,32 +355,36 @@ def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.
     x = _x_window(plan, x, sp)
     wshape = list(p.w_shape)
     sizes = {b - a for a, b in plan.split.chunks}
-    if plan.split.axis == "n" and len(plan.split.chunks) > 1 and len(sizes) == 1:
+    if len(plan.split.chunks) == 1:
+        # no split: the whole (possibly dynamic) batch in one contraction
+        return _epilogue(p, _grad_weight_chunk(plan, x, dy), bias)
+    if len(sizes) == 1:
         return _grad_weight_uniform_split(plan, x, dy, bias, n_pos)
     partials = []
     for a, b in plan.split.chunks:
         x_off, x_size = [0] * len(shape_of(x)), sizes_of(x)
         y_off, y_size = [0] * len(shape_of(dy)), sizes_of(dy)
-        if plan.split.axis == "n":
-            x_off[n_pos], x_size[n_pos] = a, b - a
-            y_off[n_pos], y_size[n_pos] = a, b - a
-        else:
-            # output rows [a, b) read padded input rows [a*s, (b-1)*s + (R-1)*d + 1)
-            s0, d0, r0 = p.stride[0], p.dilation[0], p.filter[0]
-            x_off[sp[0]], x_size[sp[0]] = a * s0, (b - 1 - a) * s0 + (r0 - 1) * d0 + 1
-            y_off[sp[0]], y_size[sp[0]] = a, b - a
+        x_off[n_pos], x_size[n_pos] = a, b - a
+        y_off[n_pos], y_size[n_pos] = a, b - a
         partials.append(
             _grad_weight_chunk(
                 plan, extract(x, x_off, x_size, [1] * len(x_off)), extract(dy, y_off, y_size, [1] * len(y_off))
             )
         )
-    if len(partials) == 1:
-        return _epilogue(p, partials[0], bias)
-    f32 = ir.F32Type.get()
-    stacked = empty([len(partials), *wshape], f32)
-    for i, part in enumerate(partials):
-        stacked = insert(part, stacked, [i] + [0] * len(wshape), [1] * (len(wshape) + 1), [1, *wshape])
-    return _sum_partials(p, stacked, bias)
+    # Uneven chunks: one elementwise generic adds the S partials, left to right (deterministic).
+    # (Stacking them with tensor.insert_slice into one [S, ...] tensor fails to bufferize on CUDA.)
+    rank = len(wshape)
+    space = Space([(f"d{i}", PARALLEL) for i in range(rank)])
+    ident = space.access(space.names, {n: space[n] for n in space.names})
+
+    def add_in_order(*elems: ir.Value) -> ir.Value:
+        total = elems[0]
+        for v in elems[1:-1]:
+            total = arith.addf(total, v)
+        return total
+
+    total = generic(space, partials, empty(wshape, ir.F32Type.get()), [ident] * (len(partials) + 1), add_in_order)
+    return _epilogue(p, total, bias)
 
 
 def _sum_partials(p: ConvProblem, stacked: ir.Value, bias: Optional[ir.Value]) -> ir.Value:

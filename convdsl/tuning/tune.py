@@ -1,0 +1,112 @@
+"""`convdsl tune`: candidates compiled here, timed where the GPU is, the fastest correct one kept.
+
+Phase 1 (where iree-compile runs):  `convdsl tune candidates FILE.conv --target cuda --out DIR`
+    writes DIR/<kernel>.<impl>.vmfb for IREE's default config ("convdsl") and each knob set
+    ("convdsl@n2-m2", ...), and DIR/cases.json in the format benchmarks/gpu_bench.py reads.
+Phase 2 (on the GPU machine, with iree.runtime, NumPy and PyTorch):
+    python3 benchmarks/gpu_bench.py --build DIR --out RESULTS
+    verifies every candidate against PyTorch and times it.
+Phase 3 (here):  `convdsl tune collect RESULTS/<device>-<date>.json --cases DIR/cases.json`
+    keeps, per kernel, the fastest candidate that was correct and beat IREE's default by 3% or more,
+    in convdsl/tuning/db.json, keyed by problem signature, target and IREE version.
+"""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..problem import ConvProblem, problem_from_spec
+from ..targets import Target
+from .db import DB_PATH, signature, target_key
+from .knobs import Knobs, parse_label
+
+# Knob sets tried for every kernel.  k-scaling up (k2) is left out: on an H200 it produced a kernel
+# that faulted (illegal address) for the ResNet stem's grad_weight.
+CANDIDATES: tuple[Knobs, ...] = (
+    Knobs(n_scale=2), Knobs(m_scale=2), Knobs(n_scale=2, m_scale=2), Knobs(k_scale=0.5), Knobs(prefetch=3),
+    Knobs(n_scale=2, m_scale=2, prefetch=3), Knobs(m_scale=2, k_scale=0.5),
+)
+MIN_GAIN = 0.03
+
+
+def _minimal_bytes(p: ConvProblem) -> int:
+    from ..reference import NUMPY_DTYPES
+    import numpy as np
+
+    size = lambda shape, dt: int(np.prod(shape)) * np.dtype(NUMPY_DTYPES[dt]).itemsize  # noqa: E731
+    return sum(size(s, d) for s, d in zip(p.arg_shapes, p.arg_dtypes)) + size(p.result_shape, p.result_dtype)
+
+
+def _compile_one(spec: dict, target: Target, out_dir: str, impl: str) -> tuple[str, Optional[str], Optional[str]]:
+    from ..backends.iree import compile_mlir
+    from ..passes import lower_to_mlir
+    from .knobs import compile_with_knobs
+
+    p = problem_from_spec(spec)
+    path = Path(out_dir) / f"{p.name}.{impl.replace('@', '-at-')}.vmfb"
+    try:
+        mlir = lower_to_mlir([p], target)
+        if impl == "convdsl":
+            vmfb = compile_mlir(mlir, target)
+        else:
+            vmfb = compile_with_knobs(mlir, target, {p.name: parse_label(impl.split("@", 1)[1])}, strict=True)
+        path.write_bytes(vmfb)
+        return impl, path.name, None
+    except Exception as err:  # noqa: BLE001 - a candidate IREE rejects is recorded, not fatal
+        first = next((ln for ln in str(err).splitlines() if "error" in ln), str(err).splitlines()[0])
+        return impl, None, first[:300]
+
+
+def candidates(problems: Sequence[ConvProblem], target: Target, out_dir: Path, jobs: int = 2) -> Path:
+    """Phase 1: compile IREE's default and every knob set for each kernel; write cases.json."""
+    from ..compiler import manifest, problem_to_spec
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    impls = ["convdsl", *(f"convdsl@{k.label()}" for k in CANDIDATES)]
+    cases = []
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for p in problems:
+            kernel = manifest([p], target)["kernels"][0]
+            futures = [pool.submit(_compile_one, problem_to_spec(p), target, str(out_dir), i) for i in impls]
+            results = [f.result() for f in futures]
+            cases.append({
+                "name": p.name, "source": "convdsl tune", "op": p.op, "problem": p.describe(),
+                "spec": kernel["spec"], "function": p.name, "args": kernel["args"], "result": kernel["result"],
+                "flops": p.flops, "bytes": _minimal_bytes(p),
+                "vmfbs": {impl: name for impl, name, _ in results},
+                "errors": {impl: err for impl, _, err in results if err},
+            })
+            print(f"{p.name}: " + ", ".join(f"{i}: {'ok' if n else 'failed'}" for i, n, _ in results), flush=True)
+    path = out_dir / "cases.json"
+    path.write_text(json.dumps({"target": str(target), "arch": target.arch, "cases": cases}, indent=1) + "\n")
+    return path
+
+
+def collect(results_path: Path, cases_path: Path, target: Target, db_path: Path = DB_PATH) -> dict:
+    """Phase 3: the fastest correct candidate per kernel into the database; returns what changed."""
+    results = json.loads(results_path.read_text())["results"]
+    specs = {c["name"]: c["spec"] for c in json.loads(cases_path.read_text())["cases"]}
+    db = json.loads(db_path.read_text()) if db_path.exists() else {}
+    section = db.setdefault(target_key(target), {})
+    chosen = {}
+    for case in results:
+        impls, spec = case.get("impls", {}), specs.get(case["name"])
+        base = impls.get("convdsl", {})
+        if spec is None or not base.get("ok") or not base.get("ms"):
+            continue
+        timed = [(e["ms"], impl) for impl, e in impls.items()
+                 if impl.startswith("convdsl@") and e.get("ok") and e.get("ms")]
+        if not timed:
+            continue
+        best_ms, best = min(timed)
+        if best_ms > base["ms"] * (1 - MIN_GAIN):
+            continue
+        knobs = parse_label(best.split("@", 1)[1])
+        problem = problem_from_spec(spec)
+        section[signature(problem)] = {"knobs": knobs.as_dict(), "ms": round(best_ms, 4),
+                                       "default_ms": round(base["ms"], 4), "case": case["name"]}
+        chosen[case["name"]] = (knobs.label(), base["ms"], best_ms)
+    db_path.write_text(json.dumps(db, indent=1, sort_keys=True) + "\n")
+    return chosen

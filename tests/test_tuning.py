@@ -1,0 +1,118 @@
+"""Tuning: knobs edit IREE's configuration consistently, the database round-trips, the heuristic is sane."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from convdsl.backends.iree import compile_mlir
+from convdsl.passes import lower_to_mlir
+from convdsl.problem import ConvProblem
+from convdsl.targets import Target
+from convdsl.tuning import Knobs, apply_knobs, compile_with_knobs
+from convdsl.tuning.db import heuristic, knobs_for, lookup, signature
+from convdsl.tuning.knobs import parse_label
+from convdsl.tuning.tune import collect
+
+CUDA = Target("cuda", "sm_80")
+DGRAD = ConvProblem(
+    op="grad_input", dims=2, groups=1, batch=8, in_channels=64, out_channels=64, input=(28, 28), filter=(3, 3),
+    stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), dtype="f16", name="dgrad",
+)
+
+
+@pytest.fixture(scope="module")
+def configured(tmp_path_factory) -> str:
+    """IREE's own configuration of the contraction dispatch, as the tuner sees it."""
+    folder = tmp_path_factory.mktemp("cfg")
+    compile_mlir(lower_to_mlir([DGRAD], CUDA), CUDA,
+                 ["--compile-to=executable-configurations", f"--iree-hal-dump-executable-configurations-to={folder}"])
+    texts = [p.read_text() for p in folder.glob("*.mlir") if "mma_kind" in p.read_text()]
+    assert len(texts) == 1
+    return texts[0]
+
+
+def _lists(text: str) -> dict[str, list[int]]:
+    return {k: [int(v) for v in re.search(rf"\b{k} = \[([0-9, ]*)\]", text).group(1).split(",")]
+            for k in ("workgroup", "subgroup", "reduction")}
+
+
+def test_knobs_scale_tiles_and_keep_the_subgroup_count(configured):
+    before = _lists(configured)
+    after = _lists(apply_knobs(configured, Knobs(n_scale=2, m_scale=2, prefetch=3)))
+    changed = [i for i, (a, b) in enumerate(zip(before["workgroup"], after["workgroup"])) if a != b]
+    assert len(changed) == 2 and all(after["workgroup"][i] == 2 * before["workgroup"][i] for i in changed)
+    # subgroups per workgroup = prod(workgroup / subgroup) over tiled dims: unchanged, so is the workgroup size
+    ratio = lambda d: [w // s for w, s in zip(d["workgroup"], d["subgroup"]) if s]  # noqa: E731
+    assert ratio(before) == ratio(after)
+    assert "prefetch_num_stages = 3" in apply_knobs(configured, Knobs(prefetch=3))
+    assert apply_knobs(configured, Knobs()) == configured
+    assert apply_knobs("func.func @f() { }", Knobs(n_scale=2)) is None  # no matrix-unit config
+
+
+def test_compile_with_knobs_substitutes_the_configuration():
+    mlir = lower_to_mlir([DGRAD], CUDA)
+    default = compile_mlir(mlir, CUDA)
+    tuned = compile_with_knobs(mlir, CUDA, {"dgrad": Knobs(n_scale=2, m_scale=2)}, strict=True)
+    assert tuned != default and len(tuned) > 0
+
+
+def test_labels_round_trip():
+    for knobs in (Knobs(), Knobs(n_scale=2), Knobs(n_scale=2, m_scale=2, prefetch=3), Knobs(k_scale=0.5)):
+        assert parse_label(knobs.label()) == knobs
+    with pytest.raises(ValueError, match="expected parts"):
+        parse_label("x3")
+
+
+def test_heuristic_follows_the_measurements():
+    big = DGRAD.with_(batch=64, input=(56, 56))
+    assert heuristic(big, CUDA) == Knobs(n_scale=2, m_scale=2)
+    assert heuristic(big.with_(dtype="f32"), CUDA) == Knobs()  # f32: no matrix units
+    assert heuristic(big.with_(groups=16, in_channels=1, out_channels=1), CUDA) == Knobs()  # depthwise
+    assert heuristic(big, Target("cpu", "host")) == Knobs()
+    small_k = big.with_(op="grad_weight")
+    assert heuristic(small_k, CUDA) == Knobs()
+
+
+def _results(tmp_path: Path, impls: dict) -> tuple[Path, Path]:
+    from convdsl.problem import problem_to_spec
+
+    cases = tmp_path / "cases.json"
+    cases.write_text(json.dumps({"cases": [{"name": "k", "spec": problem_to_spec(DGRAD)}]}))
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"results": [{"name": "k", "impls": impls}]}))
+    return results, cases
+
+
+def test_collect_keeps_the_fastest_correct_candidate(tmp_path, monkeypatch):
+    import convdsl.tuning.db as db
+
+    db_path = tmp_path / "db.json"
+    results, cases = _results(tmp_path, {
+        "convdsl": {"ok": True, "ms": 1.0},
+        "convdsl@n2": {"ok": True, "ms": 0.8},
+        "convdsl@n2-m2": {"ok": False, "ms": 0.5},  # wrong result: never chosen
+        "convdsl@m2": {"ok": True, "ms": 0.99},
+    })
+    chosen = collect(results, cases, CUDA, db_path)
+    assert chosen == {"k": ("n2", 1.0, 0.8)}
+    assert lookup(DGRAD, CUDA, db_path) == Knobs(n_scale=2)
+    assert lookup(DGRAD.with_(name="other_name"), CUDA, db_path) == Knobs(n_scale=2)  # the name is not the key
+    assert lookup(DGRAD.with_(batch=9), CUDA, db_path) is None
+    monkeypatch.setattr(db, "DB_PATH", db_path)
+    assert signature(DGRAD) in json.loads(db_path.read_text())[db.target_key(CUDA)]
+
+
+def test_collect_ignores_gains_within_noise(tmp_path):
+    results, cases = _results(tmp_path, {"convdsl": {"ok": True, "ms": 1.0}, "convdsl@n2": {"ok": True, "ms": 0.99}})
+    assert collect(results, cases, CUDA, tmp_path / "db.json") == {}
+
+
+def test_shipped_database_is_used_for_its_shapes():
+    # the suite's ck15 3D f16 backward data was tuned on an H200 (benchmarks/results/*run5*)
+    p = ConvProblem(op="grad_input", dims=3, groups=1, batch=64, in_channels=64, out_channels=128,
+                    input=(28, 28, 28), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 1),
+                    pad_hi=(1, 1, 1), dtype="f16", name="anything")
+    assert knobs_for(p, CUDA) == Knobs(n_scale=2, m_scale=2, prefetch=3)
