@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ import numpy as np
 
 from .backends.iree import CompileError
 from .problem import ConvProblem, ProblemError
-from .targets import BACKENDS, Target, TargetError
+from .targets import BACKENDS, TargetError
 
 
 def _progress(enabled: bool, message: str) -> None:

@@ -90,21 +90,16 @@ class LoadedModule:
         """Host array -> device array; bf16 goes up as raw 16-bit words with the bf16 element type."""
         rt = self._rt
         array = np.ascontiguousarray(array)
-        if array.dtype.name == "bfloat16":
-            return rt.asdevicearray(self.device, array.view(np.uint16), implicit_host_transfer=True).view(
-                np.uint16
-            ) if False else rt.DeviceArray(
-                self.device,
-                self.device.allocator.allocate_buffer_copy(
-                    memory_type=rt.MemoryType.DEVICE_LOCAL,
-                    allowed_usage=rt.BufferUsage.DEFAULT | rt.BufferUsage.MAPPING,
-                    device=self.device,
-                    buffer=array.view(np.uint16),
-                    element_type=rt.HalElementType.BFLOAT_16,
-                ),
-                implicit_host_transfer=True,
-            )
-        return rt.asdevicearray(self.device, array, implicit_host_transfer=True)
+        if array.dtype.name != "bfloat16":
+            return rt.asdevicearray(self.device, array, implicit_host_transfer=True)
+        buffer_view = self.device.allocator.allocate_buffer_copy(
+            memory_type=rt.MemoryType.DEVICE_LOCAL,
+            allowed_usage=rt.BufferUsage.DEFAULT,
+            device=self.device,
+            buffer=array.view(np.uint16),
+            element_type=rt.HalElementType.BFLOAT_16,
+        )
+        return rt.DeviceArray(self.device, buffer_view, implicit_host_transfer=True)
 
     def call(self, name: str, *args, out_dtype: Optional[str] = None) -> np.ndarray:
         result = self.call_device(name, *args)
@@ -115,18 +110,17 @@ class LoadedModule:
         return fn(*[a if isinstance(a, self._rt.DeviceArray) else self.upload(a) for a in args])
 
     def download(self, result, out_dtype: Optional[str] = None) -> np.ndarray:
-        if out_dtype == "bf16":
-            import ml_dtypes
+        if out_dtype != "bf16":
+            return result.to_host()
+        import ml_dtypes
 
-            raw = self._bf16_host(result)
-            return raw.view(ml_dtypes.bfloat16)
-        return result.to_host()
-
-    def _bf16_host(self, result) -> np.ndarray:
+        # NumPy has no bf16: view the same buffer as 16-bit words and copy those to the host (mapping
+        # the buffer instead works on the CPU but not for CUDA's device-local memory)
         rt = self._rt
-        bv = result._buffer_view
-        mapped = bv.map()
-        return np.array(mapped.asarray(tuple(bv.shape), np.dtype(np.uint16)), copy=True)
+        view = result._buffer_view
+        raw = rt.HalBufferView(view.get_buffer(), list(view.shape), rt.HalElementType.UINT_16)
+        words = np.array(rt.DeviceArray(self.device, raw, implicit_host_transfer=True).to_host(), copy=True)
+        return words.view(ml_dtypes.bfloat16)
 
     def time(self, name: str, args: Sequence, repeat: int = 20, warmup: int = 3) -> float:
         """Median seconds per call; the call returns after the device finished (synchronous ABI)."""

@@ -7,7 +7,6 @@ applies the epilogue and the output cast, which IREE fuses into the contraction'
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 from iree.compiler import ir
@@ -76,7 +75,11 @@ def _emit_op(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
 
 def _relayout(src: ConvProblem, dst: ConvProblem, value: ir.Value) -> ir.Value:
     """Copy an activation from src's layout to dst's (a transpose as one elementwise generic)."""
-    src_axes, dst_axes = activation_axes(src, "ch"), activation_axes(dst, "ch")
+    return _permute(value, activation_axes(src, "ch"), activation_axes(dst, "ch"))
+
+
+def _permute(value: ir.Value, src_axes: list[str], dst_axes: list[str]) -> ir.Value:
+    """A copy of `value` (logical axes src_axes) with its axes in dst_axes order."""
     space = Space([(a, PARALLEL) for a in dst_axes])
     sizes = sizes_of(value)
     out_sizes = [sizes[src_axes.index(a)] for a in dst_axes]
@@ -242,7 +245,7 @@ def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value
 # --- grad_input by stride phases (see convdsl/algebra.py for the derivation) -------------------
 def _grad_input(plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
     p = plan.problem
-    dy_axes, dx_axes = activation_axes(p, "ch"), activation_axes(p, "ch")
+    dy_axes = activation_axes(p, "ch")
     sp = _spatial_positions(p, dy_axes)
     if p.compute:
         dy = _round_operand(plan, dy, 0)
@@ -353,22 +356,32 @@ def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.
     if p.compute:
         x, dy = _round_operand(plan, x, 0), _round_operand(plan, dy, 1)
     x = _x_window(plan, x, sp)
+    dy_axes = activation_axes(p, "ch")
+    if plan.dy_reduction_inner:
+        # a 1x1 grad_weight is a plain GEMM dW = dY^T X with both operands reduction-major, a form
+        # that IREE's CUDA matmul path got wrong on an H200; dY copied to [g, k, n, o...] makes it
+        # the (reduction-inner) x (reduction-outer) form that its other GEMMs use
+        new_axes = ["g", "ch", "n", *[f"sp{i}" for i in range(p.dims)]]
+        dy = _permute(dy, dy_axes, new_axes)
+        dy_axes = new_axes
     wshape = list(p.w_shape)
     sizes = {b - a for a, b in plan.split.chunks}
     if len(plan.split.chunks) == 1:
         # no split: the whole (possibly dynamic) batch in one contraction
-        return _epilogue(p, _grad_weight_chunk(plan, x, dy), bias)
+        return _epilogue(p, _grad_weight_chunk(plan, x, dy, dy_axes), bias)
     if len(sizes) == 1:
-        return _grad_weight_uniform_split(plan, x, dy, bias, n_pos)
+        return _grad_weight_uniform_split(plan, x, dy, dy_axes, bias)
     partials = []
+    dy_n = dy_axes.index("n")
     for a, b in plan.split.chunks:
         x_off, x_size = [0] * len(shape_of(x)), sizes_of(x)
         y_off, y_size = [0] * len(shape_of(dy)), sizes_of(dy)
         x_off[n_pos], x_size[n_pos] = a, b - a
-        y_off[n_pos], y_size[n_pos] = a, b - a
+        y_off[dy_n], y_size[dy_n] = a, b - a
         partials.append(
             _grad_weight_chunk(
-                plan, extract(x, x_off, x_size, [1] * len(x_off)), extract(dy, y_off, y_size, [1] * len(y_off))
+                plan, extract(x, x_off, x_size, [1] * len(x_off)), extract(dy, y_off, y_size, [1] * len(y_off)),
+                dy_axes,
             )
         )
     # Uneven chunks: one elementwise generic adds the S partials, left to right (deterministic).
@@ -399,7 +412,7 @@ def _sum_partials(p: ConvProblem, stacked: ir.Value, bias: Optional[ir.Value]) -
 
 
 def _grad_weight_uniform_split(
-    plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.Value], n_pos: int
+    plan: KernelPlan, x: ir.Value, dy: ir.Value, dy_axes: list[str], bias: Optional[ir.Value]
 ) -> ir.Value:
     """Equal chunks along the batch: one generic with a parallel chunk loop s.
 
@@ -410,9 +423,11 @@ def _grad_weight_uniform_split(
     p = plan.problem
     parts = plan.split.parts
     x_axes, w_axes = activation_axes(p, "ch"), weight_axes(p)
+    n_pos, dy_n = x_axes.index("n"), dy_axes.index("n")
     xs = _split_axis(x, n_pos, parts)
-    dys = _split_axis(dy, n_pos, parts)
+    dys = _split_axis(dy, dy_n, parts)
     split_axes = x_axes[:n_pos] + ["s", "n"] + x_axes[n_pos + 1:]
+    dy_split_axes = dy_axes[:dy_n] + ["s", "n"] + dy_axes[dy_n + 1:]
     o = [f"o{i}" for i in range(p.dims)]
     t = [f"t{i}" for i in range(p.dims)]
     out_axes = ["s", *w_axes]
@@ -432,7 +447,7 @@ def _grad_weight_uniform_split(
         space,
         [xs, dys],
         zeros([parts, *p.w_shape], ir.F32Type.get()),
-        [space.access(split_axes, x_map), space.access(split_axes, y_map), space.access(out_axes, w_map)],
+        [space.access(split_axes, x_map), space.access(dy_split_axes, y_map), space.access(out_axes, w_map)],
         _multiply_add,
     )
     return _sum_partials(p, stacked, bias)
@@ -452,10 +467,9 @@ def _split_axis(value: ir.Value, axis: int, parts: int) -> ir.Value:
     return tensor.ExpandShapeOp(tensor_type(new_shape, elem_of(value)), value, reassociation, [], new_shape).result
 
 
-def _grad_weight_chunk(plan: KernelPlan, x: ir.Value, dy: ir.Value) -> ir.Value:
+def _grad_weight_chunk(plan: KernelPlan, x: ir.Value, dy: ir.Value, dy_axes: list[str]) -> ir.Value:
     p = plan.problem
     x_axes, w_axes = activation_axes(p, "ch"), weight_axes(p)
-    o_sizes = [shape_of(dy)[pos] for pos in _spatial_positions(p, x_axes)]
     o = [f"o{i}" for i in range(p.dims)]
     t = [f"t{i}" for i in range(p.dims)]
     space = _contraction_space(
@@ -470,12 +484,11 @@ def _grad_weight_chunk(plan: KernelPlan, x: ir.Value, dy: ir.Value) -> ir.Value:
     w_map = {"g": space["g"], **{f"t{i}": space[t[i]] for i in range(p.dims)}}
     if not p.depthwise:
         x_map["ch"], y_map["ch"], w_map["k"], w_map["c"] = space["c"], space["k"], space["k"], space["c"]
-    assert math.prod(o_sizes) > 0
     # X (the image) is the first operand: IREE's CUDA backend only recognises the implicit GEMM that way.
     return generic(
         space,
         [x, dy],
         zeros(p.w_shape, ir.F32Type.get()),
-        [space.access(x_axes, x_map), space.access(x_axes, y_map), space.access(w_axes, w_map)],
+        [space.access(x_axes, x_map), space.access(dy_axes, y_map), space.access(w_axes, w_map)],
         _multiply_add,
     )

@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
 from iree.compiler import ir
-from iree.compiler.dialects import linalg
 from iree.compiler.passmanager import PassManager
 
 from ..problem import ConvProblem

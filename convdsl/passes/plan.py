@@ -1,6 +1,7 @@
 """The plan of a kernel: every decision made before IR is built, so `convdsl explain` can show it."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,6 +23,8 @@ class KernelPlan:
     x_pad_lo: tuple[int, ...] = ()  # forward / grad_weight
     x_pad_hi: tuple[int, ...] = ()
     split: Optional[SplitK] = None  # grad_weight
+    # GPU + 1x1 grad_weight: dY copied reduction-inner first (see lower._grad_weight)
+    dy_reduction_inner: bool = False
     # GPU + NGCHW: the plan of the same kernel in NHWGC, run between layout copies
     channels_last: Optional["KernelPlan"] = None
 
@@ -29,7 +32,7 @@ class KernelPlan:
         p = self.problem
         lines = [f"kernel {p.name}: {p.describe()}", f"  target: {self.target}", f"  form: {self.form}"]
         lines.append(
-            f"  args: " + ", ".join(
+            "  args: " + ", ".join(
                 f"{n}: {p.layout_name('w') if n == 'w' else _act(p, n)} {list(s)} {dt}"
                 for n, s, dt in zip(p.arg_names, p.arg_shapes, p.arg_dtypes)
             )
@@ -55,6 +58,8 @@ class KernelPlan:
         if self.channels_last is not None:
             lines.append("  layout: NGCHW activations copied to NHWGC and back around the kernel below (GPU)")
             lines.extend("  " + ln for ln in self.channels_last.describe().splitlines()[1:])
+        if self.dy_reduction_inner:
+            lines.append("  dY: copied to [G, K, N, spatial...] (reduction innermost) before the GEMM (GPU, 1x1)")
         if self.split:
             lines.append(
                 f"  split-K: S={self.split.parts} along {self.split.axis}, chunks {list(self.split.chunks)};"
@@ -97,4 +102,11 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
         return KernelPlan(problem, target, form, compute_a, compute_b, phases=phases, dy_pad_lo=lo, dy_pad_hi=hi)
     lo, hi = x_window(problem)
     split = plan_split_k(problem) if problem.op == "grad_weight" else None
-    return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split)
+    # On GPUs a grad_weight with one tap is IREE's plain matmul path, which computed garbage for it
+    # (ResNet 1x1 layers on an H200); copying dY reduction-inner gives it a form its GEMMs handle.
+    transpose_dy = (
+        problem.op == "grad_weight" and math.prod(problem.filter) == 1 and not problem.depthwise
+        and target.backend in CHANNELS_LAST_BACKENDS
+    )
+    return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split,
+                      dy_reduction_inner=transpose_dy)
