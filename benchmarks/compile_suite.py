@@ -92,7 +92,7 @@ def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH
         "compile_s": {},
     }
     for impl in impls:
-        suffix = IMPL_FILES[impl]
+        suffix = IMPL_FILES.get(impl) or impl.replace("@", "-at-")
         vmfb_path, mlir_path = out / f"{name}.{suffix}.vmfb", out / f"{name}.{suffix}.mlir"
         for stale in (vmfb_path, mlir_path):
             stale.unlink(missing_ok=True)
@@ -102,6 +102,14 @@ def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH
                 mlir = lower_to_mlir([p], target)
                 mlir_path.write_text(mlir)
                 vmfb = convdsl.compile([p], target=target).vmfb
+            elif impl.startswith("convdsl@"):
+                # a tuning candidate: IREE's configuration scaled by knobs (convdsl/tuning/knobs.py)
+                from convdsl.tuning import compile_with_knobs
+                from convdsl.tuning.knobs import parse_label
+
+                mlir = lower_to_mlir([p], target)
+                mlir_path.write_text(mlir)
+                vmfb = compile_with_knobs(mlir, target, {p.name: parse_label(impl.split("@", 1)[1])}, strict=True)
             elif impl.startswith("convdsl"):
                 q = p.with_(split_k=1) if "sk1" in impl and p.op == "grad_weight" else p
                 mlir = lower_to_mlir([q], target)
@@ -138,7 +146,7 @@ def main(argv=None) -> int:
     names = [c.name for c in load_suite(args.suite, names=args.cases.split(",") if args.cases else None)]
     impls = ("convdsl", "iree-today") + (("iree-today-channel-major",) if args.also_channel_major else ())
     impls += tuple(v for v in args.variants.split(",") if v)
-    unknown = [v for v in impls if v not in IMPL_FILES]
+    unknown = [v for v in impls if v not in IMPL_FILES and not v.startswith("convdsl@")]
     if unknown:
         ap.error(f"--variants: unknown {unknown}; known: {', '.join(IMPL_FILES)}")
     out = Path(args.out)
