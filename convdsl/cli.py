@@ -31,8 +31,10 @@ def _bytes_moved(p: ConvProblem) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     from .compiler import compile as compile_module
 
+    t0 = time.perf_counter()
     _progress(True, f"compiling {args.file} for {args.target} ...")
     mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch)
+    _progress(True, f"compiled {len(mod.kernels)} kernels in {time.perf_counter() - t0:.1f} s")
     out = Path(args.output or Path(args.file).with_suffix(".vmfb").name)
     mod.save(out)
     print(f"wrote {out} and {out.with_suffix('.json')} ({len(mod.kernels)} kernels, target {mod.target})")
@@ -44,7 +46,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .reference import random_inputs, reference, relative_error, tolerance
 
     kernels = [args.kernel] if args.kernel else None
+    t0 = time.perf_counter()
+    _progress(True, f"compiling {args.file} for {args.target} ...")
     mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch, kernels=kernels)
+    _progress(True, f"compiled {len(mod.kernels)} kernels for {mod.target} in {time.perf_counter() - t0:.1f} s")
     passed = failed = 0
     for name in mod.kernels:
         p = mod.problems[name]
