@@ -109,13 +109,8 @@ def _round_operand(plan: KernelPlan, value: ir.Value, which: int) -> ir.Value:
     Native targets get an fp8 tensor (the contraction then runs on fp8 matrix instructions);
     others get the fp8 values stored exactly in f16 (see Target.fp8_native).
     """
-    rank = len(shape_of(value))
-    space = Space([(f"d{i}", PARALLEL) for i in range(rank)])
-    ident = space.access(space.names, {n: space[n] for n in space.names})
-    return generic(
-        space, [value], empty(sizes_of(value), _operand_elem(plan, which, elem_of(value))), [ident, ident],
-        lambda a, _: _round_scalar(plan, a, which),
-    )
+    return _elementwise([value], _operand_elem(plan, which, elem_of(value)),
+                        lambda a, _: _round_scalar(plan, a, which))
 
 
 def _operand_elem(plan: KernelPlan, which: int, elem: ir.Type) -> ir.Type:
@@ -150,9 +145,6 @@ def _epilogue(p: ConvProblem, acc: ir.Value, bias: Optional[ir.Value]) -> ir.Val
     ep = p.epilogue
     if ep.kind == "none" and elem_of(acc) == out_elem:
         return acc
-    rank = len(shape_of(acc))
-    space = Space([(f"d{i}", PARALLEL) for i in range(rank)])
-    ident = space.access(space.names, {n: space[n] for n in space.names})
     f32 = ir.F32Type.get()
 
     def body(*elems: ir.Value) -> ir.Value:
@@ -163,8 +155,7 @@ def _epilogue(p: ConvProblem, acc: ir.Value, bias: Optional[ir.Value]) -> ir.Val
             v = arith.addf(v, arith.mulf(convert(elems[1], f32), float_const(ep.beta, f32)))
         return convert(v, out_elem)
 
-    inputs = [acc] + ([bias] if ep.has_tensor else [])
-    return generic(space, inputs, empty(sizes_of(acc), out_elem), [ident] * (len(inputs) + 1), body)
+    return _elementwise([acc] + ([bias] if ep.has_tensor else []), out_elem, body)
 
 
 def _shape(p: ConvProblem, shape: tuple[int, ...], like: ir.Value) -> list:
@@ -174,6 +165,33 @@ def _shape(p: ConvProblem, shape: tuple[int, ...], like: ir.Value) -> list:
         axis = p.batch_axis("x")
         sizes[axis] = sizes_of(like)[axis]
     return sizes
+
+
+def _window_maps(p: ConvProblem, space: Space, *shared: str) -> tuple[dict, dict, dict]:
+    """Affine exprs of the forward window, per logical axis: (X, Y-or-dY, W).
+
+    X[n, o*s + t*d, g, c], Y[n, o, g, k], W[g, k, t, c]; loops named in `shared` (the split-K
+    chunk loop "s") index every activation and the weight alike.
+    """
+    common = {name: space[name] for name in shared}
+    x_map = {**common, "n": space["n"], "g": space["g"]}
+    y_map = {**common, "n": space["n"], "g": space["g"]}
+    w_map = {**common, "g": space["g"]}
+    for i in range(p.dims):
+        x_map[f"sp{i}"] = space[f"o{i}"] * p.stride[i] + space[f"t{i}"] * p.dilation[i]
+        y_map[f"sp{i}"] = space[f"o{i}"]
+        w_map[f"t{i}"] = space[f"t{i}"]
+    if not p.depthwise:
+        x_map["ch"], y_map["ch"], w_map["c"], w_map["k"] = space["c"], space["k"], space["c"], space["k"]
+    return x_map, y_map, w_map
+
+
+def _elementwise(inputs: list[ir.Value], out_elem: ir.Type, body) -> ir.Value:
+    """One all-parallel generic with identity maps over the (common) shape of `inputs`."""
+    rank = len(shape_of(inputs[0]))
+    space = Space([(f"d{i}", PARALLEL) for i in range(rank)])
+    ident = space.access(space.names, {n: space[n] for n in space.names})
+    return generic(space, inputs, empty(sizes_of(inputs[0]), out_elem), [ident] * (len(inputs) + 1), body)
 
 
 def _x_window(plan: KernelPlan, x: ir.Value, sp: list[int]) -> ir.Value:
@@ -225,13 +243,7 @@ def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value
         y_axes, {"n": "n", "g": "g", "ch": "k", **{f"sp{i}": o[i] for i in range(p.dims)}},
         x_axes, {"ch": "c", **{f"sp{i}": t[i] for i in range(p.dims)}},
     )
-    x_map = {"n": space["n"], "g": space["g"]}
-    for i in range(p.dims):
-        x_map[f"sp{i}"] = space[o[i]] * p.stride[i] + space[t[i]] * p.dilation[i]
-    w_map = {"g": space["g"], **{f"t{i}": space[t[i]] for i in range(p.dims)}}
-    y_map = {"n": space["n"], "g": space["g"], **{f"sp{i}": space[o[i]] for i in range(p.dims)}}
-    if not p.depthwise:
-        x_map["ch"], w_map["c"], w_map["k"], y_map["ch"] = space["c"], space["c"], space["k"], space["k"]
+    x_map, y_map, w_map = _window_maps(p, space)
     acc = generic(
         space,
         [x, w],
@@ -364,7 +376,6 @@ def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.
         new_axes = ["g", "ch", "n", *[f"sp{i}" for i in range(p.dims)]]
         dy = _permute(dy, dy_axes, new_axes)
         dy_axes = new_axes
-    wshape = list(p.w_shape)
     sizes = {b - a for a, b in plan.split.chunks}
     if len(plan.split.chunks) == 1:
         # no split: the whole (possibly dynamic) batch in one contraction
@@ -386,18 +397,13 @@ def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.
         )
     # Uneven chunks: one elementwise generic adds the S partials, left to right (deterministic).
     # (Stacking them with tensor.insert_slice into one [S, ...] tensor fails to bufferize on CUDA.)
-    rank = len(wshape)
-    space = Space([(f"d{i}", PARALLEL) for i in range(rank)])
-    ident = space.access(space.names, {n: space[n] for n in space.names})
-
     def add_in_order(*elems: ir.Value) -> ir.Value:
         total = elems[0]
         for v in elems[1:-1]:
             total = arith.addf(total, v)
         return total
 
-    total = generic(space, partials, empty(wshape, ir.F32Type.get()), [ident] * (len(partials) + 1), add_in_order)
-    return _epilogue(p, total, bias)
+    return _epilogue(p, _elementwise(partials, ir.F32Type.get(), add_in_order), bias)
 
 
 def _sum_partials(p: ConvProblem, stacked: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
@@ -436,13 +442,7 @@ def _grad_weight_uniform_split(
         out_axes, {"s": "s", "g": "g", "k": "k", "c": "c", **{f"t{i}": t[i] for i in range(p.dims)}},
         split_axes, {"n": "n", **{f"sp{i}": o[i] for i in range(p.dims)}},
     )
-    x_map = {"s": space["s"], "n": space["n"], "g": space["g"]}
-    for i in range(p.dims):
-        x_map[f"sp{i}"] = space[o[i]] * p.stride[i] + space[t[i]] * p.dilation[i]
-    y_map = {"s": space["s"], "n": space["n"], "g": space["g"], **{f"sp{i}": space[o[i]] for i in range(p.dims)}}
-    w_map = {"s": space["s"], "g": space["g"], **{f"t{i}": space[t[i]] for i in range(p.dims)}}
-    if not p.depthwise:
-        x_map["ch"], y_map["ch"], w_map["k"], w_map["c"] = space["c"], space["k"], space["k"], space["c"]
+    x_map, y_map, w_map = _window_maps(p, space, "s")
     stacked = generic(
         space,
         [xs, dys],
@@ -477,13 +477,7 @@ def _grad_weight_chunk(plan: KernelPlan, x: ir.Value, dy: ir.Value, dy_axes: lis
         w_axes, {"g": "g", "k": "k", "c": "c", **{f"t{i}": t[i] for i in range(p.dims)}},
         x_axes, {"n": "n", **{f"sp{i}": o[i] for i in range(p.dims)}},
     )
-    x_map = {"n": space["n"], "g": space["g"]}
-    for i in range(p.dims):
-        x_map[f"sp{i}"] = space[o[i]] * p.stride[i] + space[t[i]] * p.dilation[i]
-    y_map = {"n": space["n"], "g": space["g"], **{f"sp{i}": space[o[i]] for i in range(p.dims)}}
-    w_map = {"g": space["g"], **{f"t{i}": space[t[i]] for i in range(p.dims)}}
-    if not p.depthwise:
-        x_map["ch"], y_map["ch"], w_map["k"], w_map["c"] = space["c"], space["k"], space["k"], space["c"]
+    x_map, y_map, w_map = _window_maps(p, space)
     # X (the image) is the first operand: IREE's CUDA backend only recognises the implicit GEMM that way.
     return generic(
         space,
