@@ -41,11 +41,18 @@ def test_run_reports_a_wrong_result_and_exits_nonzero(monkeypatch, capsys):
 
 
 def test_explain_prints_every_stage(capsys):
-    assert main(["explain", str(EXAMPLES[0].parent / "resnext.conv"), "--kernel", "dgrad"]) == 0
+    assert main(["explain", str(EXAMPLES[0].parent / "ck17_conv2d_bwd_data.conv"), "--kernel", "dgrad"]) == 0
     out = capsys.readouterr().out
     for stage in STAGE_NAMES:
         assert f"after pass '{stage}'" in out
-    assert "stride phases: 1" in out and "linalg.generic" in out and "iree-compile" in out
+    assert "stride phases: 4" in out and "linalg.generic" in out and "iree-compile" in out
+
+
+def test_explain_shows_the_gather_form_of_small_groups(capsys):
+    # ResNeXt's 32 groups of 4 channels: a gather per output, not a GEMM
+    assert main(["explain", str(EXAMPLES[0].parent / "resnext.conv"), "--kernel", "dgrad"]) == 0
+    out = capsys.readouterr().out
+    assert "form: gather" in out and "tensor.extract" in out and "stride phases" not in out
 
 
 def test_explain_one_stage(capsys):

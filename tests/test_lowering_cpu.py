@@ -191,13 +191,14 @@ def test_ngchw_channels_last_detour_is_exact(op, monkeypatch):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("split_k", [1, 2, 3])
 def test_gpu_1x1_grad_weight_form_is_exact(layout, split_k, monkeypatch):
-    # On GPUs a 1x1 grad_weight reads a reduction-inner copy of dY (IREE's CUDA matmul path got the
-    # reduction-major form wrong); check that form on the CPU, where it can be compared.
+    # On GPUs a 1x1 grad_weight has dY as the contraction's first operand (IREE's CUDA matmul path got
+    # the X-first form wrong); check that form on the CPU, where it can be compared.
     import convdsl.passes.plan as plan_module
 
     monkeypatch.setattr(plan_module, "CHANNELS_LAST_BACKENDS", ("cpu",))
     p = BASE.with_(op="grad_weight", filter=(1, 1), stride=(1, 1), dilation=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0),
-                   batch=6, layout=layout, dtype="f16", out_dtype="f32", split_k=split_k)
-    assert plan_module.plan_kernel(p, CPU).dy_reduction_inner or layout == "NGCHW"
+                   batch=6, in_channels=6, out_channels=5, layout=layout, dtype="f16", out_dtype="f32",
+                   split_k=split_k)
+    assert plan_module.plan_kernel(p, CPU).dy_first or layout == "NGCHW"
     check(p)
     check(p.with_(batch=5, split_k=None, dynamic_batch=(split_k == 1)))

@@ -226,3 +226,17 @@ def round_to_fp8_grid(value: ir.Value, kind: str) -> ir.Value:
     up = arith.bitcast(f32, arith.shli(arith.subi(const(254), q), const(23)))  # 2^-q
     down = arith.bitcast(f32, arith.shli(q, const(23)))  # 2^q
     return arith.mulf(math_d.roundeven(arith.mulf(value, up)), down)
+
+
+def split_axis(value: ir.Value, axis: int, parts: int) -> ir.Value:
+    """View axis `axis` (length L) as (parts, L / parts): tensor.expand_shape, a reshape without a copy."""
+    shape = shape_of(value)
+    new_shape = shape[:axis] + [parts, shape[axis] // parts] + shape[axis + 1:]
+    groups, k = [], 0
+    for a in range(len(shape)):
+        groups.append([k, k + 1] if a == axis else [k])
+        k += len(groups[-1])
+    reassociation = ir.ArrayAttr.get(
+        [ir.ArrayAttr.get([ir.IntegerAttr.get(ir.IntegerType.get_signless(64), i) for i in g]) for g in groups]
+    )
+    return tensor.ExpandShapeOp(tensor_type(new_shape, elem_of(value)), value, reassociation, [], new_shape).result

@@ -32,9 +32,11 @@ from .ir import (
     shape_of,
     tensor_type,
     sizes_of,
+    split_axis,
     weight_axes,
     zeros,
 )
+from . import gather
 from .plan import KernelPlan
 
 
@@ -65,6 +67,9 @@ def emit_kernel(plan: KernelPlan) -> None:
 def _emit_op(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
     p = plan.problem
     bias = args[2] if p.epilogue.has_tensor else None
+    if plan.form == "gather":
+        op = gather.grad_weight if p.op == "grad_weight" else gather.grad_input
+        return op(p, args[0], args[1], lambda acc: _epilogue(p, acc, bias))
     if p.op == "forward":
         return _forward(plan, args[0], args[1], bias)
     if p.op in ("grad_input", "transposed"):
@@ -178,9 +183,12 @@ def _window_maps(p: ConvProblem, space: Space, *shared: str) -> tuple[dict, dict
     y_map = {**common, "n": space["n"], "g": space["g"]}
     w_map = {**common, "g": space["g"]}
     for i in range(p.dims):
-        x_map[f"sp{i}"] = space[f"o{i}"] * p.stride[i] + space[f"t{i}"] * p.dilation[i]
         y_map[f"sp{i}"] = space[f"o{i}"]
-        w_map[f"t{i}"] = space[f"t{i}"]
+        if space.has(f"t{i}"):
+            x_map[f"sp{i}"] = space[f"o{i}"] * p.stride[i] + space[f"t{i}"] * p.dilation[i]
+            w_map[f"t{i}"] = space[f"t{i}"]
+        else:  # a one-tap dim without its (unit) loop: a plain GEMM index
+            x_map[f"sp{i}"] = space[f"o{i}"] * p.stride[i]
     if not p.depthwise:
         x_map["ch"], y_map["ch"], w_map["c"], w_map["k"] = space["c"], space["k"], space["c"], space["k"]
     return x_map, y_map, w_map
@@ -369,13 +377,6 @@ def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.
         x, dy = _round_operand(plan, x, 0), _round_operand(plan, dy, 1)
     x = _x_window(plan, x, sp)
     dy_axes = activation_axes(p, "ch")
-    if plan.dy_reduction_inner:
-        # a 1x1 grad_weight is a plain GEMM dW = dY^T X with both operands reduction-major, a form
-        # that IREE's CUDA matmul path got wrong on an H200; dY copied to [g, k, n, o...] makes it
-        # the (reduction-inner) x (reduction-outer) form that its other GEMMs use
-        new_axes = ["g", "ch", "n", *[f"sp{i}" for i in range(p.dims)]]
-        dy = _permute(dy, dy_axes, new_axes)
-        dy_axes = new_axes
     sizes = {b - a for a, b in plan.split.chunks}
     if len(plan.split.chunks) == 1:
         # no split: the whole (possibly dynamic) batch in one contraction
@@ -430,59 +431,60 @@ def _grad_weight_uniform_split(
     parts = plan.split.parts
     x_axes, w_axes = activation_axes(p, "ch"), weight_axes(p)
     n_pos, dy_n = x_axes.index("n"), dy_axes.index("n")
-    xs = _split_axis(x, n_pos, parts)
-    dys = _split_axis(dy, dy_n, parts)
+    xs = split_axis(x, n_pos, parts)
+    dys = split_axis(dy, dy_n, parts)
     split_axes = x_axes[:n_pos] + ["s", "n"] + x_axes[n_pos + 1:]
     dy_split_axes = dy_axes[:dy_n] + ["s", "n"] + dy_axes[dy_n + 1:]
     o = [f"o{i}" for i in range(p.dims)]
-    t = [f"t{i}" for i in range(p.dims)]
     out_axes = ["s", *w_axes]
     space = _contraction_space(
         p,
-        out_axes, {"s": "s", "g": "g", "k": "k", "c": "c", **{f"t{i}": t[i] for i in range(p.dims)}},
+        out_axes, {"s": "s", "g": "g", "k": "k", "c": "c", **_tap_loops(plan)},
         split_axes, {"n": "n", **{f"sp{i}": o[i] for i in range(p.dims)}},
     )
     x_map, y_map, w_map = _window_maps(p, space, "s")
+    operands = _image_first(plan, (xs, space.access(split_axes, x_map)), (dys, space.access(dy_split_axes, y_map)))
     stacked = generic(
         space,
-        [xs, dys],
+        [v for v, _ in operands],
         zeros([parts, *p.w_shape], ir.F32Type.get()),
-        [space.access(split_axes, x_map), space.access(dy_split_axes, y_map), space.access(out_axes, w_map)],
+        [*(m for _, m in operands), space.access(out_axes, w_map)],
         _multiply_add,
     )
     return _sum_partials(p, stacked, bias)
-
-
-def _split_axis(value: ir.Value, axis: int, parts: int) -> ir.Value:
-    """View axis `axis` (length L) as (parts, L / parts): tensor.expand_shape, a reshape without a copy."""
-    shape = shape_of(value)
-    new_shape = shape[:axis] + [parts, shape[axis] // parts] + shape[axis + 1:]
-    groups, k = [], 0
-    for a in range(len(shape)):
-        groups.append([k, k + 1] if a == axis else [k])
-        k += len(groups[-1])
-    reassociation = ir.ArrayAttr.get(
-        [ir.ArrayAttr.get([ir.IntegerAttr.get(ir.IntegerType.get_signless(64), i) for i in g]) for g in groups]
-    )
-    return tensor.ExpandShapeOp(tensor_type(new_shape, elem_of(value)), value, reassociation, [], new_shape).result
 
 
 def _grad_weight_chunk(plan: KernelPlan, x: ir.Value, dy: ir.Value, dy_axes: list[str]) -> ir.Value:
     p = plan.problem
     x_axes, w_axes = activation_axes(p, "ch"), weight_axes(p)
     o = [f"o{i}" for i in range(p.dims)]
-    t = [f"t{i}" for i in range(p.dims)]
     space = _contraction_space(
         p,
-        w_axes, {"g": "g", "k": "k", "c": "c", **{f"t{i}": t[i] for i in range(p.dims)}},
+        w_axes, {"g": "g", "k": "k", "c": "c", **_tap_loops(plan)},
         x_axes, {"n": "n", **{f"sp{i}": o[i] for i in range(p.dims)}},
     )
     x_map, y_map, w_map = _window_maps(p, space)
-    # X (the image) is the first operand: IREE's CUDA backend only recognises the implicit GEMM that way.
+    operands = _image_first(plan, (x, space.access(x_axes, x_map)), (dy, space.access(dy_axes, y_map)))
     return generic(
         space,
-        [x, dy],
+        [v for v, _ in operands],
         zeros(p.w_shape, ir.F32Type.get()),
-        [space.access(x_axes, x_map), space.access(dy_axes, y_map), space.access(w_axes, w_map)],
+        [*(m for _, m in operands), space.access(w_axes, w_map)],
         _multiply_add,
     )
+
+
+def _tap_loops(plan: KernelPlan) -> dict[str, str]:
+    """grad_weight's tap loops by weight axis; a GPU 1x1 (plan.dy_first) has none: it is a plain GEMM."""
+    if plan.dy_first:
+        return {}
+    return {f"t{i}": f"t{i}" for i in range(plan.problem.dims)}
+
+
+def _image_first(plan: KernelPlan, x_operand: tuple, dy_operand: tuple) -> tuple:
+    """(value, map) of grad_weight's two operands in contraction order.
+
+    X (the image) goes first: IREE's CUDA backend only recognises the implicit GEMM that way, except
+    for a 1x1 filter on GPUs (plan.dy_first), a plain matmul that it gets wrong with X first.
+    """
+    return (dy_operand, x_operand) if plan.dy_first else (x_operand, dy_operand)

@@ -8,13 +8,16 @@ from typing import Optional
 from ..algebra import Phase, SplitK, dy_padding, grad_input_phases, plan_split_k, x_window
 from ..problem import ConvProblem
 from ..targets import Target
+from . import gather
 
 
 @dataclass(frozen=True)
 class KernelPlan:
     problem: ConvProblem
     target: Target
-    form: str  # "implicit-gemm" or "depthwise" (memory-bound stencil / reduction, no K or C loop)
+    # "implicit-gemm"; "depthwise" (a stencil / reduction with no K or C loop); "gather" (few channels
+    # per group: one gather per output, see passes/gather.py)
+    form: str
     compute_a: Optional[str] = None  # MLIR element type of operand A when computing in fp8
     compute_b: Optional[str] = None
     phases: tuple[Phase, ...] = ()  # grad_input / transposed
@@ -23,8 +26,9 @@ class KernelPlan:
     x_pad_lo: tuple[int, ...] = ()  # forward / grad_weight
     x_pad_hi: tuple[int, ...] = ()
     split: Optional[SplitK] = None  # grad_weight
-    # GPU + 1x1 grad_weight: dY copied reduction-inner first (see lower._grad_weight)
-    dy_reduction_inner: bool = False
+    # GPU + 1x1 grad_weight: dY is the contraction's first operand (see _plan)
+    dy_first: bool = False
+    row_blocks: int = 0  # gather grad_weight: blocks of the first output dim (partial sums)
     # GPU + NGCHW: the plan of the same kernel in NHWGC, run between layout copies
     channels_last: Optional["KernelPlan"] = None
 
@@ -58,8 +62,14 @@ class KernelPlan:
         if self.channels_last is not None:
             lines.append("  layout: NGCHW activations copied to NHWGC and back around the kernel below (GPU)")
             lines.extend("  " + ln for ln in self.channels_last.describe().splitlines()[1:])
-        if self.dy_reduction_inner:
-            lines.append("  dY: copied to [G, K, N, spatial...] (reduction innermost) before the GEMM (GPU, 1x1)")
+        if self.dy_first:
+            lines.append("  operands: dY first (GPU 1x1 grad_weight: IREE's X-first matmul form computed garbage)")
+        if self.form == "gather":
+            lines.append("  gather: one generic, the other operand read by tensor.extract at computed positions,"
+                         " out-of-range taps masked")
+            if self.row_blocks:
+                lines.append(f"  partial sums: N x {self.row_blocks} row blocks of the first output dim,"
+                             " f32, added in order")
         if self.split:
             lines.append(
                 f"  split-K: S={self.split.parts} along {self.split.axis}, chunks {list(self.split.chunks)};"
@@ -96,17 +106,22 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
         else:
             compute_a, compute_b = (f"{c} values in f16" for c in problem.compute)
     form = "depthwise" if problem.depthwise else "implicit-gemm"
+    if gather.applies(problem):
+        # few channels per group: bound by memory, a gather per output beats any GEMM form
+        return KernelPlan(problem, target, "gather",
+                          row_blocks=gather.row_blocks(problem) if problem.op == "grad_weight" else 0)
     if problem.op in ("grad_input", "transposed"):
         phases = tuple(grad_input_phases(problem))
         lo, hi = dy_padding(problem, list(phases))
         return KernelPlan(problem, target, form, compute_a, compute_b, phases=phases, dy_pad_lo=lo, dy_pad_hi=hi)
     lo, hi = x_window(problem)
     split = plan_split_k(problem) if problem.op == "grad_weight" else None
-    # On GPUs a grad_weight with one tap is IREE's plain matmul path, which computed garbage for it
-    # (ResNet 1x1 layers on an H200); copying dY reduction-inner gives it a form its GEMMs handle.
-    transpose_dy = (
+    # On GPUs a grad_weight with one tap is IREE's plain matmul path, which computed garbage for it with
+    # X as the first operand (ResNet and MobileNet 1x1 layers on an H200, rel. err 1.0); with dY first
+    # the same contraction is right (benchmarks/README.md, 1x1 grad_weight probe).
+    dy_first = (
         problem.op == "grad_weight" and math.prod(problem.filter) == 1 and not problem.depthwise
         and target.backend in CHANNELS_LAST_BACKENDS
     )
     return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split,
-                      dy_reduction_inner=transpose_dy)
+                      dy_first=dy_first)
