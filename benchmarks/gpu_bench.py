@@ -596,10 +596,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", help="comma-separated case names (default: all in cases.json)")
     ap.add_argument("--budget", type=float, default=1.0, help="seconds of timed calls per implementation")
     ap.add_argument("--tag", default="", help="appended to the output file names")
-    ap.add_argument("--iree-flags", default="--cuda_async_allocations=false",
+    ap.add_argument("--iree-flags", default="",
                     help="IREE runtime flags, space-separated, parsed before the CUDA device is created (default: "
-                         "synchronous allocations, which cut IREE's per-call overhead from 0.12 to 0.04 ms; '' for "
-                         "IREE's defaults)")
+                         "IREE's own; --cuda_async_allocations=false cut a 16-element call from 0.12 to 0.04 ms but "
+                         "made the suite's kernels with large results 20-60%% slower: run 7 in benchmarks/README.md)")
     ap.add_argument("--deadline", type=float, default=330.0,
                     help="seconds for all cases: the per-implementation budget shrinks to fit")
     args = ap.parse_args(argv)
@@ -685,7 +685,8 @@ def main(argv=None) -> int:
           f"{ceil['matmul_bf16_TFLOPs']:.0f}, f16 {ceil['matmul_f16_TFLOPs']:.0f}, f32 (no TF32) "
           f"{ceil['matmul_f32_TFLOPs']:.0f}, TF32 {ceil['matmul_f32_tf32_TFLOPs']:.0f} TFLOP/s. Floor = "
           f"max(flops / matmul peak of the dtype (f32: no-TF32 peak), minimal bytes / copy bandwidth).\n"
-          f"Times: median host time per call (torch: synchronised each call; IREE: synchronous calls). "
+          f"Times: median host time per call (torch: synchronised each call; IREE: synchronous calls, runtime "
+          f"flags {' '.join(info['iree_runtime_flags']) or '(defaults)'}). "
           f"cuDNN column: TF32 allowed (PyTorch's default for convolutions); fp8-compute case: cuDNN runs f16.\n\n"
           + table + "\n")
     (out / f"{stem}.md").write_text(md)

@@ -64,10 +64,11 @@ def _element_type(dtype: np.dtype):
     }[np.dtype(dtype).name]
 
 
-# IREE's CUDA driver allocates each call's results stream-ordered by default; a synchronous call then
-# spends about 0.08 ms more (0.12 vs 0.04 ms for a 16-element kernel on an H200, benchmarks/README.md).
-# The flags are process-wide and read when the CUDA driver is first created; CONVDSL_IREE_FLAGS overrides.
-CUDA_RUNTIME_FLAGS = ("--cuda_async_allocations=false",)
+# IREE runtime flags for the CUDA driver, process-wide, read when the driver is first created;
+# CONVDSL_IREE_FLAGS (space-separated) overrides.  None by default: --cuda_async_allocations=false cuts
+# a 16-element call from 0.12 to 0.04 ms on an H200 but made calls with large results 20-60% slower
+# (benchmarks/README.md, run 7).
+CUDA_RUNTIME_FLAGS: tuple[str, ...] = ()
 _flags_set = False
 
 

@@ -57,7 +57,9 @@ def applies(p: ConvProblem) -> bool:
         return False
     if p.op in ("grad_input", "transposed"):
         return math.prod(p.filter) * p.out_channels <= MAX_WEIGHT_SLICES
-    return p.op == "grad_weight"
+    # 3D grad_weight: IREE 3.13's CUDA backend fails on the 11-loop partial-sum generic ("failed to
+    # distribute"); it keeps the depthwise / GEMM form
+    return p.op == "grad_weight" and p.dims <= 2
 
 
 def row_blocks(p: ConvProblem) -> int:
