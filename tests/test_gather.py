@@ -1,0 +1,75 @@
+"""The gather forms (passes/gather.py): when they are chosen, their row-block rule, and exactness on llvm-cpu."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from convdsl.passes import gather, lower_to_mlir
+from convdsl.passes.plan import plan_kernel
+from convdsl.problem import LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue
+from convdsl.targets import Target
+
+from test_lowering_cpu import CPU, check
+
+CUDA = Target.parse("cuda", "sm_80")
+DW = ConvProblem(
+    op="grad_input", dims=2, groups=6, batch=2, in_channels=1, out_channels=1, input=(9, 8), filter=(3, 3),
+    stride=(2, 1), dilation=(1, 2), pad_lo=(1, 2), pad_hi=(2, 1), name="k",
+)
+
+
+@pytest.mark.parametrize("op", ["grad_input", "transposed", "grad_weight"])
+def test_small_groups_take_the_gather_form(op):
+    for c, k in ((1, 1), (4, 4), (8, 2)):
+        assert plan_kernel(DW.with_(op=op, in_channels=c, out_channels=k), CUDA).form == "gather"
+
+
+@pytest.mark.parametrize("change", [
+    dict(groups=1, in_channels=1, out_channels=1),  # not grouped: a GEMM
+    dict(in_channels=4, out_channels=5),  # C*K = 20: the GEMM forms
+    dict(in_channels=2, out_channels=8),  # 9 taps x K = 72 weight slices: above MAX_WEIGHT_SLICES
+    dict(dynamic_batch=True),  # shapes must be static
+    dict(dtype="f16", compute=("fp8", "fp8")),  # fp8 compute keeps the GEMM forms' rounding
+    dict(op="forward"),  # only gradients
+    dict(op="grad_weight", dims=3, input=(5, 4, 4), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
+         pad_lo=(1, 1, 1), pad_hi=(1, 1, 1)),  # IREE fails to distribute 3D partial sums
+])
+def test_other_problems_keep_their_forms(change):
+    assert plan_kernel(DW.with_(**change), CUDA).form != "gather"
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(1, 128), o0=st.integers(1, 200), g=st.integers(2, 256), taps=st.integers(1, 7))
+def test_row_blocks_is_the_fewest_that_fill_the_gpu(batch, o0, g, taps):
+    p = ConvProblem(op="grad_weight", dims=1, groups=g, batch=batch, in_channels=1, out_channels=1,
+                    input=(o0 + taps - 1,), filter=(taps,), stride=(1,), dilation=(1,), pad_lo=(0,), pad_hi=(0,))
+    assert p.output == (o0,)
+    b = gather.row_blocks(p)
+    weights = math.prod(p.w_shape)
+    assert o0 % b == 0
+    enough = lambda blocks: batch * blocks * weights >= gather.MIN_PARTIALS  # noqa: E731
+    assert enough(b) or b == o0
+    assert not any(o0 % smaller == 0 and enough(smaller) for smaller in range(1, b))
+
+
+def test_gather_grad_input_has_no_padded_copy_and_no_reduction():
+    text = lower_to_mlir([DW], CUDA)
+    assert "tensor.extract " in text and "tensor.pad" not in text and "insert_slice" not in text
+    generics = [ln for ln in text.splitlines() if "linalg.generic" in ln]
+    assert len(generics) == 1 and '"reduction"' not in generics[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("weight_layout", WEIGHT_LAYOUTS)
+@pytest.mark.parametrize("op", ["grad_input", "transposed", "grad_weight"])
+def test_gather_forms_are_exact(layout, weight_layout, op, monkeypatch):
+    # the gather forms are chosen on every backend: check them on the CPU, where they can be compared
+    p = DW.with_(op=op, layout=layout, weight_layout=weight_layout, dtype="bf16", in_channels=2, out_channels=3,
+                 epilogue=Epilogue("bilinear", 0.5, -0.75) if op != "grad_weight" else Epilogue("scale", 2.0))
+    assert plan_kernel(p, CPU).form == "gather"
+    check(p)
+    check(p.with_(dims=1, input=(11,), filter=(4,), stride=(3,), dilation=(2,), pad_lo=(3,), pad_hi=(0,),
+                  in_channels=1, out_channels=1))
