@@ -32,10 +32,10 @@ from .ir import (
     REDUCTION,
     Space,
     activation_axes,
-    convert,
     elem_of,
     empty,
     generic,
+    multiply_add,
     split_axis,
     tensor_type,
     weight_axes,
@@ -105,15 +105,10 @@ def _and(a: Optional[ir.Value], b: Optional[ir.Value]) -> Optional[ir.Value]:
     return b if a is None else a if b is None else arith.andi(a, b)
 
 
-def _fma(acc: ir.Value, a: ir.Value, b: ir.Value) -> ir.Value:
-    f32 = ir.F32Type.get()
-    return arith.addf(acc, arith.mulf(convert(a, f32), convert(b, f32)))
-
-
 # --- grad_input ----------------------------------------------------------------------------------
 def grad_input(p: ConvProblem, dy: ir.Value, w: ir.Value, epilogue: Callable[[ir.Value], ir.Value]) -> ir.Value:
     """dX by one all-parallel generic: each output element gathers its taps' dY values."""
-    x_axes, dy_axes, w_axes = activation_axes(p, "ch"), activation_axes(p, "ch"), weight_axes(p)
+    x_axes, dy_axes = activation_axes(p, "ch"), activation_axes(p, "ch")
     taps = _taps(p)
     # one [G, C] weight operand per (tap, k): read through plain (g, c) maps, which IREE vectorises
     slices, keys = [], []
@@ -149,7 +144,7 @@ def grad_input(p: ConvProblem, dy: ir.Value, w: ir.Value, epilogue: Callable[[ir
                 coords[f"sp{i}"], ok = reach[(i, ti)]
                 valid = _and(valid, ok)
             value = _masked_read(dy, [coords[a] for a in dy_axes], valid)
-            acc = _fma(acc, value, w_elem)
+            acc = multiply_add(value, w_elem, acc)
         return acc
 
     shape = list(p.x_shape)
@@ -207,7 +202,7 @@ def grad_weight(p: ConvProblem, x: ir.Value, dy: ir.Value, epilogue: Callable[[i
             valid = _and(valid, _in_range(pos, p.input[i]))
             coords[f"sp{i}"] = _clamp(pos, p.input[i])
         value = _masked_read(x, [coords[a] for a in x_axes], valid)
-        return _fma(acc, value, dy_elem)
+        return multiply_add(value, dy_elem, acc)
 
     partials = generic(space, [dy_blocked], zeros([p.batch, blocks, *p.w_shape], f32), [dy_map, partial_map], body)
     # dW = sum over (n, b) in order

@@ -240,3 +240,9 @@ def split_axis(value: ir.Value, axis: int, parts: int) -> ir.Value:
         [ir.ArrayAttr.get([ir.IntegerAttr.get(ir.IntegerType.get_signless(64), i) for i in g]) for g in groups]
     )
     return tensor.ExpandShapeOp(tensor_type(new_shape, elem_of(value)), value, reassociation, [], new_shape).result
+
+
+def multiply_add(a: ir.Value, b: ir.Value, acc: ir.Value) -> ir.Value:
+    """acc + a*b in f32: operands are widened first, so f16/bf16/fp8 products are exact in f32."""
+    f32 = ir.F32Type.get()
+    return arith.addf(acc, arith.mulf(convert(a, f32), convert(b, f32)))

@@ -27,6 +27,7 @@ from .ir import (
     float_const,
     generic,
     insert,
+    multiply_add,
     window,
     round_to_fp8_grid,
     shape_of,
@@ -136,12 +137,6 @@ def _round_scalar(plan: KernelPlan, a: ir.Value, which: int) -> ir.Value:
     if plan.target.fp8_native:
         return convert(a, out)
     return convert(round_to_fp8_grid(convert(a, ir.F32Type.get()), compute[which]), out)
-
-
-def _multiply_add(a: ir.Value, b: ir.Value, acc: ir.Value) -> ir.Value:
-    """acc + a*b in f32: operands are widened first, so f16/bf16/fp8 products are exact in f32."""
-    f32 = ir.F32Type.get()
-    return arith.addf(acc, arith.mulf(convert(a, f32), convert(b, f32)))
 
 
 def _epilogue(p: ConvProblem, acc: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
@@ -257,7 +252,7 @@ def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value
         [x, w],
         zeros(_shape(p, p.y_shape, x), ir.F32Type.get()),
         [space.access(x_axes, x_map), space.access(w_axes, w_map), space.access(y_axes, y_map)],
-        _multiply_add,
+        multiply_add,
     )
     return _epilogue(p, acc, bias)
 
@@ -360,7 +355,7 @@ def _grad_input_phase(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value, sh
         [window, wph],
         zeros(shape, ir.F32Type.get()),
         [space.access(dy_axes, dy_map), space.access(wph_axes, w_map), space.access(dy_axes, dx_map)],
-        _multiply_add,
+        multiply_add,
     )
 
 
@@ -449,7 +444,7 @@ def _grad_weight_uniform_split(
         [v for v, _ in operands],
         zeros([parts, *p.w_shape], ir.F32Type.get()),
         [*(m for _, m in operands), space.access(out_axes, w_map)],
-        _multiply_add,
+        multiply_add,
     )
     return _sum_partials(p, stacked, bias)
 
@@ -470,7 +465,7 @@ def _grad_weight_chunk(plan: KernelPlan, x: ir.Value, dy: ir.Value, dy_axes: lis
         [v for v, _ in operands],
         zeros(p.w_shape, ir.F32Type.get()),
         [*(m for _, m in operands), space.access(w_axes, w_map)],
-        _multiply_add,
+        multiply_add,
     )
 
 
