@@ -64,25 +64,6 @@ def _element_type(dtype: np.dtype):
     }[np.dtype(dtype).name]
 
 
-# IREE runtime flags for the CUDA driver, process-wide, read when the driver is first created;
-# CONVDSL_IREE_FLAGS (space-separated) overrides.  None by default: --cuda_async_allocations=false cuts
-# a 16-element call from 0.12 to 0.04 ms on an H200 but made calls with large results 20-60% slower
-# (benchmarks/README.md, run 7).
-CUDA_RUNTIME_FLAGS: tuple[str, ...] = ()
-_flags_set = False
-
-
-def _set_cuda_runtime_flags(rt) -> None:
-    global _flags_set
-    if _flags_set:
-        return
-    _flags_set = True
-    flags = os.environ.get("CONVDSL_IREE_FLAGS")
-    wanted = flags.split() if flags is not None else list(CUDA_RUNTIME_FLAGS)
-    if wanted:
-        rt.flags.parse_flags(*wanted)
-
-
 @dataclass
 class LoadedModule:
     """A compiled module bound to a device: call functions with NumPy arrays, get NumPy arrays back."""
@@ -95,10 +76,7 @@ class LoadedModule:
         import iree.runtime as rt
 
         self._rt = rt
-        driver = self.driver or self.target.driver
-        if driver == "cuda":
-            _set_cuda_runtime_flags(rt)
-        self.config = rt.Config(driver)
+        self.config = rt.Config(self.driver or self.target.driver)
         self.context = rt.SystemContext(config=self.config)
         self.vm_module = rt.VmModule.copy_buffer(self.config.vm_instance, self.vmfb)
         self.context.add_vm_module(self.vm_module)

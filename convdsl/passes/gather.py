@@ -108,7 +108,7 @@ def _and(a: Optional[ir.Value], b: Optional[ir.Value]) -> Optional[ir.Value]:
 # --- grad_input ----------------------------------------------------------------------------------
 def grad_input(p: ConvProblem, dy: ir.Value, w: ir.Value, epilogue: Callable[[ir.Value], ir.Value]) -> ir.Value:
     """dX by one all-parallel generic: each output element gathers its taps' dY values."""
-    x_axes, dy_axes = activation_axes(p, "ch"), activation_axes(p, "ch")
+    x_axes = dy_axes = activation_axes(p, "ch")  # dX and dY share the layout
     taps = _taps(p)
     # one [G, C] weight operand per (tap, k): read through plain (g, c) maps, which IREE vectorises
     slices, keys = [], []
@@ -169,10 +169,12 @@ def _weight_slice(p: ConvProblem, w: ir.Value, tap: tuple[int, ...], k: int) -> 
 
 
 # --- grad_weight ---------------------------------------------------------------------------------
-def grad_weight(p: ConvProblem, x: ir.Value, dy: ir.Value, epilogue: Callable[[ir.Value], ir.Value]) -> ir.Value:
-    """dW by f32 partial sums over row blocks, X gathered per tap, then an in-order sum of the blocks."""
-    x_axes, dy_axes, w_axes = activation_axes(p, "ch"), activation_axes(p, "ch"), weight_axes(p)
-    blocks = row_blocks(p)
+def grad_weight(p: ConvProblem, x: ir.Value, dy: ir.Value, blocks: int,
+                epilogue: Callable[[ir.Value], ir.Value]) -> ir.Value:
+    """dW by f32 partial sums over `blocks` row blocks (the plan's row_blocks), X gathered per tap,
+    then an in-order sum of the blocks."""
+    x_axes = dy_axes = activation_axes(p, "ch")
+    w_axes = weight_axes(p)
     rows = p.output[0] // blocks
     # dY viewed with its first spatial axis as (b, r): o0 = b*R + r (tensor.expand_shape, no copy)
     sp0 = dy_axes.index("sp0")

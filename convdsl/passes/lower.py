@@ -69,8 +69,10 @@ def _emit_op(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
     p = plan.problem
     bias = args[2] if p.epilogue.has_tensor else None
     if plan.form == "gather":
-        op = gather.grad_weight if p.op == "grad_weight" else gather.grad_input
-        return op(p, args[0], args[1], lambda acc: _epilogue(p, acc, bias))
+        epilogue = lambda acc: _epilogue(p, acc, bias)  # noqa: E731
+        if p.op == "grad_weight":
+            return gather.grad_weight(p, args[0], args[1], plan.row_blocks, epilogue)
+        return gather.grad_input(p, args[0], args[1], epilogue)
     if p.op == "forward":
         return _forward(plan, args[0], args[1], bias)
     if p.op in ("grad_input", "transposed"):
