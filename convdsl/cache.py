@@ -252,7 +252,7 @@ def _compile(problems: Sequence[ConvProblem], target: Target, extra_flags: Seque
 
     mlir = lower_to_mlir(problems, target)
     knobs = {p.name: knobs_for(p, target) for p in problems}
-    if target.backend == "cpu" or all(k.is_default for k in knobs.values()):
+    if target.backend == "cpu" or all(k.config_default for k in knobs.values()):
         # looked up through the module so that a monkeypatched compile_mlir (tests, tracing) is honoured
         return _iree.compile_mlir(mlir, target, extra_flags)
     from .tuning.knobs import compile_with_knobs

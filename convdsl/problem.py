@@ -16,6 +16,11 @@ LAYOUTS = ("NHWGC", "GNHWC", "NGCHW")
 WEIGHT_LAYOUTS = ("GKYXC", "GKCYX")
 DTYPES = ("f32", "f16", "bf16")
 COMPUTE_TYPES = ("fp8", "bf8")  # fp8 = e4m3, bf8 = e5m2, as in CK
+# compute = "bf16x3": f32 operands each split into two bf16 (hi + lo), three bf16 products per f32 product
+# on the matrix units (see convdsl/passes/bf16x3.py).  Stored as the pair (BF16X3, BF16X3), so that
+# `compute` stays a 2-tuple of names everywhere (spec, cache key, describe).
+BF16X3 = "bf16x3"
+BF16X3_COMPUTE = (BF16X3, BF16X3)
 EPILOGUES = ("none", "scale", "bilinear")
 
 DYNAMIC_BATCH_NOMINAL = 2  # the batch `convdsl run` uses for `batch = ?` unless --batch says otherwise
@@ -72,7 +77,9 @@ class ConvProblem:
     weight_layout: str = "GKYXC"
     dtype: str = "f32"
     out_dtype: Optional[str] = None  # None: same as dtype
-    compute: Optional[tuple[str, str]] = None  # (A, B) operand compute types, e.g. ("bf8", "fp8")
+    # (A, B) operand compute types, e.g. ("bf8", "fp8"); or BF16X3_COMPUTE (the string "bf16x3" is accepted
+    # and stored as that pair)
+    compute: Optional[tuple[str, str]] = None
     split_k: Optional[int] = None  # grad_weight only; None = auto
     epilogue: Epilogue = field(default_factory=Epilogue)
     name: str = "kernel"
@@ -112,8 +119,7 @@ class ConvProblem:
         if self.out_dtype is not None and self.out_dtype not in DTYPES:
             raise ProblemError(f"out_dtype: expected one of {', '.join(DTYPES)}, got {self.out_dtype!r}")
         if self.compute is not None:
-            if len(self.compute) != 2 or any(c not in COMPUTE_TYPES for c in self.compute):
-                raise ProblemError(f"compute: expected [A, B] from {', '.join(COMPUTE_TYPES)}, got {self.compute!r}")
+            self._check_compute()
         if self.split_k is not None:
             if self.op != "grad_weight":
                 raise ProblemError(f"split_k: only grad_weight kernels split the reduction, not {self.op}")
@@ -126,6 +132,40 @@ class ConvProblem:
                     f"{self.pad_lo[i]}+{self.pad_hi[i]} is smaller than the dilated filter "
                     f"{self.dilation[i] * (self.filter[i] - 1) + 1}"
                 )
+
+    def _check_compute(self) -> None:
+        compute = self.compute
+        if compute == BF16X3 or (isinstance(compute, list) and compute == list(BF16X3_COMPUTE)):
+            compute = BF16X3_COMPUTE
+            object.__setattr__(self, "compute", compute)  # one canonical value: equal problems hash alike
+        elif isinstance(compute, list):
+            compute = tuple(compute)
+            object.__setattr__(self, "compute", compute)
+        if isinstance(compute, tuple) and BF16X3 in compute:
+            if compute != BF16X3_COMPUTE:
+                raise ProblemError(
+                    f"compute: expected \"{BF16X3}\" for both operands (it splits A and B alike), not mixed with "
+                    f"{', '.join(COMPUTE_TYPES)}, got {list(compute)}"
+                )
+            if self.dtype != "f32":
+                raise ProblemError(
+                    f"compute: {BF16X3} splits f32 operands into bf16 pairs: expected dtype f32, got dtype {self.dtype}"
+                )
+            return
+        if not isinstance(compute, tuple) or len(compute) != 2 or any(c not in COMPUTE_TYPES for c in compute):
+            raise ProblemError(
+                f"compute: expected [A, B] from {', '.join(COMPUTE_TYPES)} or \"{BF16X3}\", got {compute!r}"
+            )
+
+    @property
+    def fp8_compute(self) -> bool:
+        """Operands rounded to 8-bit compute types (compute = [A, B] of fp8/bf8)."""
+        return self.compute is not None and self.compute != BF16X3_COMPUTE
+
+    @property
+    def bf16x3(self) -> bool:
+        """f32 computed as three bf16 products per product (compute = "bf16x3")."""
+        return self.compute == BF16X3_COMPUTE
 
     # --- derived sizes -------------------------------------------------------------------------
     @property
@@ -235,7 +275,7 @@ class ConvProblem:
             f"in={sp} filter={fl} stride={list(self.stride)} dil={list(self.dilation)} "
             f"pad={list(self.pad_lo)}/{list(self.pad_hi)} {self.layout}/{self.weight_layout} {self.dtype}"
             + (f"->{self.out_dtype}" if self.out_dtype else "")
-            + (f" compute={list(self.compute)}" if self.compute else "")
+            + (f" compute={BF16X3}" if self.bf16x3 else f" compute={list(self.compute)}" if self.compute else "")
             + (f" split_k={self.split_k}" if self.split_k else "")
             + (f" epilogue={self.epilogue}" if self.epilogue.kind != "none" else "")
             + (" batch=?" if self.dynamic_batch else "")

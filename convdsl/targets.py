@@ -2,9 +2,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 BACKENDS = ("cpu", "cuda", "rocm")
 DEFAULT_ARCH = {"cpu": "host", "cuda": "sm_80", "rocm": "gfx942"}
+
+
+# IREE 3.13 knows CUDA chips by name only up to sm_89 (`--iree-cuda-target=sm_90` fails with "missing GPU
+# target").  Hopper is described in the input IR instead, as `hal.device.targets` on the module: sm_89's
+# matrix instructions (mma.sync; IREE has no wgmma), PTX ISA 8.4, and the 227 KB of shared memory a block may
+# use on H100/H200 (sm_80 and sm_89 allow 163 KB and 99 KB), which IREE's tile and prefetch choices read.
+_SM90_TARGET_INFO = (
+    '#iree_gpu.target<arch = "sm_90", features = "+ptx84", wgp = <'
+    "compute = fp64|fp32|fp16|int64|int32|int16|int8, storage = b64|b32|b16|b8, subgroup = shuffle|arithmetic, "
+    "dot = dp4xi8toi32, mma = [<NV_MMA_SYNC_F32_16x8x16_F16>, <NV_MMA_SYNC_F16_16x8x16_F16>, "
+    "<NV_MMA_SYNC_F32_16x8x16_BF16>, <NV_MMA_SYNC_F32_16x8x32_F8E4M3FN>, <NV_MMA_SYNC_F32_16x8x32_F8E5M2>, "
+    "<NV_WMMA_F32_16x16x16_F16>, <NV_WMMA_F16_16x16x16_F16>], subgroup_size_choices = [32], "
+    "max_workgroup_sizes = [1024, 1024, 1024], max_thread_count_per_workgroup = 1024, "
+    "max_workgroup_memory_bytes = 232448, max_workgroup_counts = [2147483647, 65535, 65535]>>"
+)
+IR_DESCRIBED_ARCHS = {"sm_90": _SM90_TARGET_INFO}
 
 
 class TargetError(ValueError):
@@ -54,9 +71,19 @@ class Target:
         # IREE's own split reduction for the reductions convdsl leaves whole: measured on an H200 it
         # never lost and took grad_weight of a 3D U-Net level from 6.2 to 1.7 ms (benchmarks/README.md)
         gpu = ["--iree-dispatch-creation-enable-split-reduction"]
+        if self.device_targets_attr() is not None:
+            return gpu  # the device comes from the module's hal.device.targets
         if self.backend == "cuda":
             return ["--iree-hal-target-device=cuda", f"--iree-cuda-target={self.arch}", *gpu]
         return ["--iree-hal-target-device=hip", f"--iree-rocm-target={self.arch}", *gpu]
+
+    def device_targets_attr(self) -> Optional[str]:
+        """The `#hal.device.target` to put on the module for chips IREE's flags cannot name, else None."""
+        info = IR_DESCRIBED_ARCHS.get(self.arch) if self.backend == "cuda" else None
+        if info is None:
+            return None
+        return (f'#hal.device.target<"cuda", [#hal.executable.target<"cuda", "cuda-nvptx-fb", '
+                f"{{iree_codegen.target_info = {info}}}>]> : !hal.device")
 
     @property
     def driver(self) -> str:

@@ -1,6 +1,7 @@
 """IREE backend: compile linalg IR to a .vmfb with `iree.compiler`, run it with `iree.runtime`."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shlex
@@ -29,12 +30,33 @@ def failure_dir() -> Path:
     return Path(os.environ.get("CONVDSL_FAILURE_DIR", Path(tempfile.gettempdir()) / "convdsl-failures"))
 
 
+# convdsl emits tensor.pad only where it wants the zero border fused into the consuming contraction
+# (plan pad_form "fuse"); IREE fuses it only with this flag, and otherwise copies it with a slow kernel.
+FUSE_PAD_FLAG = "--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops"
+
+
+def with_device_targets(mlir: str, target: Target) -> str:
+    """The module with `hal.device.targets` set when the target is described in IR (Target.device_targets_attr)."""
+    attr = target.device_targets_attr()
+    if attr is None:
+        return mlir
+    from iree.compiler import ir
+
+    with ir.Context():
+        module = ir.Module.parse(mlir)
+        module.operation.attributes["hal.device.targets"] = ir.ArrayAttr.get([ir.Attribute.parse(attr)])
+        return str(module)
+
+
 def compile_mlir(mlir: str, target: Target, extra_flags: Sequence[str] = ()) -> bytes:
     """MLIR text -> .vmfb bytes.  On failure the input is saved and the error says how to reproduce it."""
     import iree.compiler as ireec
     from iree.compiler.tools import CompilerToolError
 
+    mlir = with_device_targets(mlir, target)
     flags = [*target.compile_flags(), *extra_flags]
+    if target.backend != "cpu" and "tensor.pad" in mlir:
+        flags.append(FUSE_PAD_FLAG)
     try:
         return ireec.compile_str(mlir, extra_args=flags)
     except CompilerToolError as err:
@@ -64,6 +86,29 @@ def _element_type(dtype: np.dtype):
     }[np.dtype(dtype).name]
 
 
+# Runtime settings convdsl creates its devices with, per driver.  Measured on an H200 (benchmarks/README.md,
+# runs 9 and 10): a caching allocator with CUDA's stream-ordered allocations off (`--device_allocator=caching
+# --cuda_async_allocations=false` for plain IREE tools) cut a lone small call by up to 0.2 ms and the large
+# kernels by up to 20%, but over the whole suite in one process it added 0.2-0.4 ms to some small calls, and
+# the suite's geomean was lower (0.159 vs 0.166 of cuDNN).  IREE's defaults stay; these are the hooks.
+RUNTIME_FLAGS: dict[str, tuple[str, ...]] = {}
+RUNTIME_ALLOCATORS: dict[str, tuple[str, ...]] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_config(driver: str):
+    """One iree.runtime Config (one device) per driver and process, with convdsl's runtime settings."""
+    import iree.runtime as rt
+
+    flags = RUNTIME_FLAGS.get(driver, ())
+    if flags:
+        rt.flags.parse_flags(*flags)  # read when the driver is created: before the first get_driver
+    allocators = list(RUNTIME_ALLOCATORS.get(driver, ()))
+    if not allocators:
+        return rt.Config(driver)
+    return rt.Config(device=rt.get_driver(driver).create_default_device(allocators=allocators))
+
+
 @dataclass
 class LoadedModule:
     """A compiled module bound to a device: call functions with NumPy arrays, get NumPy arrays back."""
@@ -76,7 +121,7 @@ class LoadedModule:
         import iree.runtime as rt
 
         self._rt = rt
-        self.config = rt.Config(self.driver or self.target.driver)
+        self.config = runtime_config(self.driver or self.target.driver)
         self.context = rt.SystemContext(config=self.config)
         self.vm_module = rt.VmModule.copy_buffer(self.config.vm_instance, self.vmfb)
         self.context.add_vm_module(self.vm_module)

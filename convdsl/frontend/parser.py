@@ -16,7 +16,8 @@ order), so a file can list its kernels at the top.  The returned list follows th
 Conv keys: dims, batch, in_channels, out_channels, input, filter (required); groups (1), stride (1),
 dilation (1), padding (0), layout (NHWGC), weight_layout (GKYXC), dtype (f32), and the kernel
 defaults out_dtype and compute.  Kernel options: split_k (grad_weight only), out_dtype, epilogue,
-compute; a kernel's value wins over its conv's default.
+compute; a kernel's value wins over its conv's default.  compute is [A, B] of fp8 / bf8, or bf16x3
+(also written "bf16x3", the one quoted value of the language; f32 only): f32 as three bf16 products.
 
 `input` and `filter` always take a list, one size per spatial dim, even for dims = 1: a bare number
 there is more likely a slip than a square image.  Layouts are named in their 2D form (NHWGC means
@@ -43,6 +44,8 @@ from lark.lark import PostLex
 from lark.lexer import PatternStr
 
 from convdsl.problem import (
+    BF16X3,
+    BF16X3_COMPUTE,
     DYNAMIC_BATCH_NOMINAL,
     COMPUTE_TYPES,
     DTYPES,
@@ -251,7 +254,8 @@ def _char_words(char: str) -> str:
 
 
 def _expected_words(names: Sequence[str]) -> str:
-    ranked = sorted({_terminal_word(n) for n in names if n not in ("WS", "COMMENT")})
+    # STRING: only compute takes a quoted word (`compute = "bf16x3"`); listing it everywhere would mislead
+    ranked = sorted({_terminal_word(n) for n in names if n not in ("WS", "COMMENT", "STRING")})
     return _one_of([words for _, words in ranked])
 
 
@@ -306,11 +310,11 @@ def _parse_tree(src: _Source) -> Tree:
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Value:
-    kind: str  # "int" | "float" | "name" | "list" | "call"
+    kind: str  # "int" | "float" | "name" | "string" | "list" | "call"
     span: _Span
     text: str  # the source text, shortened, for messages
     number: Union[int, float, None] = None
-    name: str = ""  # of a name, or of a call
+    name: str = ""  # of a name, of a call, or a string's text without its quotes
     items: tuple["_Value", ...] = ()  # of a list, or a call's arguments
 
 
@@ -346,6 +350,8 @@ def _to_value(src: _Source, node: Tree, depth: int = 0) -> _Value:
         return _Value("int", span, text, number=int(raw))
     if node.data == "name":
         return _Value("name", span, text, name=str(node.children[0]))
+    if node.data == "string":
+        return _Value("string", span, text, name=str(node.children[0])[1:-1])
     if node.data == "dynamic":
         return _Value("dynamic", span, "?")
     if node.data == "list":
@@ -500,17 +506,37 @@ def _dtype(src: _Source, e: _Entry) -> str:
 
 
 def _compute(src: _Source, e: _Entry) -> tuple[str, str]:
+    """compute = [A, B] of fp8 kinds, or bf16x3 (bare or quoted; also [bf16x3, bf16x3]).
+
+    Whether bf16x3 fits the dtype is checked once the dtype is known (_check_bf16x3)."""
     v = e.value
+    if v.kind in ("name", "string") and v.name == BF16X3:
+        return BF16X3_COMPUTE
     if v.kind != "list" or len(v.items) != 2:
         got = f"a list of {len(v.items)}" if v.kind == "list" else _describe(v)
+        if v.kind in ("name", "string"):
+            raise src.error(v.span, f"expected {BF16X3} or a list of 2 compute types [A, B] for compute, "
+                                    f"got {_describe(v)}{_did_you_mean(v.name, [BF16X3])}")
         raise src.error(v.span, f"expected a list of 2 compute types [A, B] for compute, got {got}")
     out = []
     for item in v.items:
-        if item.kind != "name" or item.name not in COMPUTE_TYPES:
+        if item.kind != "name" or item.name not in (*COMPUTE_TYPES, BF16X3):
             hint = _did_you_mean(item.name, COMPUTE_TYPES) if item.kind == "name" else ""
             raise src.error(item.span, f"expected {_one_of(COMPUTE_TYPES)} in compute, got {_describe(item)}{hint}")
         out.append(item.name)
+    if BF16X3 in out:
+        if tuple(out) != BF16X3_COMPUTE:
+            raise src.error(v.span, f"expected {BF16X3} for both operands or for neither (it splits A and B "
+                                    f"alike), got [{', '.join(out)}]")
+        return BF16X3_COMPUTE
     return out[0], out[1]
+
+
+def _check_bf16x3(src: _Source, e: _Entry, dtype: str, notes: Sequence[str]) -> None:
+    """compute = bf16x3 splits f32 operands: refuse it, at the compute value, on any other dtype."""
+    if dtype != "f32":
+        raise src.error(e.value.span, f"expected dtype f32 for compute = {BF16X3} (it splits f32 operands into "
+                                      f"bf16 pairs), got dtype {dtype}", notes)
 
 
 def _split_k(src: _Source, e: _Entry) -> Optional[int]:
@@ -630,6 +656,10 @@ def _conv(src: _Source, node: Tree, batch: Optional[int]) -> _Conv:
             compute = _compute(src, e)
         else:  # pragma: no cover - _collect admits only CONV_KEYS
             raise AssertionError(key)
+    if compute == BF16X3_COMPUTE:
+        dtype_entry = seen.get("dtype")
+        notes = [src.note(dtype_entry.value.span, "dtype set here")] if dtype_entry is not None else []
+        _check_bf16x3(src, seen["compute"], fields["dtype"], notes)
     if batch is not None:
         fields["batch"] = batch
     try:
@@ -677,6 +707,8 @@ def _kernel(src: _Source, node: Tree, convs: dict[str, _Conv]) -> tuple[ConvProb
             compute = _compute(src, e)
         elif key == "epilogue":
             epilogue = _epilogue(src, e)
+    if "compute" in seen and compute == BF16X3_COMPUTE:
+        _check_bf16x3(src, seen["compute"], conv.fields["dtype"], [src.note(conv.span, f"conv {conv.name} declared here")])
     if out_dtype == conv.fields["dtype"]:
         out_dtype = None  # "same as dtype", so equal sources give equal problems
     try:

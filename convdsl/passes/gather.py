@@ -53,7 +53,7 @@ MIN_PARTIALS = 600_000
 
 def applies(p: ConvProblem) -> bool:
     """Is `p` a small-group gradient that the gather forms handle (static shapes, no fp8 compute)?"""
-    if p.groups == 1 or p.in_channels * p.out_channels > MAX_GROUP_MACS or p.dynamic_batch or p.compute:
+    if p.groups == 1 or p.in_channels * p.out_channels > MAX_GROUP_MACS or p.dynamic_batch or p.fp8_compute:
         return False
     if p.op in ("grad_input", "transposed"):
         return math.prod(p.filter) * p.out_channels <= MAX_WEIGHT_SLICES

@@ -181,12 +181,16 @@ def insert(
     )
 
 
-def window(value: ir.Value, starts: Mapping[int, int], sizes: Mapping[int, int]) -> ir.Value:  # noqa: C901
+def window(value: ir.Value, starts: Mapping[int, int], sizes: Mapping[int, int],  # noqa: C901
+           form: str = "insert") -> ir.Value:
     """out[i] = value[start + i] where that is inside `value`, else 0, on the given axes.
 
     This is zero padding (start < 0, or a window past the end) and cropping (a window that ends
     before the tensor does) in one: the part of the window that overlaps the tensor is copied into
-    zeros.  A window entirely in the padding is all zeros.
+    zeros.  A window entirely in the padding is all zeros.  `form` says how the zero border is built
+    (plan.PAD_FORMS): "insert" (zeros + insert_slice), "pad" (tensor.pad, for IREE to fuse into the
+    consumer) or "gather" (one elementwise generic; "insert" when the contiguous axis is too short to
+    vectorise: measured slower for the 3-channel ResNet stem).
     """
     full = sizes_of(value)  # axes without a window keep their size, dynamic ones included
     out_shape = [sizes.get(a, n) for a, n in enumerate(full)]
@@ -198,8 +202,64 @@ def window(value: ir.Value, starts: Mapping[int, int], sizes: Mapping[int, int])
     inner = extract(value, begin, inner_sizes, [1] * len(full))
     if all(a not in sizes or inner_sizes[a] == sizes[a] for a in range(len(full))):
         return inner
-    offsets = [b - starts.get(a, 0) for a, b in enumerate(begin)]
-    return insert(inner, zeros(out_shape, elem_of(value)), offsets, [1] * len(full), inner_sizes)
+    low = [b - starts.get(a, 0) for a, b in enumerate(begin)]
+    high = [sizes[a] - low[a] - inner_sizes[a] if a in sizes else 0 for a in range(len(full))]
+    if form == "gather" and isinstance(full[-1], int) and full[-1] < MIN_GATHER_ROW:
+        form = "insert"
+    if form == "fuse":
+        return pad_zeros(inner, low, high)
+    if form == "gather":
+        return pad_gather(inner, low, high, out_shape)
+    return insert(inner, zeros(out_shape, elem_of(value)), low, [1] * len(full), inner_sizes)
+
+
+MIN_GATHER_ROW = 16  # elements on the contiguous axis for the gather form of a zero border
+
+
+def pad_zeros(value: ir.Value, low: Sequence[int], high: Sequence[int]) -> ir.Value:
+    """tensor.pad with zeros: `low[a]` zeros before and `high[a]` after axis a (dynamic axes: none)."""
+    elem = elem_of(value)
+    shape = [n if n == ir.ShapedType.get_dynamic_size() else n + lo + hi
+             for n, lo, hi in zip(shape_of(value), low, high)]
+    op = tensor.PadOp(tensor_type(shape, elem), value, [], [], list(low), list(high))
+    block = op.regions[0].blocks.append(*([ir.IndexType.get()] * len(shape)))
+    with ir.InsertionPoint(block):
+        tensor.YieldOp(float_const(0.0, elem))
+    return op.result
+
+
+def pad_gather(value: ir.Value, low: Sequence[int], high: Sequence[int], out_shape: Sequence[Size]) -> ir.Value:
+    """out[i] = value[i - low] where 0 <= i - low < size, else 0: one all-parallel generic.
+
+    The index is clamped before the tensor.extract (every lane loads, in bounds) and the value
+    selected after, so the generic stays branch-free and IREE vectorises it along the contiguous axis.
+    """
+    elem = elem_of(value)
+    src = shape_of(value)
+    rank = len(out_shape)
+    space = Space([(f"d{i}", PARALLEL) for i in range(rank)])
+    index = ir.IndexType.get()
+
+    def body(_: ir.Value) -> ir.Value:
+        inside = None
+        coords = []
+        for a in range(rank):
+            i = linalg.IndexOp(a).result
+            if low[a] == 0 and high[a] == 0:
+                coords.append(i)
+                continue
+            shifted = arith.subi(i, arith.ConstantOp(index, low[a]).result)
+            ok = arith.andi(
+                arith.cmpi(arith.CmpIPredicate.sge, shifted, arith.ConstantOp(index, 0).result),
+                arith.cmpi(arith.CmpIPredicate.slt, shifted, arith.ConstantOp(index, src[a]).result))
+            inside = ok if inside is None else arith.andi(inside, ok)
+            zero = arith.ConstantOp(index, 0).result
+            coords.append(arith.select(ok, shifted, zero))
+        value_at = tensor.extract(value, coords)
+        return arith.select(inside, value_at, float_const(0.0, elem)) if inside is not None else value_at
+
+    return generic(space, [], empty(out_shape, elem), [space.access(space.names, {n: space[n] for n in space.names})],
+                   body)
 
 
 # fp8 formats as (mantissa bits, smallest normal exponent): CK's fp8 = e4m3, bf8 = e5m2

@@ -26,7 +26,6 @@ from .ir import (
     extract,
     float_const,
     generic,
-    insert,
     multiply_add,
     window,
     round_to_fp8_grid,
@@ -37,7 +36,7 @@ from .ir import (
     weight_axes,
     zeros,
 )
-from . import gather
+from . import bf16x3, gather
 from .plan import KernelPlan
 
 
@@ -52,17 +51,28 @@ def emit_kernel(plan: KernelPlan) -> None:
     block = fn.add_entry_block()
     with ir.InsertionPoint(block):
         args = list(block.arguments)
-        if plan.channels_last is not None:
-            # NGCHW on a GPU: run the channels-last kernel between two layout copies (see plan.py)
-            inner = plan.channels_last
-            args = [_relayout(p, inner.problem, a) if shape != p.w_shape else a
-                    for a, shape in zip(args, p.arg_shapes)]
-            result = _emit_op(inner, args)
-            if p.result_shape != p.w_shape:
-                result = _relayout(inner.problem, p, result)
+        if plan.bf16x3 is not None:
+            # compute = "bf16x3": the f32 operands as concatenated bf16 hi/lo blocks, then the bf16 kernel
+            # with the tripled reduction; its result is already f32 (or out_dtype) in this kernel's
+            # result shape, which does not depend on the tripled axis (see passes/bf16x3.py)
+            result = _emit_planned(plan.bf16x3, bf16x3.split_args(p, args))
         else:
-            result = _emit_op(plan, args)
+            result = _emit_planned(plan, args)
         func.ReturnOp([result])
+
+
+def _emit_planned(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
+    p = plan.problem
+    if plan.channels_last is not None:
+        # NGCHW on a GPU: run the channels-last kernel between two layout copies (see plan.py)
+        inner = plan.channels_last
+        args = [_relayout(p, inner.problem, a) if shape != p.w_shape else a
+                for a, shape in zip(args, p.arg_shapes)]
+        result = _emit_op(inner, args)
+        if p.result_shape != p.w_shape:
+            result = _relayout(inner.problem, p, result)
+        return result
+    return _emit_op(plan, args)
 
 
 def _emit_op(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
@@ -115,8 +125,11 @@ def _round_operand(plan: KernelPlan, value: ir.Value, which: int) -> ir.Value:
     """Round an operand to its fp8 compute type once, before the contraction reads it.
 
     Native targets get an fp8 tensor (the contraction then runs on fp8 matrix instructions);
-    others get the fp8 values stored exactly in f16 (see Target.fp8_native).
+    others get the fp8 values stored exactly in f16 (see Target.fp8_native).  Without fp8 compute
+    (none, or bf16x3 in a form that keeps f32) the operand is read as it is.
     """
+    if not plan.problem.fp8_compute:
+        return value
     return _elementwise([value], _operand_elem(plan, which, elem_of(value)),
                         lambda a, _: _round_scalar(plan, a, which))
 
@@ -124,7 +137,7 @@ def _round_operand(plan: KernelPlan, value: ir.Value, which: int) -> ir.Value:
 def _operand_elem(plan: KernelPlan, which: int, elem: ir.Type) -> ir.Type:
     """Element type the contraction reads for operand A (0) or B (1)."""
     compute = plan.problem.compute
-    if compute is None:
+    if not plan.problem.fp8_compute:  # bf16x3 is split before the kernel (passes/bf16x3.py)
         return elem
     if plan.target.fp8_native:
         return element_type(plan.target.fp8_type(compute[which]))
@@ -133,7 +146,7 @@ def _operand_elem(plan: KernelPlan, which: int, elem: ir.Type) -> ir.Type:
 
 def _round_scalar(plan: KernelPlan, a: ir.Value, which: int) -> ir.Value:
     compute = plan.problem.compute
-    if compute is None:
+    if not plan.problem.fp8_compute:
         return a
     out = _operand_elem(plan, which, a.type)
     if plan.target.fp8_native:
@@ -206,6 +219,7 @@ def _x_window(plan: KernelPlan, x: ir.Value, sp: list[int]) -> ir.Value:
         x,
         {pos: -lo for pos, lo in zip(sp, plan.x_pad_lo)},
         {pos: i + lo + hi for pos, i, lo, hi in zip(sp, p.input, plan.x_pad_lo, plan.x_pad_hi)},
+        plan.pad_form,
     )
 
 
@@ -237,7 +251,7 @@ def _contraction_space(
 def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
     p = plan.problem
     x_axes, y_axes, w_axes = activation_axes(p, "ch"), activation_axes(p, "ch"), weight_axes(p)
-    if p.compute:
+    if p.fp8_compute:
         x, w = _round_operand(plan, x, 0), _round_operand(plan, w, 1)
     sp = _spatial_positions(p, x_axes)
     x = _x_window(plan, x, sp)
@@ -270,26 +284,72 @@ def _grad_input(plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.V
         dy,
         {pos: -lo for pos, lo in zip(sp, plan.dy_pad_lo)},
         {pos: o + lo + hi for pos, o, lo, hi in zip(sp, p.output, plan.dy_pad_lo, plan.dy_pad_hi)},
+        plan.pad_form,
     )
-    out_elem = element_type(p.result_dtype)
-    # Residues that no tap reaches are zero: start from zeros unless every phase is written anyway.
-    skip_empty = any(ph.empty for ph in plan.phases) and not p.epilogue.has_tensor
+    if len(plan.phases) > 1:
+        return _grad_input_interleaved(plan, dy, w, bias, sp)
+    # stride 1: one phase with every tap, computed straight into dX's shape
+    (phase,) = plan.phases
     full = _shape(p, p.x_shape, dy)
-    result = zeros(full, out_elem) if skip_empty else empty(full, out_elem)
+    return _epilogue(p, _grad_input_phase(plan, phase, dy, w, full), bias)
+
+
+def _grad_input_interleaved(
+    plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.Value], sp: list[int]
+) -> ir.Value:
+    # Each phase's GEMM writes its own compact result R_r[..., q, ...]; one all-parallel generic then
+    # interleaves them:  dX[..., i, ...] = R_r[..., i div s, ...]  with  r = i mod s  (per spatial dim).
+    # One strided tensor.insert_slice per phase instead was copied by IREE with an element-at-a-time
+    # kernel (0.2 ms per phase of the CK 2D example on an H200); this pass reads each R_r and writes dX
+    # once, vectorised along the contiguous axis.  A bilinear epilogue reads D in this pass at dX's own
+    # positions (the phases then stay in f32 with alpha applied); other epilogues run in the phase GEMMs.
+    p = plan.problem
+    ep = p.epilogue
+    f32 = ir.F32Type.get()
+    out_elem = element_type(p.result_dtype)
+    full = _shape(p, p.x_shape, dy)
+    parts: list[tuple[Phase, ir.Value]] = []
     for ph in plan.phases:
-        if ph.empty and skip_empty:
-            continue
-        shape = list(full)
-        offsets, strides = [0] * len(full), [1] * len(full)
-        for i, pos in enumerate(sp):
-            shape[pos], offsets[pos], strides[pos] = ph.dims[i].Q, ph.dims[i].r, p.stride[i]
         if ph.empty:
-            acc = zeros(shape, ir.F32Type.get())  # only reached with a bilinear epilogue: out = beta * D
+            continue  # no tap reaches these positions: dX is zero there (plus beta * D)
+        shape = list(full)
+        for i, pos in enumerate(sp):
+            shape[pos] = ph.dims[i].Q
+        acc = _grad_input_phase(plan, ph, dy, w, shape)
+        if ep.has_tensor:
+            scaled = (lambda v, _: arith.mulf(v, float_const(ep.alpha, f32))) if ep.alpha != 1.0 else None
+            parts.append((ph, _elementwise([acc], f32, scaled) if scaled else acc))
         else:
-            acc = _grad_input_phase(plan, ph, dy, w, shape)
-        phase_bias = extract(bias, offsets, shape, strides) if bias is not None else None
-        result = insert(_epilogue(p, acc, phase_bias), result, offsets, strides)
-    return result
+            parts.append((ph, _epilogue(p, acc, None)))
+    index = ir.IndexType.get()
+    rank = len(full)
+    space = Space([(f"d{a}", PARALLEL) for a in range(rank)])
+    value_elem = f32 if ep.has_tensor else out_elem
+
+    def const(v: int) -> ir.Value:
+        return arith.ConstantOp(index, v).result
+
+    def body(*elems: ir.Value) -> ir.Value:
+        at = [linalg.IndexOp(a).result for a in range(rank)]
+        q = {pos: arith.divui(at[pos], const(p.stride[i])) for i, pos in enumerate(sp)}
+        r = {pos: arith.remui(at[pos], const(p.stride[i])) for i, pos in enumerate(sp)}
+        value = float_const(0.0, value_elem)
+        for ph, part in parts:
+            coords, match = list(at), None
+            for i, pos in enumerate(sp):
+                # clamped: every phase is read (then selected), so its index must stay in bounds
+                coords[pos] = arith.minui(q[pos], const(ph.dims[i].Q - 1))
+                eq = arith.cmpi(arith.CmpIPredicate.eq, r[pos], const(ph.dims[i].r))
+                match = eq if match is None else arith.andi(match, eq)
+            value = arith.select(match, tensor.extract(part, coords), value)
+        if ep.has_tensor:  # out = alpha * acc + beta * D, rounded once
+            value = convert(arith.addf(value, arith.mulf(convert(elems[0], f32), float_const(ep.beta, f32))),
+                            out_elem)
+        return value
+
+    identity = space.access(space.names, {n: space[n] for n in space.names})
+    inputs = [bias] if ep.has_tensor else []
+    return generic(space, inputs, empty(full, out_elem), [identity] * (len(inputs) + 1), body)
 
 
 def _phase_weight(plan: KernelPlan, ph: Phase, w: ir.Value) -> ir.Value:
@@ -318,7 +378,7 @@ def _phase_weight(plan: KernelPlan, ph: Phase, w: ir.Value) -> ir.Value:
             step = arith.ConstantOp(index, d1.tap_step).result
             coords[f"t{i}"] = arith.subi(top, arith.muli(loop[j[i]], step))
         value = tensor.extract(w, [coords[a] for a in weight_axes(p)])
-        return _round_scalar(plan, value, 1) if p.compute else value
+        return _round_scalar(plan, value, 1) if p.fp8_compute else value
 
     return generic(space, [], empty(shape, elem), [space.access(out_axes, out_map)], body)
 
@@ -370,7 +430,7 @@ def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.
     x_axes = activation_axes(p, "ch")
     sp = _spatial_positions(p, x_axes)
     n_pos = x_axes.index("n")
-    if p.compute:
+    if p.fp8_compute:
         x, dy = _round_operand(plan, x, 0), _round_operand(plan, dy, 1)
     x = _x_window(plan, x, sp)
     dy_axes = activation_axes(p, "ch")

@@ -6,7 +6,7 @@ IR after every pass that produced one, and hands each stage to `observe` (`convd
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from iree.compiler import ir
 from iree.compiler.passmanager import PassManager
@@ -27,11 +27,14 @@ class Stage:
     target: Target
     plans: tuple[KernelPlan, ...] = ()
     module: Optional[ir.Module] = None
+    # per kernel name: the zero-border form to use instead of the tuned or default one (tuning candidates)
+    pad_forms: tuple[tuple[str, str], ...] = ()
 
 
 def plan_kernels(stage: Stage) -> Stage:
     # every decision (stride phases, split-K, fp8 types, depthwise form) is made before any IR exists
-    return replace(stage, plans=tuple(plan_kernel(p, stage.target) for p in stage.problems))
+    forms = dict(stage.pad_forms)
+    return replace(stage, plans=tuple(plan_kernel(p, stage.target, forms.get(p.name)) for p in stage.problems))
 
 
 def emit_linalg(stage: Stage) -> Stage:
@@ -91,8 +94,9 @@ def run_pipeline(
     problems: Sequence[ConvProblem],
     target: Target,
     observe: Optional[Callable[[str, Stage], None]] = None,
+    pad_forms: Optional[Mapping[str, str]] = None,
 ) -> Stage:
-    stage = Stage(tuple(problems), target)
+    stage = Stage(tuple(problems), target, pad_forms=tuple(sorted((pad_forms or {}).items())))
     for name, pass_fn in PIPELINE:
         stage = pass_fn(stage)
         if stage.module is not None and not stage.module.operation.verify():
@@ -102,5 +106,6 @@ def run_pipeline(
     return stage
 
 
-def lower_to_mlir(problems: Sequence[ConvProblem], target: Target) -> str:
-    return str(run_pipeline(problems, target).module)
+def lower_to_mlir(problems: Sequence[ConvProblem], target: Target,
+                  pad_forms: Optional[Mapping[str, str]] = None) -> str:
+    return str(run_pipeline(problems, target, pad_forms=pad_forms).module)

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..algebra import Phase, SplitK, dy_padding, grad_input_phases, plan_split_k, x_window
 from ..problem import ConvProblem
 from ..targets import Target
-from . import gather
+from . import bf16x3, gather
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,13 @@ class KernelPlan:
     # GPU + 1x1 grad_weight: dY is the contraction's first operand (see _plan)
     dy_first: bool = False
     row_blocks: int = 0  # gather grad_weight: blocks of the first output dim (partial sums)
+    # how the zero border of X (forward, grad_weight) or dY (grad_input) is built: see PAD_FORMS
+    pad_form: str = "insert"
     # GPU + NGCHW: the plan of the same kernel in NHWGC, run between layout copies
     channels_last: Optional["KernelPlan"] = None
+    # compute = "bf16x3" (implicit-GEMM form only): the plan of the bf16 problem with the tripled
+    # reduction (passes/bf16x3.py), run on the hi/lo split of the f32 operands
+    bf16x3: Optional["KernelPlan"] = None
 
     def describe(self) -> str:
         p = self.problem
@@ -44,6 +49,16 @@ class KernelPlan:
         )
         if self.compute_a:
             lines.append(f"  compute: A in {self.compute_a}, B in {self.compute_b}, products summed in f32")
+        if self.bf16x3 is not None:
+            axis = bf16x3.reduction_axis(p)
+            lines.append(
+                f"  compute: bf16x3: f32 operands split into bf16 hi + lo, concatenated along {axis} as"
+                f" [A_hi|A_hi|A_lo] x [B_hi|B_lo|B_hi] ({axis} x 3); bf16 products summed in f32, in the kernel below"
+            )
+            lines.extend("  " + ln for ln in self.bf16x3.describe().splitlines()[1:])
+            return "\n".join(lines)
+        if p.bf16x3:
+            lines.append(f"  compute: bf16x3 not applied: the {self.form} form is bound by memory; f32 on FMA units")
         if self.phases:
             live = [ph for ph in self.phases if not ph.empty]
             lines.append(
@@ -59,6 +74,10 @@ class KernelPlan:
                 lines.append(f"    residue {list(ph.residue)}: sizes {list(ph.sizes)}, taps {'; '.join(taps)}")
         if self.x_pad_lo:
             lines.append(f"  X window: pad lo={list(self.x_pad_lo)}, hi={list(self.x_pad_hi)} (negative = crop)")
+        if self.form != "gather" and (any(self.x_pad_lo + self.x_pad_hi) or any(self.dy_pad_lo + self.dy_pad_hi)):
+            lines.append(f"  zero border: {self.pad_form} ({PAD_FORMS[self.pad_form]})")
+        if len(self.phases) > 1:
+            lines.append("  phases interleaved into dX by one elementwise generic (no strided insert_slice)")
         if self.channels_last is not None:
             lines.append("  layout: NGCHW activations copied to NHWGC and back around the kernel below (GPU)")
             lines.extend("  " + ln for ln in self.channels_last.describe().splitlines()[1:])
@@ -78,6 +97,39 @@ class KernelPlan:
         return "\n".join(lines)
 
 
+# The zero border around X or dY.  Measured on an H200 (benchmarks/results/*padforms*): IREE copies a
+# fill + insert_slice (or an unfused tensor.pad) with an element-at-a-time "slow_memcpy" dispatch, 10x
+# below copy bandwidth; a gather generic runs as a vectorised elementwise dispatch; a tensor.pad fused
+# into the contraction (IREE's fuse-padding-into-consumer) costs no pass at all and was fastest for
+# stride-1 f16/bf16 grad_input, but 3-6x slower for f32, whose convolutions do not run on matrix units.
+PAD_FORMS = {
+    "insert": "zeros + tensor.insert_slice",
+    "gather": "one elementwise generic reading the interior with a guarded tensor.extract",
+    "fuse": "tensor.pad, fused by IREE into the contraction's dispatch",
+}
+
+
+def default_pad_form(problem: ConvProblem, target: Target) -> str:
+    if target.backend == "cpu":
+        return "insert"
+    sixteen_bit = problem.dtype in ("f16", "bf16") or problem.fp8_compute
+    if sixteen_bit and problem.op in ("grad_input", "transposed") and all(s == 1 for s in problem.stride):
+        return "fuse"
+    return "gather"
+
+
+def _tuned_pad_form(problem: ConvProblem, target: Target) -> Optional[str]:
+    from ..tuning.db import lookup
+
+    tuned = lookup(problem, target) if target.backend != "cpu" else None
+    return tuned.pad if tuned is not None else None
+
+
+def _pad_form(problem: ConvProblem, target: Target) -> str:
+    """The tuned choice for this problem if the database has one, else the default rule."""
+    return _tuned_pad_form(problem, target) or default_pad_form(problem, target)
+
+
 def _act(p: ConvProblem, name: str) -> str:
     if p.op == "transposed" and name == "x":
         return p.layout_name("y")
@@ -88,19 +140,51 @@ def _act(p: ConvProblem, name: str) -> str:
 CHANNELS_LAST_BACKENDS = ("cuda", "rocm")
 
 
-def plan_kernel(problem: ConvProblem, target: Target) -> KernelPlan:
+def plan_kernel(problem: ConvProblem, target: Target, pad_form: Optional[str] = None) -> KernelPlan:
+    """The kernel's plan; `pad_form` overrides the tuned or default zero-border form (tuning candidates)."""
+    if pad_form is not None:
+        if pad_form not in PAD_FORMS:
+            raise ValueError(f"pad_form: expected one of {', '.join(PAD_FORMS)}, got {pad_form!r}")
+        return _with_pad_form(plan_kernel(problem, target), pad_form)
+    if problem.bf16x3:
+        return _plan_bf16x3(problem, target)
     if problem.layout == "NGCHW" and target.backend in CHANNELS_LAST_BACKENDS:
         # IREE 3.13's GPU backends miscompile channel-first implicit GEMMs in f16/bf16 (wrong results
         # on an H200 for forward, grad_input and grad_weight, whatever the loop order; f32 was right):
         # run the kernel channels-last, between two layout copies.  Measured: benchmarks/README.md.
         inner = _plan(problem.with_(layout="NHWGC"), target)
+        tuned = _tuned_pad_form(problem, target)
+        if tuned is not None:
+            inner = _with_pad_form(inner, tuned)
         return KernelPlan(problem, target, inner.form, inner.compute_a, inner.compute_b, channels_last=inner)
     return _plan(problem, target)
 
 
+def _with_pad_form(plan: KernelPlan, pad_form: str) -> KernelPlan:
+    inner = {k: _with_pad_form(getattr(plan, k), pad_form) for k in ("channels_last", "bf16x3")
+             if getattr(plan, k) is not None}
+    return replace(plan, pad_form=pad_form, **inner)
+
+
+def _plan_bf16x3(problem: ConvProblem, target: Target) -> KernelPlan:
+    # The f32 kernel's form decides.  Depthwise and gather kernels are bound by memory (a few MACs per
+    # loaded value): matrix units bring them nothing and the split would triple their reads, so they
+    # keep the plain f32 plan (on the FMA units).  The CPU runs the split kernel like a GPU does.
+    plain = plan_kernel(problem.with_(compute=None), target)
+    if plain.form != "implicit-gemm":
+        return replace(plain, problem=problem)
+    inner = plan_kernel(bf16x3.split_problem(problem), target)
+    assert inner.form == "implicit-gemm", inner.form  # a longer reduction never turns a GEMM into a gather
+    if inner.pad_form == "fuse":
+        # the hi/lo split feeding a tensor.pad fused into the contraction computed garbage on an H200
+        # (CK 3D grad_input, rel. err 1.4; benchmarks/results/*run9*): the border gets its own pass
+        inner = _with_pad_form(inner, "gather")
+    return KernelPlan(problem, target, "implicit-gemm", bf16x3=inner)
+
+
 def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
     compute_a = compute_b = None
-    if problem.compute:
+    if problem.fp8_compute:
         if target.fp8_native:
             compute_a, compute_b = (target.fp8_type(c) for c in problem.compute)
         else:
@@ -113,7 +197,8 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
     if problem.op in ("grad_input", "transposed"):
         phases = tuple(grad_input_phases(problem))
         lo, hi = dy_padding(problem, list(phases))
-        return KernelPlan(problem, target, form, compute_a, compute_b, phases=phases, dy_pad_lo=lo, dy_pad_hi=hi)
+        return KernelPlan(problem, target, form, compute_a, compute_b, phases=phases, dy_pad_lo=lo, dy_pad_hi=hi,
+                          pad_form=_pad_form(problem, target))
     lo, hi = x_window(problem)
     split = plan_split_k(problem) if problem.op == "grad_weight" else None
     # On GPUs a grad_weight with one tap is IREE's plain matmul path, which computed garbage for it with
@@ -124,4 +209,4 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
         and target.backend in CHANNELS_LAST_BACKENDS
     )
     return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split,
-                      dy_first=dy_first)
+                      dy_first=dy_first, pad_form=_pad_form(problem, target))

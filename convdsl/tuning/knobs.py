@@ -8,6 +8,7 @@ scratch, convdsl scales IREE's own choice:
   m_scale       the workgroup tile of the outermost tiled M dimension (rows of output pixels)
   k_scale       the reduction tile of the innermost reduction dimension (input channels per step)
   prefetch      software-pipelining depth (prefetch_num_stages)
+  pad           how the zero border is built (passes/plan.py PAD_FORMS); None: plan.default_pad_form
 
 Scaling a workgroup tile scales the matching subgroup tile too, so the number of subgroups (and the
 workgroup size) stays the same and each subgroup does more work.  The mechanism is IREE's own:
@@ -32,10 +33,16 @@ class Knobs:
     m_scale: int = 1
     k_scale: float = 1.0
     prefetch: Optional[int] = None
+    pad: Optional[str] = None
 
     @property
     def is_default(self) -> bool:
         return self == Knobs()
+
+    @property
+    def config_default(self) -> bool:
+        """Whether IREE's own lowering configuration is kept (pad acts on the IR, not on the config)."""
+        return Knobs(**{**self.as_dict(), "pad": None}).is_default
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,11 +57,13 @@ class Knobs:
             parts.append(f"k{self.k_scale:g}")
         if self.prefetch is not None:
             parts.append(f"p{self.prefetch}")
+        if self.pad is not None:
+            parts.append(f"w{self.pad}")
         return "-".join(parts) or "default"
 
 
 def parse_label(label: str) -> Knobs:
-    """The inverse of Knobs.label(): 'n2-m2-k0.5-p3' or 'default'."""
+    """The inverse of Knobs.label(): 'n2-m2-k0.5-p3-wfuse' or 'default'."""
     fields: dict = {}
     for part in label.split("-"):
         if part == "default" or not part:
@@ -68,8 +77,11 @@ def parse_label(label: str) -> Knobs:
             fields["k_scale"] = float(value)
         elif key == "p":
             fields["prefetch"] = int(value)
+        elif key == "w" and value in ("insert", "gather", "fuse"):
+            fields["pad"] = value
         else:
-            raise ValueError(f"knobs: expected parts n<int>, m<int>, k<float>, p<int>, got {part!r} in {label!r}")
+            raise ValueError(f"knobs: expected parts n<int>, m<int>, k<float>, p<int>, w<insert|gather|fuse>, "
+                             f"got {part!r} in {label!r}")
     return Knobs(**fields)
 
 
@@ -87,7 +99,7 @@ def _set(text: str, key: str, values: Sequence[int]) -> str:
 
 def apply_knobs(config: str, knobs: Knobs) -> Optional[str]:
     """Edit one configured executable's contraction config; None when it has no matrix-unit config."""
-    if "mma_kind" not in config or knobs.is_default:
+    if "mma_kind" not in config or knobs.config_default:
         return None if "mma_kind" not in config else config
     workgroup, subgroup = _get(config, "workgroup"), _get(config, "subgroup")
     reduction, padding = _get(config, "reduction"), _get(config, "padding")
@@ -135,7 +147,7 @@ def compile_with_knobs(mlir: str, target: Target, knobs_by_kernel: dict[str, Kno
     """
     from ..backends.iree import CompileError, compile_mlir
 
-    active = {k: v for k, v in knobs_by_kernel.items() if not v.is_default}
+    active = {k: v for k, v in knobs_by_kernel.items() if not v.config_default}
     if not active or target.backend == "cpu":
         return compile_mlir(mlir, target, extra_flags)
     with tempfile.TemporaryDirectory(prefix="convdsl-tune-") as tmp:

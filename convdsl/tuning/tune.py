@@ -27,6 +27,9 @@ from .knobs import Knobs, parse_label
 CANDIDATES: tuple[Knobs, ...] = (
     Knobs(n_scale=2), Knobs(m_scale=2), Knobs(n_scale=2, m_scale=2), Knobs(k_scale=0.5), Knobs(prefetch=3),
     Knobs(n_scale=2, m_scale=2, prefetch=3), Knobs(m_scale=2, k_scale=0.5),
+    # the zero-border forms (passes/plan.py PAD_FORMS), alone and with the tiles that won most often
+    Knobs(pad="insert"), Knobs(pad="gather"), Knobs(pad="fuse"),
+    Knobs(n_scale=2, m_scale=2, pad="gather"), Knobs(n_scale=2, m_scale=2, pad="fuse"),
 )
 MIN_GAIN = 0.03
 
@@ -47,11 +50,13 @@ def _compile_one(spec: dict, target: Target, out_dir: str, impl: str) -> tuple[s
     p = problem_from_spec(spec)
     path = Path(out_dir) / f"{p.name}.{impl.replace('@', '-at-')}.vmfb"
     try:
-        mlir = lower_to_mlir([p], target)
-        if impl == "convdsl":
+        knobs = None if impl == "convdsl" else parse_label(impl.split("@", 1)[1])
+        # a candidate's zero-border form changes the IR, its tiles the configuration
+        mlir = lower_to_mlir([p], target, pad_forms={p.name: knobs.pad} if knobs and knobs.pad else None)
+        if knobs is None:
             vmfb = compile_mlir(mlir, target)
         else:
-            vmfb = compile_with_knobs(mlir, target, {p.name: parse_label(impl.split("@", 1)[1])}, strict=True)
+            vmfb = compile_with_knobs(mlir, target, {p.name: knobs}, strict=True)
         path.write_bytes(vmfb)
         return impl, path.name, None
     except Exception as err:  # noqa: BLE001 - a candidate IREE rejects is recorded, not fatal
