@@ -58,6 +58,8 @@ IMPL_FILES = {
     # experiments: convdsl with IREE's own split reduction, and with split-K off (grad_weight)
     "convdsl+sr": "convdsl-sr",
     "convdsl-sk1+sr": "convdsl-sk1-sr",
+    # f32 cases computed as three bf16 products per product on the matrix units (compute = "bf16x3")
+    "convdsl+bf16x3": "convdsl-bf16x3",
 }
 
 
@@ -92,24 +94,39 @@ def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH
         "compile_s": {},
     }
     for impl in impls:
-        suffix = IMPL_FILES.get(impl) or impl.replace("@", "-at-")
+        suffix = IMPL_FILES.get(impl) or impl.replace("@", "-at-").replace(":", "-")
         vmfb_path, mlir_path = out / f"{name}.{suffix}.vmfb", out / f"{name}.{suffix}.mlir"
         for stale in (vmfb_path, mlir_path):
             stale.unlink(missing_ok=True)
+        if impl == "convdsl+bf16x3" and p.dtype != "f32":
+            entry["vmfbs"][impl], entry["errors"][impl] = None, f"{impl}: not an f32 case"
+            continue
         t0 = time.perf_counter()
         try:
             if impl == "convdsl":
                 mlir = lower_to_mlir([p], target)
                 mlir_path.write_text(mlir)
                 vmfb = convdsl.compile([p], target=target).vmfb
+            elif impl.startswith("convdsl:"):
+                # the same kernel for another chip (convdsl:sm_90: the Hopper target described in IR)
+                other = Target.parse("cuda", impl.split(":", 1)[1])
+                mlir = lower_to_mlir([p], other)
+                mlir_path.write_text(mlir)
+                vmfb = convdsl.compile([p], target=other).vmfb
+            elif impl == "convdsl+bf16x3":
+                q = p.with_(compute="bf16x3")
+                mlir = lower_to_mlir([q], target)
+                mlir_path.write_text(mlir)
+                vmfb = convdsl.compile([q], target=target).vmfb
             elif impl.startswith("convdsl@"):
                 # a tuning candidate: IREE's configuration scaled by knobs (convdsl/tuning/knobs.py)
                 from convdsl.tuning import compile_with_knobs
                 from convdsl.tuning.knobs import parse_label
 
-                mlir = lower_to_mlir([p], target)
+                knobs = parse_label(impl.split("@", 1)[1])
+                mlir = lower_to_mlir([p], target, pad_forms={p.name: knobs.pad} if knobs.pad else None)
                 mlir_path.write_text(mlir)
-                vmfb = compile_with_knobs(mlir, target, {p.name: parse_label(impl.split("@", 1)[1])}, strict=True)
+                vmfb = compile_with_knobs(mlir, target, {p.name: knobs}, strict=True)
             elif impl.startswith("convdsl"):
                 q = p.with_(split_k=1) if "sk1" in impl and p.op == "grad_weight" else p
                 mlir = lower_to_mlir([q], target)
@@ -140,7 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", default=str(SUITE_PATH), help="suite file (default benchmarks/suite.toml)")
     ap.add_argument("--also-channel-major", action="store_true",
                     help="also compile the iree-today forms in channel-major loop order")
-    ap.add_argument("--variants", default="", help="extra convdsl variants, comma-separated: convdsl+sr, convdsl-sk1+sr")
+    ap.add_argument("--variants", default="", help="extra convdsl variants, comma-separated: convdsl+sr, convdsl-sk1+sr, "
+                         "convdsl:<arch> (another chip, e.g. convdsl:sm_90), convdsl@<knobs> (e.g. convdsl@n2-m2-p3)")
     ap.add_argument("--keep-today", action="store_true",
                     help="compile convdsl only; keep the iree-today vmfbs of the existing cases.json (its forms "
                          "and flags do not depend on convdsl)")
@@ -150,7 +168,7 @@ def main(argv=None) -> int:
     impls = ("convdsl",) + (() if args.keep_today else ("iree-today",))
     impls += ("iree-today-channel-major",) if args.also_channel_major else ()
     impls += tuple(v for v in args.variants.split(",") if v)
-    unknown = [v for v in impls if v not in IMPL_FILES and not v.startswith("convdsl@")]
+    unknown = [v for v in impls if v not in IMPL_FILES and not v.startswith(("convdsl@", "convdsl:"))]
     if unknown:
         ap.error(f"--variants: unknown {unknown}; known: {', '.join(IMPL_FILES)}")
     out = Path(args.out)

@@ -178,7 +178,7 @@ def random_args(case: dict, seed: int) -> list[torch.Tensor]:
 def reference(case: dict, conv: TorchConv, args: list[torch.Tensor]) -> tuple[torch.Tensor, str]:
     """The result in the case's result layout, in float64 (or float32 with TF32 off for large cases)."""
     ref_dtype = torch.float64 if case["flops"] <= REF_F64_MAX_FLOPS else torch.float32
-    compute = case["spec"].get("compute")
+    compute = _fp8_compute(case)  # bf16x3 approximates f32: its reference is the plain f32 one
     targs = conv.to_torch(args)
     ups = []
     for i, t in enumerate(targs):
@@ -228,8 +228,14 @@ def diagnose(case: dict, got: torch.Tensor, ref: torch.Tensor) -> dict:
     return out
 
 
+def _fp8_compute(case: dict):
+    """The case's fp8 compute types [A, B], or None (none set, or compute = bf16x3)."""
+    compute = case["spec"].get("compute")
+    return compute if compute and compute[0] in FP8_TORCH else None
+
+
 def tolerance(case: dict) -> float:
-    if case["spec"].get("compute"):
+    if _fp8_compute(case):
         return FP8_TOLERANCE
     return max(TOLERANCE[case["args"][0]["dtype"]], TOLERANCE[case["result"]["dtype"]])
 
@@ -277,11 +283,14 @@ def bench_events(calls, reps: int) -> float:
 
 # --- IREE ----------------------------------------------------------------------------------------------
 class Iree:
-    def __init__(self, driver: str = "cuda"):
+    def __init__(self, driver: str = "cuda", allocators: tuple[str, ...] = ()):
         import iree.runtime as rt
 
         self.rt = rt
-        self.config = rt.Config(driver)
+        if allocators:  # allocator specs layered over the device's own, e.g. "caching"
+            self.config = rt.Config(device=rt.get_driver(driver).create_default_device(allocators=list(allocators)))
+        else:
+            self.config = rt.Config(driver)
         self.device = self.config.device
         self.elem = {"f32": rt.HalElementType.FLOAT_32, "f16": rt.HalElementType.FLOAT_16,
                      "bf16": rt.HalElementType.BFLOAT_16}
@@ -398,7 +407,9 @@ def peak_for(case: dict, ceil: dict) -> float:
 
 
 # --- one case ------------------------------------------------------------------------------------------
-def run_case(case: dict, iree: Iree | None, build: Path, ceil: dict, budget: float) -> dict:
+def run_case(case: dict, iree: Iree | None, build: Path, ceil: dict, budget: float,
+             only: frozenset[str] = frozenset()) -> dict:
+    """Verify and time every implementation of one case (those named in `only`, when given)."""
     spec, op = case["spec"], case["op"]
     dtype, rdtype = case["args"][0]["dtype"], case["result"]["dtype"]
     res = {"name": case["name"], "op": op, "dtype": dtype, "compute": spec.get("compute"),
@@ -429,7 +440,8 @@ def run_case(case: dict, iree: Iree | None, build: Path, ceil: dict, budget: flo
     tsets = [conv.to_torch(s) for s in sets]
     fn = conv.fn(conv.like(TORCH_DTYPES[dtype]))
     variants = [("cudnn", True)] + ([("cudnn_notf32", False)] if dtype == "f32" else [])
-    if spec.get("compute"):
+    variants = [v for v in variants if not only or "cudnn" in only]
+    if _fp8_compute(case):
         res["notes"].append("cuDNN runs the f16 convolution (no fp8 compute); its error is not gated")
     for name, tf32 in variants:
         entry = res["impls"][name] = {}
@@ -442,7 +454,7 @@ def run_case(case: dict, iree: Iree | None, build: Path, ceil: dict, budget: flo
             entry["first_call_s"] = time.perf_counter() - t0
             entry["err"] = rel_error(conv.from_torch(out), ref)
             # TF32 rounds the f32 operands to 10 mantissa bits: allow 1e-2 there; fp8 cases: not gated
-            entry["ok"] = None if spec.get("compute") else bool(
+            entry["ok"] = None if _fp8_compute(case) else bool(
                 entry["err"] <= (1e-2 if tf32 and dtype == "f32" else tol))
             del out
             calls = [lambda s=s: fn(*s) for s in tsets]
@@ -459,6 +471,8 @@ def run_case(case: dict, iree: Iree | None, build: Path, ceil: dict, budget: flo
 
     # convdsl and iree-today (and any other compiled variant) through iree.runtime
     for impl in [*IMPLS, *(k for k in case["vmfbs"] if k not in IMPLS)]:
+        if only and impl not in only:
+            continue
         entry = res["impls"][impl] = {}
         vmfb = case["vmfbs"].get(impl)
         if not vmfb:
@@ -574,7 +588,37 @@ def summarize(results: list[dict]) -> tuple[str, dict]:
                 f"{fmt(geo['iree_today_over_convdsl'], 'x')} over {len(speedups)} cases; convdsl at "
                 f"{fmt(geo['convdsl_pct_roofline'], '%')} of the roofline floor, cuDNN at "
                 f"{fmt(geo['cudnn_pct_roofline'], '%')} (correct results only).")
+    rows += variants_table(results)
     return "\n".join(rows), geo
+
+
+def variants_table(results: list[dict]) -> list[str]:
+    """Extra compiled variants (cases.json vmfbs beyond convdsl and iree-today) against convdsl."""
+    extra = sorted({k for r in results for k in r.get("impls", {}) if k not in (*IMPLS, "cudnn", "cudnn_notf32")})
+    if not extra:
+        return []
+    rows = ["", "| case | convdsl ms | " + " | ".join(f"{v} ms | convdsl/{v} | {v} err" for v in extra) + " |",
+            "|---|---|" + "---|---|---|" * len(extra)]
+    logs = {v: [] for v in extra}
+    for r in results:
+        im = r.get("impls", {})
+        base = im.get("convdsl") or {}
+        cells = [r["name"], f"{base['ms']:.3f}" if "ms" in base else "–"]
+        for v in extra:
+            e = im.get(v) or {}
+            if "ms" not in e:
+                cells += [e.get("error", "–")[:40], "–", "–"]
+                continue
+            speed = base["ms"] / e["ms"] if "ms" in base else None
+            if speed and e.get("ok") and base.get("ok"):
+                logs[v].append(math.log(speed))
+            cells += [f"{e['ms']:.3f}", f"{speed:.2f}x" if speed else "–",
+                      f"{e['err']:.1e}{'' if e.get('ok') else ' WRONG'}"]
+        rows.append("| " + " | ".join(cells) + " |")
+    rows.append("")
+    rows.append("Geometric mean speedup over convdsl: " + ", ".join(
+        f"{v} {math.exp(sum(x) / len(x)):.3f}x over {len(x)} cases" if x else f"{v} –" for v, x in logs.items()))
+    return rows
 
 
 def versions() -> dict:
@@ -598,8 +642,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="", help="appended to the output file names")
     ap.add_argument("--iree-flags", default="",
                     help="IREE runtime flags, space-separated, parsed before the CUDA device is created (default: "
-                         "IREE's own; --cuda_async_allocations=false cut a 16-element call from 0.12 to 0.04 ms but "
-                         "made the suite's kernels with large results 20-60%% slower: run 7 in benchmarks/README.md)")
+                         "IREE's own; --cuda_async_allocations=false with --iree-allocators caching: run 9 in "
+                         "benchmarks/README.md)")
+    ap.add_argument("--impls", default="",
+                    help="comma-separated implementations to time (cudnn, convdsl, iree-today, or a variant in "
+                         "cases.json such as convdsl:sm_90; default: all)")
+    ap.add_argument("--iree-allocators", default="",
+                    help="IREE allocator specs layered over the CUDA device's allocator, comma-separated (e.g. "
+                         "caching; default: none)")
     ap.add_argument("--deadline", type=float, default=330.0,
                     help="seconds for all cases: the per-implementation budget shrinks to fit")
     args = ap.parse_args(argv)
@@ -635,12 +685,16 @@ def main(argv=None) -> int:
 
     iree = None
     info["iree_runtime_flags"] = args.iree_flags.split()
+    allocators = tuple(a for a in args.iree_allocators.split(",") if a)
+    only = frozenset(i for i in args.impls.split(",") if i)
+    info["impls"] = sorted(only) or "all"
+    info["iree_allocators"] = list(allocators)
     try:
         if args.iree_flags.split():
             import iree.runtime as rt
 
             rt.flags.parse_flags(*args.iree_flags.split())
-        iree = Iree("cuda")
+        iree = Iree("cuda", allocators)
         log(f"iree.runtime cuda device: {iree.device}")
     except Exception as err:  # noqa: BLE001
         info["iree_error"] = f"{type(err).__name__}: {err}"
@@ -656,7 +710,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         log(f"[{i + 1}/{len(cases)}] {case['name']} ({case['problem']}) budget {budget:.2f} s")
         try:
-            r = run_case(case, iree, build, ceil, budget)
+            r = run_case(case, iree, build, ceil, budget, only)
         except Exception as err:  # noqa: BLE001 - record it and go on with the next case
             r = {"name": case["name"], "op": case.get("op"), "dtype": case["args"][0]["dtype"],
                  "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}",
@@ -686,7 +740,8 @@ def main(argv=None) -> int:
           f"{ceil['matmul_f32_TFLOPs']:.0f}, TF32 {ceil['matmul_f32_tf32_TFLOPs']:.0f} TFLOP/s. Floor = "
           f"max(flops / matmul peak of the dtype (f32: no-TF32 peak), minimal bytes / copy bandwidth).\n"
           f"Times: median host time per call (torch: synchronised each call; IREE: synchronous calls, runtime "
-          f"flags {' '.join(info['iree_runtime_flags']) or '(defaults)'}). "
+          f"flags {' '.join(info['iree_runtime_flags']) or '(defaults)'}, allocators "
+          f"{','.join(info['iree_allocators']) or '(device default)'}). "
           f"cuDNN column: TF32 allowed (PyTorch's default for convolutions); fp8-compute case: cuDNN runs f16.\n\n"
           + table + "\n")
     (out / f"{stem}.md").write_text(md)

@@ -88,7 +88,7 @@ def case_to_problem(case: dict) -> ConvProblem:
         weight_layout=case.get("weight_layout", "GKYXC"),
         dtype=case.get("dtype", "f32"),
         out_dtype=case.get("out_dtype"),
-        compute=tuple(compute) if compute else None,
+        compute=(compute if isinstance(compute, str) else tuple(compute)) if compute else None,  # "bf16x3" or [A, B]
         split_k=case.get("split_k"),
         name=case["name"],
     )

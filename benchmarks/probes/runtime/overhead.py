@@ -33,7 +33,6 @@ CONFIGS = {
 def measure(config: str, build: Path, names: list[str], reps: int) -> dict:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import iree.runtime as rt
-    import numpy as np
     import torch
 
     from gpu_bench import Iree, random_args
