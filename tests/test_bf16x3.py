@@ -23,7 +23,7 @@ from convdsl.passes import lower_to_mlir
 from convdsl.passes.plan import plan_kernel
 from convdsl.problem import BF16X3_COMPUTE, ConvProblem, Epilogue, ProblemError, problem_from_spec, problem_to_spec
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
-from test_lowering_cpu import CPU, check, problems
+from test_lowering_cpu import CPU, check, check_every_batch, problems
 
 # Relative L2 error allowed against the float64 reference.  Measured on llvm-cpu: 3.0e-6 .. 4.2e-6 over the
 # kernels below (bf16 hi/lo split: ~2^-16 per product; the plain f32 kernel: ~4e-7).  Mispaired blocks give
@@ -108,15 +108,7 @@ def test_dynamic_batch_module_serves_every_batch():
     ps = [p.with_(dynamic_batch=True, split_k=None) for p in kernels("GNHWC", "GKYXC", 2, 2) if p.name != "dgrad"]
     mlir = lower_to_mlir(ps, CPU)
     assert "tensor<3x?x" in mlir or "x3x?x" in mlir  # the batch split of grad_weight
-    module = LoadedModule(compile_mlir(mlir, CPU), CPU)
-    for n in (1, 3):
-        for p in ps:
-            concrete = p.with_(batch=n)
-            inputs = random_inputs(concrete, seed=n)
-            got = module.call(p.name, *inputs, out_dtype=p.result_dtype)
-            assert got.shape == concrete.result_shape
-            err = relative_error(np.asarray(got, dtype=np.float64), reference(concrete, *inputs))
-            assert err < BOUND, (n, p.name, err)
+    check_every_batch(mlir, ps, lambda _: BOUND)
 
 
 def test_gpu_forms_channels_last_detour_and_1x1_grad_weight(monkeypatch):

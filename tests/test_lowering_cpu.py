@@ -22,6 +22,19 @@ def run_on_cpu(p: ConvProblem, seed: int = 0) -> tuple[np.ndarray, list[np.ndarr
     return module.call(p.name, *inputs, out_dtype=p.result_dtype), inputs
 
 
+def check_every_batch(mlir: str, problems: list[ConvProblem], bound, batches=(1, 3)) -> None:
+    """One `batch = ?` module, called at several batch sizes; each result within bound(problem)."""
+    module = LoadedModule(compile_mlir(mlir, CPU), CPU)
+    for n in batches:
+        for p in problems:
+            concrete = p.with_(batch=n)
+            inputs = random_inputs(concrete, seed=n)
+            got = module.call(p.name, *inputs, out_dtype=p.result_dtype)
+            assert got.shape == concrete.result_shape
+            err = relative_error(np.asarray(got, dtype=np.float64), reference(concrete, *inputs))
+            assert err <= bound(concrete), (n, p.name, err)
+
+
 def check(p: ConvProblem) -> None:
     got, inputs = run_on_cpu(p)
     assert got.shape == p.result_shape
@@ -164,15 +177,7 @@ def test_dynamic_batch_module_serves_every_batch(layout):
     ]
     mlir = lower_to_mlir(problems, CPU)
     assert "tensor<?x" in mlir or "x?x" in mlir
-    module = LoadedModule(compile_mlir(mlir, CPU), CPU)
-    for n in (1, 3):
-        for p in problems:
-            concrete = p.with_(batch=n)
-            inputs = random_inputs(concrete, seed=n)
-            got = module.call(p.name, *inputs, out_dtype=p.result_dtype)
-            assert got.shape == concrete.result_shape
-            err = relative_error(np.asarray(got, dtype=np.float64), reference(concrete, *inputs))
-            assert err <= tolerance(concrete), (n, p.op, err)
+    check_every_batch(mlir, problems, tolerance)
 
 
 @pytest.mark.parametrize("op", ["forward", "grad_input", "grad_weight", "transposed"])

@@ -278,7 +278,7 @@ def _grad_input(plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.V
     p = plan.problem
     dy_axes = activation_axes(p, "ch")
     sp = _spatial_positions(p, dy_axes)
-    if p.compute:
+    if p.fp8_compute:
         dy = _round_operand(plan, dy, 0)
     dy = window(
         dy,
