@@ -17,7 +17,11 @@ Per case:
      the f16 convolution on the unrounded f16 inputs (cuDNN has no such mode): noted, error not gated.
   4. convdsl and iree-today: the .vmfb is loaded with iree.runtime (driver cuda), inputs uploaded once as
      device arrays (bf16 as raw 16-bit words with the BFLOAT_16 element type), the result verified
-     against the reference (relative L2 error), then timed.
+     against the reference (relative L2 error), then timed.  convdsl is timed through its destination-
+     passing function `<name>$into` (convdsl/abi.py: result buffer and workspace allocated once, as cuDNN
+     gets dX/dW and its workspace from PyTorch's caching allocator), verified again through that call; its
+     allocating function is timed too (variant column "convdsl (allocating call)").  iree-today modules
+     have only the allocating function.
   Timing: warm-up up to 5 calls, then the median of 20 calls (fewer, at least 3, when 20 would exceed the
   per-implementation time budget); every call is timed on the host clock and followed by
   torch.cuda.synchronize() for torch.  IREE's synchronous calling convention returns only after the
@@ -301,6 +305,25 @@ class Iree:
         ctx.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, path.read_bytes()))
         return ctx, ctx.modules.module[function]
 
+    def into_calls(self, ctx, case: dict, dsets) -> tuple | None:
+        """convdsl's destination-passing twin of the function (convdsl/abi.py), when the module has one:
+        (IntoCall, one zero-argument call per input set).  Result buffer and workspace are allocated here,
+        once, as a framework would keep them; None for modules without it (iree-today)."""
+        from convdsl.backends.into_call import IntoCall
+
+        vm_module = ctx.modules.module.vm_module
+        if vm_module.lookup_function(case["function"] + "$into") is None:
+            return None
+        rdtype = case["result"]["dtype"]
+        views = [[a._buffer_view for a in s] for s in dsets]
+        call = IntoCall(ctx, vm_module, case["function"], views[0], case["result"]["shape"], self.elem[rdtype],
+                        4 if rdtype == "f32" else 2)
+        packed = [call.pack(v) for v in views]
+        return call, [lambda a=a: call.call(a) for a in packed]
+
+    def download_view(self, view, dtype: str) -> torch.Tensor:
+        return self.download(self.rt.DeviceArray(self.device, view, implicit_host_transfer=False), dtype)
+
     def upload(self, t: torch.Tensor, dtype: str):
         """A device array from a torch tensor: bf16 goes up as raw 16-bit words typed BFLOAT_16."""
         rt = self.rt
@@ -509,8 +532,24 @@ def run_case(case: dict, iree: Iree | None, build: Path, ceil: dict, budget: flo
                 entry.update({"ms": dt * 1e3, "min_ms": dt * 1e3, "reps": 1, "warmup": 1, "spread": 0.0})
                 entry["note"] = "slow: timed once after the first call"
             else:
-                entry.update(bench(calls, budget))
-                entry["raw"] = bench(iree.raw_calls(f, dsets), budget)
+                into = iree.into_calls(ctx, case, dsets)
+                if into is None:
+                    entry["abi"] = "allocating"
+                    entry.update(bench(calls, budget))
+                    entry["raw"] = bench(iree.raw_calls(f, dsets), budget)
+                else:
+                    # the destination-passing call is the measurement; it is verified like the first call
+                    into_call, into_fns = into
+                    entry["abi"] = "into"
+                    entry["workspace_bytes"] = into_call.workspace_bytes
+                    entry["allocating"] = bench(calls, budget)
+                    into_fns[0]()
+                    entry["into_err"] = rel_error(iree.download_view(into_call.out, rdtype), ref)
+                    if entry["into_err"] > tol:
+                        entry["ok"] = False
+                        log(f"    {impl}: WRONG result through the into ABI, relative error {entry['into_err']:.3g}")
+                    entry.update(bench(into_fns, budget))
+                    del into_call, into_fns, into
             # the result of the last timed calls still equals the verified one (same inputs, set 0)
             again = iree.download(f(*dsets[0]), rdtype)
             entry["repeat_max_abs_diff"] = float((again.double() - got.double()).abs().max())
@@ -593,7 +632,12 @@ def summarize(results: list[dict]) -> tuple[str, dict]:
 
 
 def variants_table(results: list[dict]) -> list[str]:
-    """Extra compiled variants (cases.json vmfbs beyond convdsl and iree-today) against convdsl."""
+    """Extra compiled variants (cases.json vmfbs beyond convdsl and iree-today) against convdsl, and convdsl
+    called through its allocating function (the destination-passing call is the convdsl column)."""
+    for r in results:
+        cv = r.get("impls", {}).get("convdsl") or {}
+        if "allocating" in cv:
+            r["impls"]["convdsl (allocating call)"] = {**cv["allocating"], "ok": cv.get("ok"), "err": cv.get("err")}
     extra = sorted({k for r in results for k in r.get("impls", {}) if k not in (*IMPLS, "cudnn", "cudnn_notf32")})
     if not extra:
         return []

@@ -167,6 +167,20 @@ class LoadedModule:
         words = np.array(rt.DeviceArray(self.device, raw, implicit_host_transfer=True).to_host(), copy=True)
         return words.view(ml_dtypes.bfloat16)
 
+    def into_call(self, name: str, device_args: Sequence, out_shape: Sequence[int], out_dtype: str):
+        """A reusable destination-passing call of kernel `name` (convdsl/abi.py): `call.call(call.pack(views))`
+        writes the result into `call.out`, a buffer allocated once, with a workspace allocated once."""
+        from ..reference import NUMPY_DTYPES
+        from .into_call import IntoCall
+
+        dtype = np.dtype(NUMPY_DTYPES[out_dtype])
+        views = [a._buffer_view for a in device_args]
+        return IntoCall(self.context, self.vm_module, name, views, out_shape, _element_type(dtype), dtype.itemsize)
+
+    def download_view(self, view, out_dtype: Optional[str] = None) -> np.ndarray:
+        """A result buffer view (e.g. IntoCall.out) -> host array."""
+        return self.download(self._rt.DeviceArray(self.device, view, implicit_host_transfer=True), out_dtype)
+
     def time(self, name: str, args: Sequence, repeat: int = 20, warmup: int = 3) -> float:
         """Median seconds per call; the call returns after the device finished (synchronous ABI)."""
         dev_args = [self.upload(a) for a in args]

@@ -12,6 +12,7 @@ from typing import Optional
 from iree.compiler import ir
 from iree.compiler.dialects import arith, func, linalg, tensor
 
+from ..abi import INTO_SUFFIX
 from ..algebra import Phase
 from ..problem import ConvProblem
 from .ir import (
@@ -41,16 +42,31 @@ from .plan import KernelPlan
 
 
 def emit_kernel(plan: KernelPlan) -> None:
-    """Append `func.func @<kernel name>` for `plan` at the current insertion point (inside a module)."""
+    """Append `func.func @<kernel name>` and its destination-passing twin `@"<name>$into"` (convdsl/abi.py:
+    caller-owned result and workspace, so that a call allocates nothing) at the current insertion point."""
     p = plan.problem
     arg_types = [
         tensor_type(_signature_shape(p, shape), element_type(dt)) for shape, dt in zip(p.arg_shapes, p.arg_dtypes)
     ]
     result_type = tensor_type(_signature_shape(p, p.result_shape), element_type(p.result_dtype))
-    fn = func.FuncOp(p.name, (arg_types, [result_type]))
+    _emit_function(plan, p.name, arg_types, result_type)
+    workspace_type = ir.Type.parse("!hal.buffer")
+    into = _emit_function(plan, p.name + INTO_SUFFIX, [*arg_types, result_type, workspace_type], result_type)
+    no_attrs = ir.DictAttr.get({})
+    into.arg_attrs = ir.ArrayAttr.get([
+        *([no_attrs] * len(arg_types)),
+        ir.DictAttr.get({"iree.abi.output": ir.IntegerAttr.get(ir.IndexType.get(), 0)}),
+        ir.DictAttr.get({"iree.abi.transients": ir.UnitAttr.get()}),
+    ])
+
+
+def _emit_function(plan: KernelPlan, name: str, arg_types: list[ir.Type], result_type: ir.Type) -> func.FuncOp:
+    """One function computing `plan` from its leading len(problem.arg_shapes) arguments."""
+    p = plan.problem
+    fn = func.FuncOp(name, (arg_types, [result_type]))
     block = fn.add_entry_block()
     with ir.InsertionPoint(block):
-        args = list(block.arguments)
+        args = list(block.arguments)[:len(p.arg_shapes)]
         if plan.bf16x3 is not None:
             # compute = "bf16x3": the f32 operands as concatenated bf16 hi/lo blocks, then the bf16 kernel
             # with the tripled reduction; its result is already f32 (or out_dtype) in this kernel's
@@ -59,6 +75,7 @@ def emit_kernel(plan: KernelPlan) -> None:
         else:
             result = _emit_planned(plan, args)
         func.ReturnOp([result])
+    return fn
 
 
 def _emit_planned(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
