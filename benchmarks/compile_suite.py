@@ -61,6 +61,14 @@ IMPL_FILES = {
     # f32 cases computed as three bf16 products per product on the matrix units (compute = "bf16x3")
     "convdsl+bf16x3": "convdsl-bf16x3",
 }
+# experiments: convdsl's IR under IREE's default configuration with other codegen paths of IREE 3.13
+# (variant "convdsl+flag:<name>"; compare with "convdsl@default", the same without the flags)
+FLAG_SETS = {
+    "vd": ("--iree-codegen-llvmgpu-use-vector-distribution",),
+    "direct": ("--iree-codegen-llvmgpu-use-direct-convolution",),
+    "igemmpad": ("--iree-codegen-llvmgpu-igemm-pad-convolution",),
+    "ptxas": ("--iree-cuda-use-ptxas",),
+}
 
 
 def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH),
@@ -127,6 +135,10 @@ def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH
                 mlir = lower_to_mlir([p], target, pad_forms={p.name: knobs.pad} if knobs.pad else None)
                 mlir_path.write_text(mlir)
                 vmfb = compile_with_knobs(mlir, target, {p.name: knobs}, strict=True)
+            elif impl.startswith("convdsl+flag:"):
+                mlir = lower_to_mlir([p], target)
+                mlir_path.write_text(mlir)
+                vmfb = compile_mlir(mlir, target, extra_flags=FLAG_SETS[impl.split(":", 1)[1]])
             elif impl.startswith("convdsl"):
                 q = p.with_(split_k=1) if "sk1" in impl and p.op == "grad_weight" else p
                 mlir = lower_to_mlir([q], target)
@@ -158,7 +170,8 @@ def main(argv=None) -> int:
     ap.add_argument("--also-channel-major", action="store_true",
                     help="also compile the iree-today forms in channel-major loop order")
     ap.add_argument("--variants", default="", help="extra convdsl variants, comma-separated: convdsl+sr, convdsl-sk1+sr, "
-                         "convdsl:<arch> (another chip, e.g. convdsl:sm_90), convdsl@<knobs> (e.g. convdsl@n2-m2-p3)")
+                         "convdsl:<arch> (another chip, e.g. convdsl:sm_90), convdsl@<knobs> (e.g. convdsl@n2-m2-p3), "
+                         "convdsl+flag:<name> (IREE codegen flags: " + ", ".join(FLAG_SETS) + ")")
     ap.add_argument("--keep-today", action="store_true",
                     help="compile convdsl only; keep the iree-today vmfbs of the existing cases.json (its forms "
                          "and flags do not depend on convdsl)")
@@ -168,7 +181,8 @@ def main(argv=None) -> int:
     impls = ("convdsl",) + (() if args.keep_today else ("iree-today",))
     impls += ("iree-today-channel-major",) if args.also_channel_major else ()
     impls += tuple(v for v in args.variants.split(",") if v)
-    unknown = [v for v in impls if v not in IMPL_FILES and not v.startswith(("convdsl@", "convdsl:"))]
+    unknown = [v for v in impls if v not in IMPL_FILES and not v.startswith(("convdsl@", "convdsl:"))
+               and v.removeprefix("convdsl+flag:") not in FLAG_SETS]
     if unknown:
         ap.error(f"--variants: unknown {unknown}; known: {', '.join(IMPL_FILES)}")
     out = Path(args.out)

@@ -58,7 +58,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         got = mod[name](*inputs)
         elapsed = time.perf_counter() - t0
         if args.bench:
-            elapsed = mod.loaded.time(name, inputs, repeat=args.repeat)
+            elapsed = mod.loaded.time(name, inputs, repeat=args.repeat, out_shape=p.result_shape,
+                                      out_dtype=p.result_dtype)
         shapes = " ".join("x".join(map(str, s)) for s in p.arg_shapes) + " -> " + "x".join(map(str, p.result_shape))
         line = (f"{name:<12} {p.op:<11} {shapes:<40} {elapsed * 1e3:9.3f} ms {p.flops / elapsed / 1e12:8.3f} TFLOP/s "
                 f"{_bytes_moved(p) / elapsed / 1e9:8.2f} GB/s")

@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from . import __version__
+from .abi import INTO_SUFFIX
 from .backends.iree import LoadedModule, iree_version
 from .cache import compile_cached
 from .problem import ConvProblem, problem_to_spec
@@ -59,6 +60,8 @@ def manifest(problems: Sequence[ConvProblem], target: Target) -> dict:
         kernels.append(
             {
                 "function": p.name,
+                # the destination-passing twin: (args..., out, workspace) -> out, allocating nothing
+                "into_function": p.name + INTO_SUFFIX,
                 "op": p.op,
                 "problem": p.describe(),
                 # a dynamic batch (`batch = ?`) is written as null

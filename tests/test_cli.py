@@ -100,3 +100,12 @@ def test_compile_for_gpus_writes_manifest(tmp_path, target, arch, capsys):
 def test_unknown_kernel_is_a_clear_error(capsys):
     assert main(["run", str(EXAMPLES[0].parent / "resnext.conv"), "--target", "cpu", "--kernel", "nope"]) == 2
     assert "no kernel named nope" in capsys.readouterr().err
+
+
+def test_run_bench_times_every_kernel(capsys):
+    code = main(["run", str(EXAMPLES[0].parent / "resnext.conv"), "--target", "cpu", "--bench", "--repeat", "2",
+                 "--batch", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    timed = [line for line in out.splitlines() if " ms " in line and "TFLOP/s" in line]
+    assert timed and all(float(line.split(" ms ")[0].split()[-1]) > 0 for line in timed)

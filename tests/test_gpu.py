@@ -37,9 +37,18 @@ def test_artifact_kernels_match_reference(manifest: Path):
     for kernel in info["kernels"]:
         p = problem_from_spec(kernel["spec"])
         inputs = random_inputs(p, seed=7)
+        want = reference(p, *inputs)
         got = module.call(p.name, *inputs, out_dtype=p.result_dtype)
-        err = relative_error(np.asarray(got, dtype=np.float64), reference(p, *inputs))
-        print(f"{manifest.stem}.{p.name}: rel.err {err:.2e} (tol {tolerance(p):.0e})")
+        err = relative_error(np.asarray(got, dtype=np.float64), want)
+        # the destination-passing twin (convdsl/abi.py), as frameworks and the benchmarks call it
+        device_inputs = [module.upload(a) for a in inputs]
+        into = module.into_call(kernel["function"], device_inputs, p.result_shape,
+                                p.result_dtype)
+        into.call(into.pack([a._buffer_view for a in device_inputs]))
+        err_into = relative_error(np.asarray(module.download_view(into.out, p.result_dtype), dtype=np.float64), want)
+        print(f"{manifest.stem}.{p.name}: rel.err {err:.2e}, into {err_into:.2e} (tol {tolerance(p):.0e})")
         if not err <= tolerance(p):
             failures.append(f"{p.name}: {err:.3e}")
+        if not err_into <= tolerance(p):
+            failures.append(f"{p.name} (into): {err_into:.3e}")
     assert not failures, failures

@@ -118,3 +118,14 @@ def test_a_module_without_the_into_function_is_refused_by_name(tmp_path):
     dev = module.upload(np.ones(4, np.float32))
     with pytest.raises(LookupError, match=r"plain\$into"):
         module.into_call("plain", [dev], (4,), "f32")
+
+
+def test_timing_goes_through_the_into_call(module, monkeypatch):
+    p = PROBLEMS["grad_weight_split_k_grouped"]
+    calls = []
+    original = IntoCall.call
+    monkeypatch.setattr(IntoCall, "call", lambda self, packed: calls.append(self.name) or original(self, packed))
+    seconds = module.time(p.name, random_inputs(p, seed=0), repeat=3, warmup=1,
+                          out_shape=p.result_shape, out_dtype=p.result_dtype)
+    assert seconds > 0
+    assert calls == [p.name + INTO_SUFFIX] * 4

@@ -207,3 +207,26 @@ def test_gpu_1x1_grad_weight_form_is_exact(layout, split_k, monkeypatch):
     assert plan_module.plan_kernel(p, CPU).dy_first or layout == "NGCHW"
     check(p)
     check(p.with_(batch=5, split_k=None, dynamic_batch=(split_k == 1)))
+
+
+@settings(max_examples=12, deadline=None)
+@given(p=problems("grad_input"))
+def test_grad_input_with_phase_weights_k_innermost(p):
+    # the GPUs' order of the flipped phase weights ([G, C, taps, K], plan.weight_k_inner), run on the CPU
+    from convdsl.passes import plan
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan, "weight_k_inner", lambda problem, target: not problem.depthwise)
+        planned = plan.plan_kernel(p, CPU)
+        assert planned.weight_k_inner == (not p.depthwise and planned.form != "gather")
+        check(p)
+
+
+def test_phase_weights_are_k_innermost_on_gpus_only():
+    from convdsl.passes.plan import plan_kernel
+
+    p = BASE.with_(op="grad_input", stride=(2, 2), groups=1, in_channels=64, out_channels=64)
+    assert not plan_kernel(p.with_(stride=(1, 1)), Target("cuda", "sm_80")).weight_k_inner
+    assert plan_kernel(p, Target("cuda", "sm_80")).form == "implicit-gemm"
+    assert plan_kernel(p, Target("cuda", "sm_80")).weight_k_inner
+    assert not plan_kernel(p, CPU).weight_k_inner

@@ -181,15 +181,28 @@ class LoadedModule:
         """A result buffer view (e.g. IntoCall.out) -> host array."""
         return self.download(self._rt.DeviceArray(self.device, view, implicit_host_transfer=True), out_dtype)
 
-    def time(self, name: str, args: Sequence, repeat: int = 20, warmup: int = 3) -> float:
-        """Median seconds per call; the call returns after the device finished (synchronous ABI)."""
+    def time(self, name: str, args: Sequence, repeat: int = 20, warmup: int = 3,
+             out_shape: Optional[Sequence[int]] = None, out_dtype: Optional[str] = None) -> float:
+        """Median seconds per call; each call returns after the device finished (synchronous ABI).
+
+        Given the result's shape and dtype, the destination-passing twin is timed (result buffer and
+        workspace allocated once, as a framework keeps them: convdsl/abi.py), else the allocating function.
+        """
+        from ..abi import INTO_SUFFIX
+
         dev_args = [self.upload(a) for a in args]
-        fn = self.module[name]
+        if out_shape is not None and self.vm_module.lookup_function(name + INTO_SUFFIX) is not None:
+            into = self.into_call(name, dev_args, out_shape, out_dtype or "f32")
+            packed = into.pack([a._buffer_view for a in dev_args])
+            one = lambda: into.call(packed)  # noqa: E731
+        else:
+            fn = self.module[name]
+            one = lambda: fn(*dev_args)  # noqa: E731
         for _ in range(warmup):
-            fn(*dev_args)
+            one()
         times = []
         for _ in range(repeat):
             t0 = time.perf_counter()
-            fn(*dev_args)
+            one()
             times.append(time.perf_counter() - t0)
         return float(np.median(times))

@@ -370,7 +370,8 @@ def _grad_input_interleaved(
 
 
 def _phase_weight(plan: KernelPlan, ph: Phase, w: ir.Value) -> ir.Value:
-    """W restricted to the phase's taps, flipped, as a [G, K, J..., C] tensor (weights are small).
+    """W restricted to the phase's taps, flipped, as a [G, K, J..., C] tensor, or [G, C, J..., K] with
+    plan.weight_k_inner (weights are small).  _phase_weight_axes gives the order.
 
     Tap j' (j' = J-1-j) of the phase is filter tap y0 + (J-1-j')*tap_step; flipping makes the dY
     read q + j'*o_step increase with j', the form of a stride-1 convolution that IREE recognises.
@@ -380,10 +381,11 @@ def _phase_weight(plan: KernelPlan, ph: Phase, w: ir.Value) -> ir.Value:
     p = plan.problem
     j = [f"j{i}" for i in range(p.dims)]
     space = Space([("g", PARALLEL), ("k", PARALLEL), *[(n, PARALLEL) for n in j], ("c", PARALLEL)])
-    out_axes = ["g", "k", *[f"t{i}" for i in range(p.dims)], "c"]
+    out_axes = _phase_weight_axes(plan)
     out_map = {"g": space["g"], "k": space["k"], "c": space["c"], **{f"t{i}": space[j[i]] for i in range(p.dims)}}
     elem = _operand_elem(plan, 1, elem_of(w))
-    shape = [p.groups, p.out_channels, *ph.taps, p.in_channels]
+    size = {"g": p.groups, "k": p.out_channels, "c": p.in_channels, **{f"t{i}": ph.taps[i] for i in range(p.dims)}}
+    shape = [size[a] for a in out_axes]
     index = ir.IndexType.get()
 
     def body(_: ir.Value) -> ir.Value:
@@ -398,6 +400,11 @@ def _phase_weight(plan: KernelPlan, ph: Phase, w: ir.Value) -> ir.Value:
         return _round_scalar(plan, value, 1) if p.fp8_compute else value
 
     return generic(space, [], empty(shape, elem), [space.access(out_axes, out_map)], body)
+
+
+def _phase_weight_axes(plan: KernelPlan) -> list[str]:
+    taps = [f"t{i}" for i in range(plan.problem.dims)]
+    return ["g", "c", *taps, "k"] if plan.weight_k_inner else ["g", "k", *taps, "c"]
 
 
 def _grad_input_phase(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value, shape: list[int]) -> ir.Value:
@@ -428,7 +435,7 @@ def _grad_input_phase(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value, sh
     dx_map = {"n": space["n"], "g": space["g"], **{f"sp{i}": space[q[i]] for i in range(p.dims)}}
     if not p.depthwise:
         dy_map["ch"], w_map["k"], w_map["c"], dx_map["ch"] = space["k"], space["k"], space["c"], space["c"]
-    wph_axes = ["g", "k", *[f"t{i}" for i in range(p.dims)], "c"]
+    wph_axes = _phase_weight_axes(plan)
     return generic(
         space,
         [window, wph],

@@ -36,6 +36,9 @@ class KernelPlan:
     # compute = "bf16x3" (implicit-GEMM form only): the plan of the bf16 problem with the tripled
     # reduction (passes/bf16x3.py), run on the hi/lo split of the f32 operands
     bf16x3: Optional["KernelPlan"] = None
+    # grad_input / transposed: the flipped phase weights are built as [G, C, taps, K] (the reduction
+    # channel K innermost) instead of [G, K, taps, C]; see weight_k_inner()
+    weight_k_inner: bool = False
 
     def describe(self) -> str:
         p = self.problem
@@ -78,6 +81,8 @@ class KernelPlan:
             lines.append(f"  zero border: {self.pad_form} ({PAD_FORMS[self.pad_form]})")
         if len(self.phases) > 1:
             lines.append("  phases interleaved into dX by one elementwise generic (no strided insert_slice)")
+        if self.weight_k_inner:
+            lines.append("  phase weights: [G, C, taps, K], the reduction channel innermost (contiguous GEMM B columns)")
         if self.channels_last is not None:
             lines.append("  layout: NGCHW activations copied to NHWGC and back around the kernel below (GPU)")
             lines.extend("  " + ln for ln in self.channels_last.describe().splitlines()[1:])
@@ -140,6 +145,22 @@ def _act(p: ConvProblem, name: str) -> str:
 CHANNELS_LAST_BACKENDS = ("cuda", "rocm")
 
 
+# Why the phase weights of grad_input may be stored K-innermost.  The contraction is dX = dY . Wphase, with
+# the reduction over (taps, K).  IREE 3.13 lowers it to mma.sync m16n8k16.row.col without ldmatrix: each
+# thread loads its B fragment (pairs along the reduction) straight from shared memory, one 16-bit load per
+# element when Wphase is stored [G, K, taps, C] (the PTX of CK 3D dgrad: 64 ld.shared.b16 + 64 st.shared.b16
+# per 32 mma), 32-bit loads and 64-bit stores when K is innermost.  The weights are small and rebuilt by the
+# flip gather anyway, so the order costs nothing.  Measured on an H100, same process
+# (results/*exp-kinner*): 0.92-1.03x the time on the five strided cases (geomean 0.97), but 1.14x and 1.18x
+# on the stride-1 ResNet 1x1 and DeepLab dgrad, so it is used where there is more than one stride phase.
+WEIGHT_K_INNER_BACKENDS = ("cuda", "rocm")
+
+
+def weight_k_inner(problem: ConvProblem, target: Target) -> bool:
+    strided = any(s > 1 for s in problem.stride)
+    return target.backend in WEIGHT_K_INNER_BACKENDS and not problem.depthwise and strided
+
+
 def plan_kernel(problem: ConvProblem, target: Target, pad_form: Optional[str] = None) -> KernelPlan:
     """The kernel's plan; `pad_form` overrides the tuned or default zero-border form (tuning candidates)."""
     if pad_form is not None:
@@ -198,7 +219,7 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
         phases = tuple(grad_input_phases(problem))
         lo, hi = dy_padding(problem, list(phases))
         return KernelPlan(problem, target, form, compute_a, compute_b, phases=phases, dy_pad_lo=lo, dy_pad_hi=hi,
-                          pad_form=_pad_form(problem, target))
+                          pad_form=_pad_form(problem, target), weight_k_inner=weight_k_inner(problem, target))
     lo, hi = x_window(problem)
     split = plan_split_k(problem) if problem.op == "grad_weight" else None
     # On GPUs a grad_weight with one tap is IREE's plain matmul path, which computed garbage for it with
