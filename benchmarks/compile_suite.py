@@ -135,6 +135,17 @@ def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH
                 mlir = lower_to_mlir([p], target, pad_forms={p.name: knobs.pad} if knobs.pad else None)
                 mlir_path.write_text(mlir)
                 vmfb = compile_with_knobs(mlir, target, {p.name: knobs}, strict=True)
+            elif impl.startswith("convdsl+partials:"):
+                # experiment: the gather grad_weight form with another target count of partial sums
+                from convdsl.passes import gather
+
+                saved, gather.MIN_PARTIALS = gather.MIN_PARTIALS, int(impl.split(":", 1)[1])
+                try:
+                    mlir = lower_to_mlir([p], target)
+                finally:
+                    gather.MIN_PARTIALS = saved
+                mlir_path.write_text(mlir)
+                vmfb = compile_mlir(mlir, target)
             elif impl.startswith("convdsl+flag:"):
                 mlir = lower_to_mlir([p], target)
                 mlir_path.write_text(mlir)
@@ -171,7 +182,8 @@ def main(argv=None) -> int:
                     help="also compile the iree-today forms in channel-major loop order")
     ap.add_argument("--variants", default="", help="extra convdsl variants, comma-separated: convdsl+sr, convdsl-sk1+sr, "
                          "convdsl:<arch> (another chip, e.g. convdsl:sm_90), convdsl@<knobs> (e.g. convdsl@n2-m2-p3), "
-                         "convdsl+flag:<name> (IREE codegen flags: " + ", ".join(FLAG_SETS) + ")")
+                         "convdsl+flag:<name> (IREE codegen flags: " + ", ".join(FLAG_SETS) + "), "
+                         "convdsl+partials:<n> (gather grad_weight with gather.MIN_PARTIALS = n)")
     ap.add_argument("--keep-today", action="store_true",
                     help="compile convdsl only; keep the iree-today vmfbs of the existing cases.json (its forms "
                          "and flags do not depend on convdsl)")
@@ -181,7 +193,7 @@ def main(argv=None) -> int:
     impls = ("convdsl",) + (() if args.keep_today else ("iree-today",))
     impls += ("iree-today-channel-major",) if args.also_channel_major else ()
     impls += tuple(v for v in args.variants.split(",") if v)
-    unknown = [v for v in impls if v not in IMPL_FILES and not v.startswith(("convdsl@", "convdsl:"))
+    unknown = [v for v in impls if v not in IMPL_FILES and not v.startswith(("convdsl@", "convdsl:", "convdsl+partials:"))
                and v.removeprefix("convdsl+flag:") not in FLAG_SETS]
     if unknown:
         ap.error(f"--variants: unknown {unknown}; known: {', '.join(IMPL_FILES)}")

@@ -431,7 +431,7 @@ def peak_for(case: dict, ceil: dict) -> float:
 
 # --- one case ------------------------------------------------------------------------------------------
 def run_case(case: dict, iree: Iree | None, build: Path, ceil: dict, budget: float,
-             only: frozenset[str] = frozenset()) -> dict:
+             only: frozenset[str] = frozenset(), time_allocating: bool = True) -> dict:
     """Verify and time every implementation of one case (those named in `only`, when given)."""
     spec, op = case["spec"], case["op"]
     dtype, rdtype = case["args"][0]["dtype"], case["result"]["dtype"]
@@ -542,7 +542,8 @@ def run_case(case: dict, iree: Iree | None, build: Path, ceil: dict, budget: flo
                     into_call, into_fns = into
                     entry["abi"] = "into"
                     entry["workspace_bytes"] = into_call.workspace_bytes
-                    entry["allocating"] = bench(calls, budget)
+                    if time_allocating:
+                        entry["allocating"] = bench(calls, budget)
                     into_fns[0]()
                     entry["into_err"] = rel_error(iree.download_view(into_call.out, rdtype), ref)
                     if entry["into_err"] > tol:
@@ -694,6 +695,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iree-allocators", default="",
                     help="IREE allocator specs layered over the CUDA device's allocator, comma-separated (e.g. "
                          "caching; default: none)")
+    ap.add_argument("--skip-allocating", action="store_true",
+                    help="do not also time convdsl's allocating function (tuning runs)")
     ap.add_argument("--deadline", type=float, default=330.0,
                     help="seconds for all cases: the per-implementation budget shrinks to fit")
     args = ap.parse_args(argv)
@@ -754,7 +757,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         log(f"[{i + 1}/{len(cases)}] {case['name']} ({case['problem']}) budget {budget:.2f} s")
         try:
-            r = run_case(case, iree, build, ceil, budget, only)
+            r = run_case(case, iree, build, ceil, budget, only, time_allocating=not args.skip_allocating)
         except Exception as err:  # noqa: BLE001 - record it and go on with the next case
             r = {"name": case["name"], "op": case.get("op"), "dtype": case["args"][0]["dtype"],
                  "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}",

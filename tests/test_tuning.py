@@ -12,7 +12,7 @@ from convdsl.passes import lower_to_mlir
 from convdsl.problem import ConvProblem
 from convdsl.targets import Target
 from convdsl.tuning import Knobs, apply_knobs, compile_with_knobs
-from convdsl.tuning.db import heuristic, knobs_for, lookup, signature
+from convdsl.tuning.db import heuristic, knobs_for, lookup, signature, target_key
 from convdsl.tuning.knobs import parse_label
 from convdsl.tuning.tune import collect
 
@@ -74,6 +74,9 @@ def test_heuristic_follows_the_measurements():
     assert heuristic(big, Target("cpu", "host")) == Knobs()
     small_k = big.with_(op="grad_weight")
     assert heuristic(small_k, CUDA) == Knobs()
+    wide = big.with_(in_channels=256)
+    assert heuristic(wide, CUDA) == Knobs(n_scale=4, m_scale=2)
+    assert heuristic(wide.with_(batch=8), CUDA) == Knobs(n_scale=2)  # small M: the wider N tile is not tried
 
 
 def _results(tmp_path: Path, impls: dict) -> tuple[Path, Path]:
@@ -105,14 +108,27 @@ def test_collect_keeps_the_fastest_correct_candidate(tmp_path, monkeypatch):
     assert signature(DGRAD) in json.loads(db_path.read_text())[db.target_key(CUDA)]
 
 
+def test_collect_keeps_a_tuned_pad_form_and_the_default_time(tmp_path):
+    db_path = tmp_path / "db.json"
+    results, cases = _results(tmp_path, {"convdsl": {"ok": True, "ms": 1.0}, "convdsl@n2-wgather": {"ok": True, "ms": 0.8}})
+    collect(results, cases, CUDA, db_path)
+    # a later run whose candidates were compiled with that entry's pad form (their labels carry no pad)
+    results, cases = _results(tmp_path, {"convdsl": {"ok": True, "ms": 0.8}, "convdsl@n4": {"ok": True, "ms": 0.5}})
+    collect(results, cases, CUDA, db_path)
+    assert lookup(DGRAD, CUDA, db_path) == Knobs(n_scale=4, pad="gather")
+    entry = json.loads(db_path.read_text())[target_key(CUDA)][signature(DGRAD)]
+    assert entry["default_ms"] == 1.0 and entry["ms"] == 0.5
+
+
 def test_collect_ignores_gains_within_noise(tmp_path):
     results, cases = _results(tmp_path, {"convdsl": {"ok": True, "ms": 1.0}, "convdsl@n2": {"ok": True, "ms": 0.99}})
     assert collect(results, cases, CUDA, tmp_path / "db.json") == {}
 
 
 def test_shipped_database_is_used_for_its_shapes():
-    # the suite's ck15 3D f16 backward data was tuned on an H200 (benchmarks/results/*run5*)
+    # the suite's ck15 3D f16 backward data, tuned on an H200 (results/*run5*), then on an H100 (*tune3*)
     p = ConvProblem(op="grad_input", dims=3, groups=1, batch=64, in_channels=64, out_channels=128,
                     input=(28, 28, 28), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 1),
                     pad_hi=(1, 1, 1), dtype="f16", name="anything")
-    assert knobs_for(p, CUDA) == Knobs(n_scale=2, m_scale=2, prefetch=3)
+    assert knobs_for(p, CUDA) == Knobs(n_scale=2, m_scale=4)
+    assert heuristic(p, CUDA) != knobs_for(p, CUDA)  # so the database, not the heuristic, decided

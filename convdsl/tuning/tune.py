@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -30,6 +31,10 @@ CANDIDATES: tuple[Knobs, ...] = (
     # the zero-border forms (passes/plan.py PAD_FORMS), alone and with the tiles that won most often
     Knobs(pad="insert"), Knobs(pad="gather"), Knobs(pad="fuse"),
     Knobs(n_scale=2, m_scale=2, pad="gather"), Knobs(n_scale=2, m_scale=2, pad="fuse"),
+    # a quarter of the tiles larger and a fourth stage: the winners of the wider search on an H100
+    # (results/*tune3*: CK 17 and DeepLab dgrad n4-m2, CK 15 n2-m4, ResNet 3x3 and w2v2 dgrad n2-m2-p4).
+    # n4-m4 never won (0.24x geomean) and often failed to compile, so it is not tried.
+    Knobs(n_scale=4, m_scale=2), Knobs(n_scale=2, m_scale=4), Knobs(n_scale=2, m_scale=2, prefetch=4),
 )
 MIN_GAIN = 0.03
 
@@ -110,8 +115,14 @@ def collect(results_path: Path, cases_path: Path, target: Target, db_path: Path 
             continue
         knobs = parse_label(best.split("@", 1)[1])
         problem = problem_from_spec(spec)
+        previous = section.get(signature(problem), {})
+        if knobs.pad is None and previous.get("knobs", {}).get("pad"):
+            # the candidate was compiled with the entry's tuned zero-border form (plan._tuned_pad_form)
+            knobs = replace(knobs, pad=previous["knobs"]["pad"])
+        # default_ms stays the time of IREE's own configuration when the entry had one
         section[signature(problem)] = {"knobs": knobs.as_dict(), "ms": round(best_ms, 4),
-                                       "default_ms": round(base["ms"], 4), "case": case["name"]}
+                                       "default_ms": previous.get("default_ms", round(base["ms"], 4)),
+                                       "case": case["name"]}
         chosen[case["name"]] = (knobs.label(), base["ms"], best_ms)
     db_path.write_text(json.dumps(db, indent=1, sort_keys=True) + "\n")
     return chosen
