@@ -77,6 +77,7 @@ def test_heuristic_follows_the_measurements():
     wide = big.with_(in_channels=256)
     assert heuristic(wide, CUDA) == Knobs(n_scale=4, m_scale=2)
     assert heuristic(wide.with_(batch=8), CUDA) == Knobs(n_scale=2)  # small M: the wider N tile is not tried
+    assert heuristic(wide.with_(stride=(2, 2), input=(112, 112)), CUDA) == Knobs(n_scale=2, m_scale=2)  # strided
 
 
 def _results(tmp_path: Path, impls: dict) -> tuple[Path, Path]:
