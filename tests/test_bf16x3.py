@@ -23,7 +23,7 @@ from convdsl.passes import lower_to_mlir
 from convdsl.passes.plan import plan_kernel
 from convdsl.problem import BF16X3_COMPUTE, ConvProblem, Epilogue, ProblemError, problem_from_spec, problem_to_spec
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
-from test_lowering_cpu import CPU, check, check_every_batch, problems
+from test_lowering_cpu import CPU, check, check_every_batch, function_text, problems
 
 # Relative L2 error allowed against the float64 reference.  Measured on llvm-cpu: 3.0e-6 .. 4.2e-6 over the
 # kernels below (bf16 hi/lo split: ~2^-16 per product; the plain f32 kernel: ~4e-7).  Mispaired blocks give
@@ -184,7 +184,7 @@ def _generics(mlir: str) -> list[tuple[list[str], list[str], str]]:
 def test_ir_splits_each_operand_once_and_contracts_bf16_into_f32(which):
     p = next(q for q in kernels("NHWGC", "GKYXC", 2, 2) if q.name == which)
     p = p.with_(epilogue=Epilogue("bilinear", 0.5, 2.0))  # D must pass through unsplit
-    mlir = lower_to_mlir([p], CPU)
+    mlir = function_text(lower_to_mlir([p], CPU), p.name)
     generics = _generics(mlir)
     splits = [g for g in generics if g[1] == ["f32"] and g[2] == "bf16"]
     assert len(splits) == 2, generics  # one split generic per operand, none for D

@@ -35,6 +35,13 @@ def check_every_batch(mlir: str, problems: list[ConvProblem], bound, batches=(1,
             assert err <= bound(concrete), (n, p.name, err)
 
 
+def function_text(mlir: str, name: str) -> str:
+    """The text of `func.func @name` alone (every module also holds its `$into` twin: convdsl/abi.py)."""
+    start = mlir.index(f"func.func @{name}(")
+    end = mlir.find("func.func @", start + 1)
+    return mlir[start:] if end < 0 else mlir[start:end]
+
+
 def check(p: ConvProblem) -> None:
     got, inputs = run_on_cpu(p)
     assert got.shape == p.result_shape
