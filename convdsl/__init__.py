@@ -25,7 +25,13 @@ _LAZY = {
 __all__ = ["ConvProblem", "Epilogue", "ProblemError", "__version__", *_LAZY]
 
 
+# submodules loaded on first access: convdsl.interop (DLPack / PyTorch tensors without copies)
+_LAZY_MODULES = ("interop",)
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'convdsl' has no attribute {name!r}")

@@ -15,11 +15,12 @@ class IntoCall:
 
     context: the iree.runtime SystemContext the module was added to; vm_module: that module (an
     rt.VmModule); args: the argument buffer views, whose shapes fix the result's; out_shape,
-    out_element_type (an rt.HalElementType) and out_bytes_per_element: the result's.
+    out_element_type (an rt.HalElementType) and out_bytes_per_element: the result's; out: an existing buffer
+    view of that shape to write into (default: one allocated here).
     """
 
     def __init__(self, context, vm_module, name: str, args: Sequence, out_shape: Sequence[int],
-                 out_element_type, out_bytes_per_element: int) -> None:
+                 out_element_type, out_bytes_per_element: int, out=None) -> None:
         import iree.runtime as rt
 
         self._rt = rt
@@ -30,8 +31,10 @@ class IntoCall:
         if self.function is None:
             raise LookupError(f"the module has no function {self.name!r} (compiled before convdsl had it)")
         allocator = context.config.device.allocator
-        out_bytes = max(1, math.prod(out_shape)) * out_bytes_per_element
-        self.out = rt.HalBufferView(self._allocate(allocator, out_bytes), list(out_shape), out_element_type)
+        if out is None:
+            out_bytes = max(1, math.prod(out_shape)) * out_bytes_per_element
+            out = rt.HalBufferView(self._allocate(allocator, out_bytes), list(out_shape), out_element_type)
+        self.out = out  # a buffer view the caller may own (e.g. a framework tensor imported through DLPack)
         placeholder = self._allocate(allocator, MIN_WORKSPACE_BYTES)
         self.workspace = placeholder
         self.workspace_bytes = self._workspace_size(list(args))
@@ -52,12 +55,13 @@ class IntoCall:
         self.context.vm_context.invoke(size_function, self.pack(args), results)
         return int(results.get_variant(0))
 
-    def pack(self, args: Sequence):
-        """The argument list of one call (pack once, call many times)."""
+    def pack(self, args: Sequence, out=None):
+        """The argument list of one call (pack once, call many times); `out`: another result view of the
+        same shape to write into instead of self.out."""
         packed = self._rt.VmVariantList(len(args) + 2)
         for view in args:
             packed.push_ref(view)
-        packed.push_ref(self.out)
+        packed.push_ref(self.out if out is None else out)
         packed.push_ref(self.workspace)
         return packed
 

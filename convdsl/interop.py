@@ -1,0 +1,138 @@
+"""Compiled kernels on framework tensors, without copies: DLPack import plus the destination-passing twin.
+
+    mod = convdsl.compile("examples/resnext.conv", target="cuda")
+    dx = convdsl.interop.torch_call(mod, "dgrad", dy, w)       # torch CUDA tensors in, a torch tensor out
+    dgrad = DLPackKernel(mod, "dgrad"); dgrad(dy, w, out=dx)   # any __dlpack__ tensors, into your buffer
+
+Arguments and result are imported into IREE through DLPack (`HalDevice.from_dlpack_capsule`: IREE reads and
+writes the framework's memory), and the kernel's `$into` twin (convdsl/abi.py) writes the result into `out`
+with a workspace that is allocated once per argument shapes.  Measured on an H100
+(benchmarks/results/*torch-dlpack*): bit-identical to the usual call, 0.10 ms for ResNet's 1x1 dgrad.
+
+Ordering: IREE runs on its own CUDA stream.  Before a call the framework's current stream is synchronised
+(so IREE reads finished inputs); the call returns after IREE's work is done (IREE's synchronous ABI), so the
+framework may use `out` at once.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+# DLPack device types (dlpack.h)
+KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_ROCM = 1, 2, 3, 10
+DRIVER_DEVICE_TYPES = {"local-task": (KDL_CPU, KDL_CUDA_HOST), "local-sync": (KDL_CPU, KDL_CUDA_HOST),
+                       "cuda": (KDL_CUDA,), "hip": (KDL_ROCM,)}
+DTYPE_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+class InteropError(TypeError):
+    """A tensor handed to a kernel has the wrong shape, dtype, device or memory order (names the argument)."""
+
+
+def _dtype_name(t: Any) -> str:
+    name = str(t.dtype).removeprefix("torch.")
+    return DTYPE_NAMES.get(name, name)
+
+
+def _contiguous(t: Any) -> bool:
+    if hasattr(t, "is_contiguous"):
+        return bool(t.is_contiguous())
+    flags = getattr(t, "flags", None)
+    return bool(flags["C_CONTIGUOUS"]) if flags is not None else True
+
+
+def _synchronize_producers(tensors) -> None:
+    """Let the framework finish the work that produces (or last reads) these tensors: torch's current stream."""
+    for t in tensors:
+        if getattr(t, "is_cuda", False):
+            import torch
+
+            torch.cuda.current_stream(t.device).synchronize()
+            return
+
+
+class DLPackKernel:
+    """One kernel of a compiled module, called on tensors that support DLPack (`__dlpack__`)."""
+
+    def __init__(self, module, name: str) -> None:
+        self.module = module
+        self.kernel = module[name]
+        self.problem = self.kernel.problem
+        self._calls: dict[tuple, Any] = {}
+
+    def result_shape(self, *args: Any) -> tuple[int, ...]:
+        return self._concrete(args).result_shape
+
+    def _concrete(self, args):
+        p = self.problem
+        if len(args) != len(p.arg_names):
+            raise InteropError(f"{p.name}({', '.join(p.arg_names)}): expected {len(p.arg_names)} tensors, got {len(args)}")
+        if not p.dynamic_batch:
+            return p
+        axis = p.batch_axis("x")
+        first = next(a for a, s in zip(args, p.arg_shapes) if s != p.w_shape)
+        return p.with_(batch=int(first.shape[axis]), dynamic_batch=False)
+
+    def _check(self, args, out) -> Any:
+        concrete = self._concrete(args)
+        named = [*zip(concrete.arg_names, concrete.arg_shapes, concrete.arg_dtypes, args),
+                 (concrete.result_name, concrete.result_shape, concrete.result_dtype, out)]
+        accepted = DRIVER_DEVICE_TYPES.get(self.module.target.driver, ())
+        for name, shape, dtype, t in named:
+            if not hasattr(t, "__dlpack__"):
+                raise InteropError(f"{concrete.name}: argument {name!r} must support DLPack (__dlpack__), "
+                                   f"got {type(t).__name__}")
+            if tuple(t.shape) != tuple(shape):
+                raise InteropError(f"{concrete.name}: argument {name!r} expected shape {list(shape)}, "
+                                   f"got {list(t.shape)}")
+            if _dtype_name(t) != dtype:
+                raise InteropError(f"{concrete.name}: argument {name!r} expected dtype {dtype}, got {t.dtype}")
+            if not _contiguous(t):
+                raise InteropError(f"{concrete.name}: argument {name!r} must be contiguous (row-major in the "
+                                   f"kernel's layout); call .contiguous() first")
+            device_type = t.__dlpack_device__()[0]
+            if accepted and device_type not in accepted:
+                raise InteropError(f"{concrete.name}: argument {name!r} lives on DLPack device type {device_type}, "
+                                   f"but the module runs on {self.module.target} (device types {list(accepted)})")
+        return concrete
+
+    def _import(self, name: str, t: Any):
+        device = self.module.loaded.device
+        try:
+            return device.from_dlpack_capsule(t.__dlpack__())
+        except Exception as err:  # noqa: BLE001 - IREE maps its status codes to several exception types
+            raise InteropError(f"{self.problem.name}: IREE could not import argument {name!r}: "
+                               f"{str(err).splitlines()[0]}") from None
+
+    def __call__(self, *args: Any, out: Any) -> Any:
+        """Compute into `out` (a tensor of the result's shape and dtype) and return it."""
+        from .backends.into_call import IntoCall
+
+        concrete = self._check(args, out)
+        _synchronize_producers([*args, out])
+        views = [self._import(n, t) for n, t in zip(concrete.arg_names, args)]
+        out_view = self._import(concrete.result_name, out)
+        key = tuple(tuple(t.shape) for t in args)
+        call = self._calls.get(key)
+        if call is None:
+            loaded = self.module.loaded
+            call = self._calls[key] = IntoCall(
+                loaded.context, loaded.vm_module, self.problem.name, views, concrete.result_shape,
+                out_view.element_type, BYTES[concrete.result_dtype], out=out_view)
+        call.call(call.pack(views, out=out_view))
+        return out
+
+
+def torch_call(module, name: str, *tensors: Any, out: Optional[Any] = None) -> Any:
+    """`name`'s kernel on torch tensors (on the module's device), into `out` or a new tensor."""
+    import torch
+
+    kernels = module.__dict__.setdefault("_dlpack_kernels", {})
+    kernel = kernels.get(name) or kernels.setdefault(name, DLPackKernel(module, name))
+    if out is None:
+        dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[kernel.problem.result_dtype]
+        out = torch.empty(kernel.result_shape(*tensors), dtype=dtype, device=tensors[0].device)
+    return kernel(*tensors, out=out)
+
+
+__all__ = ["DLPackKernel", "InteropError", "torch_call"]
