@@ -410,6 +410,7 @@ def _phase_weight_axes(plan: KernelPlan) -> list[str]:
 def _grad_input_phase(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value, shape: list[int]) -> ir.Value:
     # dX[n, s*q + r, g, c] = sum_{j', k} dYpad[n, q + base + j'*o_step, g, k] * Wphase[g, k, j', c]
     # with base = off - (J-1)*o_step + pad_lo: the window of dY this phase reads starts there.
+    # (Wphase is stored [g, c, j', k] with plan.weight_k_inner: the same values, K innermost.)
     p = plan.problem
     dy_axes = activation_axes(p, "ch")
     sp = _spatial_positions(p, dy_axes)

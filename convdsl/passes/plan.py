@@ -153,7 +153,8 @@ CHANNELS_LAST_BACKENDS = ("cuda", "rocm")
 # flip gather anyway, so the order costs nothing.  Measured on an H100, same process
 # (results/*exp-kinner*): 0.92-1.03x the time on the five strided cases (geomean 0.97), but 1.14x and 1.18x
 # on the stride-1 ResNet 1x1 and DeepLab dgrad, so it is used where there is more than one stride phase.
-WEIGHT_K_INNER_BACKENDS = ("cuda", "rocm")
+# Only CUDA was measured (ROCm's MFMA loads differ), so only CUDA uses it.
+WEIGHT_K_INNER_BACKENDS = ("cuda",)
 
 
 def weight_k_inner(problem: ConvProblem, target: Target) -> bool:
