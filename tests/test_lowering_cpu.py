@@ -219,14 +219,16 @@ def test_gpu_1x1_grad_weight_form_is_exact(layout, split_k, monkeypatch):
 @settings(max_examples=12, deadline=None)
 @given(p=problems("grad_input"))
 def test_grad_input_with_phase_weights_k_innermost(p):
-    # the GPUs' order of the flipped phase weights ([G, C, taps, K], plan.weight_k_inner), run on the CPU
-    from convdsl.passes import plan
+    # the order CUDA uses for strided kernels ([G, C, taps, K], plan.weight_k_inner), forced on the CPU
+    from convdsl.passes.plan import plan_kernel
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan, "weight_k_inner", lambda problem, target: not problem.depthwise)
-        planned = plan.plan_kernel(p, CPU)
-        assert planned.weight_k_inner == (not p.depthwise and planned.form != "gather")
-        check(p)
+    planned = plan_kernel(p, CPU, k_inner=True)
+    assert planned.weight_k_inner == (planned.form == "implicit-gemm")
+    module = LoadedModule(compile_mlir(lower_to_mlir([p], CPU, k_inner={p.name: True}), CPU), CPU)
+    inputs = random_inputs(p, seed=0)
+    got = module.call(p.name, *inputs, out_dtype=p.result_dtype)
+    err = relative_error(np.asarray(got, dtype=np.float64), reference(p, *inputs))
+    assert err <= tolerance(p), f"{p.describe()}: relative error {err:.3e}"
 
 
 def test_phase_weights_are_k_innermost_on_gpus_only():

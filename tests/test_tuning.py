@@ -60,8 +60,11 @@ def test_compile_with_knobs_substitutes_the_configuration():
 
 
 def test_labels_round_trip():
-    for knobs in (Knobs(), Knobs(n_scale=2), Knobs(n_scale=2, m_scale=2, prefetch=3), Knobs(k_scale=0.5)):
+    for knobs in (Knobs(), Knobs(n_scale=2), Knobs(n_scale=2, m_scale=2, prefetch=3), Knobs(k_scale=0.5),
+                  Knobs(n_scale=4, m_scale=2, k_inner=False), Knobs(k_scale=0.5, k_inner=True, pad="gather")):
         assert parse_label(knobs.label()) == knobs
+    assert Knobs(n_scale=4, m_scale=2, k_inner=False).label() == "n4-m2-ko"
+    assert Knobs(k_inner=True).config_default  # the order acts on the IR, not on IREE's configuration
     with pytest.raises(ValueError, match="expected parts"):
         parse_label("x3")
 
@@ -119,6 +122,36 @@ def test_collect_keeps_a_tuned_pad_form_and_the_default_time(tmp_path):
     assert lookup(DGRAD, CUDA, db_path) == Knobs(n_scale=4, pad="gather")
     entry = json.loads(db_path.read_text())[target_key(CUDA)][signature(DGRAD)]
     assert entry["default_ms"] == 1.0 and entry["ms"] == 0.5
+
+
+def test_collect_keeps_a_tuned_phase_weight_order(tmp_path):
+    db_path = tmp_path / "db.json"
+    results, cases = _results(tmp_path, {"convdsl": {"ok": True, "ms": 1.0}, "convdsl@n2-ko": {"ok": True, "ms": 0.8}})
+    collect(results, cases, CUDA, db_path)
+    results, cases = _results(tmp_path, {"convdsl": {"ok": True, "ms": 0.8}, "convdsl@n4": {"ok": True, "ms": 0.5}})
+    collect(results, cases, CUDA, db_path)
+    assert lookup(DGRAD, CUDA, db_path) == Knobs(n_scale=4, k_inner=False)
+
+
+def test_phase_weight_order_candidates_only_where_there_are_phases():
+    from convdsl.tuning.tune import CANDIDATES, candidates_for
+
+    orders = [k for k in CANDIDATES if k.k_inner is not None]
+    assert orders and all(k in candidates_for(DGRAD) for k in orders)
+    assert not any(k.k_inner is not None for k in candidates_for(DGRAD.with_(op="grad_weight")))
+
+
+def test_a_tuned_phase_weight_order_overrides_the_rule(tmp_path, monkeypatch):
+    import convdsl.tuning.db as db
+    from convdsl.passes.plan import plan_kernel
+
+    strided = DGRAD.with_(stride=(2, 2))
+    assert plan_kernel(strided, CUDA).weight_k_inner  # the rule: strided grad_input on CUDA
+    db_path = tmp_path / "db.json"
+    db_path.write_text(json.dumps({target_key(CUDA): {signature(strided): {"knobs": {"n_scale": 4, "k_inner": False}}}}))
+    monkeypatch.setattr(db, "DB_PATH", db_path)
+    assert not plan_kernel(strided, CUDA).weight_k_inner
+    assert plan_kernel(strided, CUDA, k_inner=True).weight_k_inner  # a candidate's override wins
 
 
 def test_collect_ignores_gains_within_noise(tmp_path):

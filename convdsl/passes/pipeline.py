@@ -29,12 +29,15 @@ class Stage:
     module: Optional[ir.Module] = None
     # per kernel name: the zero-border form to use instead of the tuned or default one (tuning candidates)
     pad_forms: tuple[tuple[str, str], ...] = ()
+    # per kernel name: the phase weight order to use instead of the tuned or default one (tuning candidates)
+    k_inner: tuple[tuple[str, bool], ...] = ()
 
 
 def plan_kernels(stage: Stage) -> Stage:
     # every decision (stride phases, split-K, fp8 types, depthwise form) is made before any IR exists
-    forms = dict(stage.pad_forms)
-    return replace(stage, plans=tuple(plan_kernel(p, stage.target, forms.get(p.name)) for p in stage.problems))
+    forms, orders = dict(stage.pad_forms), dict(stage.k_inner)
+    return replace(stage, plans=tuple(plan_kernel(p, stage.target, forms.get(p.name), orders.get(p.name))
+                                      for p in stage.problems))
 
 
 def emit_linalg(stage: Stage) -> Stage:
@@ -95,8 +98,10 @@ def run_pipeline(
     target: Target,
     observe: Optional[Callable[[str, Stage], None]] = None,
     pad_forms: Optional[Mapping[str, str]] = None,
+    k_inner: Optional[Mapping[str, bool]] = None,
 ) -> Stage:
-    stage = Stage(tuple(problems), target, pad_forms=tuple(sorted((pad_forms or {}).items())))
+    stage = Stage(tuple(problems), target, pad_forms=tuple(sorted((pad_forms or {}).items())),
+                  k_inner=tuple(sorted((k_inner or {}).items())))
     for name, pass_fn in PIPELINE:
         stage = pass_fn(stage)
         if stage.module is not None and not stage.module.operation.verify():
@@ -107,5 +112,5 @@ def run_pipeline(
 
 
 def lower_to_mlir(problems: Sequence[ConvProblem], target: Target,
-                  pad_forms: Optional[Mapping[str, str]] = None) -> str:
-    return str(run_pipeline(problems, target, pad_forms=pad_forms).module)
+                  pad_forms: Optional[Mapping[str, str]] = None, k_inner: Optional[Mapping[str, bool]] = None) -> str:
+    return str(run_pipeline(problems, target, pad_forms=pad_forms, k_inner=k_inner).module)

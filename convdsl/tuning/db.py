@@ -45,8 +45,8 @@ def load_db(path: Path = DB_PATH) -> dict:
         return {}
 
 
-def lookup(p: ConvProblem, target: Target, path: Path = DB_PATH) -> Knobs | None:
-    entry = load_db(path).get(target_key(target), {}).get(signature(p))
+def lookup(p: ConvProblem, target: Target, path: Path | None = None) -> Knobs | None:
+    entry = load_db(path or DB_PATH).get(target_key(target), {}).get(signature(p))
     return Knobs(**entry["knobs"]) if entry else None
 
 

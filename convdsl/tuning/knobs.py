@@ -9,6 +9,8 @@ scratch, convdsl scales IREE's own choice:
   k_scale       the reduction tile of the innermost reduction dimension (input channels per step)
   prefetch      software-pipelining depth (prefetch_num_stages)
   pad           how the zero border is built (passes/plan.py PAD_FORMS); None: plan.default_pad_form
+  k_inner       grad_input's phase weights with the reduction channel innermost (label "ki") or outermost
+                ("ko"); None: plan.weight_k_inner's rule.  It interacts with the tiles (CK 17, run 12).
 
 Scaling a workgroup tile scales the matching subgroup tile too, so the number of subgroups (and the
 workgroup size) stays the same and each subgroup does more work.  The mechanism is IREE's own:
@@ -34,6 +36,7 @@ class Knobs:
     k_scale: float = 1.0
     prefetch: Optional[int] = None
     pad: Optional[str] = None
+    k_inner: Optional[bool] = None
 
     @property
     def is_default(self) -> bool:
@@ -41,8 +44,8 @@ class Knobs:
 
     @property
     def config_default(self) -> bool:
-        """Whether IREE's own lowering configuration is kept (pad acts on the IR, not on the config)."""
-        return Knobs(**{**self.as_dict(), "pad": None}).is_default
+        """Whether IREE's own lowering configuration is kept (pad and k_inner act on the IR, not on it)."""
+        return Knobs(**{**self.as_dict(), "pad": None, "k_inner": None}).is_default
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -59,6 +62,8 @@ class Knobs:
             parts.append(f"p{self.prefetch}")
         if self.pad is not None:
             parts.append(f"w{self.pad}")
+        if self.k_inner is not None:
+            parts.append("ki" if self.k_inner else "ko")
         return "-".join(parts) or "default"
 
 
@@ -67,6 +72,9 @@ def parse_label(label: str) -> Knobs:
     fields: dict = {}
     for part in label.split("-"):
         if part == "default" or not part:
+            continue
+        if part in ("ki", "ko"):
+            fields["k_inner"] = part == "ki"
             continue
         key, value = part[0], part[1:]
         if key == "n":
@@ -80,7 +88,7 @@ def parse_label(label: str) -> Knobs:
         elif key == "w" and value in ("insert", "gather", "fuse"):
             fields["pad"] = value
         else:
-            raise ValueError(f"knobs: expected parts n<int>, m<int>, k<float>, p<int>, w<insert|gather|fuse>, "
+            raise ValueError(f"knobs: expected parts n<int>, m<int>, k<float>, p<int>, w<insert|gather|fuse>, ki, ko, "
                              f"got {part!r} in {label!r}")
     return Knobs(**fields)
 

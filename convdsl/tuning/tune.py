@@ -35,6 +35,9 @@ CANDIDATES: tuple[Knobs, ...] = (
     # (results/*tune3*: CK 17 and DeepLab dgrad n4-m2, CK 15 n2-m4, ResNet 3x3 and w2v2 dgrad n2-m2-p4).
     # n4-m4 never won (0.24x geomean) and often failed to compile, so it is not tried.
     Knobs(n_scale=4, m_scale=2), Knobs(n_scale=2, m_scale=4), Knobs(n_scale=2, m_scale=2, prefetch=4),
+    # grad_input / transposed only: the phase weight order against the rule, alone and with CK 17's two bests
+    Knobs(k_inner=True), Knobs(k_inner=False), Knobs(n_scale=4, m_scale=2, k_inner=False),
+    Knobs(n_scale=2, m_scale=2, prefetch=3, k_inner=True),
 )
 MIN_GAIN = 0.03
 
@@ -57,7 +60,8 @@ def _compile_one(spec: dict, target: Target, out_dir: str, impl: str) -> tuple[s
     try:
         knobs = None if impl == "convdsl" else parse_label(impl.split("@", 1)[1])
         # a candidate's zero-border form changes the IR, its tiles the configuration
-        mlir = lower_to_mlir([p], target, pad_forms={p.name: knobs.pad} if knobs and knobs.pad else None)
+        mlir = lower_to_mlir([p], target, pad_forms={p.name: knobs.pad} if knobs and knobs.pad else None,
+                             k_inner={p.name: knobs.k_inner} if knobs and knobs.k_inner is not None else None)
         if knobs is None:
             vmfb = compile_mlir(mlir, target)
         else:
@@ -69,15 +73,21 @@ def _compile_one(spec: dict, target: Target, out_dir: str, impl: str) -> tuple[s
         return impl, None, first[:300]
 
 
+def candidates_for(p: ConvProblem) -> tuple[Knobs, ...]:
+    """The knob sets worth compiling for `p`: the phase weight order matters only where there are phases."""
+    phased = p.op in ("grad_input", "transposed")
+    return tuple(k for k in CANDIDATES if k.k_inner is None or phased)
+
+
 def candidates(problems: Sequence[ConvProblem], target: Target, out_dir: Path, jobs: int = 2) -> Path:
     """Phase 1: compile IREE's default and every knob set for each kernel; write cases.json."""
     from ..compiler import manifest, problem_to_spec
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    impls = ["convdsl", *(f"convdsl@{k.label()}" for k in CANDIDATES)]
     cases = []
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         for p in problems:
+            impls = ["convdsl", *(f"convdsl@{k.label()}" for k in candidates_for(p))]
             kernel = manifest([p], target)["kernels"][0]
             futures = [pool.submit(_compile_one, problem_to_spec(p), target, str(out_dir), i) for i in impls]
             results = [f.result() for f in futures]
@@ -119,6 +129,8 @@ def collect(results_path: Path, cases_path: Path, target: Target, db_path: Path 
         if knobs.pad is None and previous.get("knobs", {}).get("pad"):
             # the candidate was compiled with the entry's tuned zero-border form (plan._tuned_pad_form)
             knobs = replace(knobs, pad=previous["knobs"]["pad"])
+        if knobs.k_inner is None and previous.get("knobs", {}).get("k_inner") is not None:
+            knobs = replace(knobs, k_inner=previous["knobs"]["k_inner"])  # likewise the phase weight order
         # default_ms stays the time of IREE's own configuration when the entry had one
         section[signature(problem)] = {"knobs": knobs.as_dict(), "ms": round(best_ms, 4),
                                        "default_ms": previous.get("default_ms", round(base["ms"], 4)),
