@@ -112,25 +112,18 @@ def test_collect_keeps_the_fastest_correct_candidate(tmp_path, monkeypatch):
     assert signature(DGRAD) in json.loads(db_path.read_text())[db.target_key(CUDA)]
 
 
-def test_collect_keeps_a_tuned_pad_form_and_the_default_time(tmp_path):
+def test_collect_keeps_the_ir_knobs_and_the_default_time(tmp_path):
     db_path = tmp_path / "db.json"
-    results, cases = _results(tmp_path, {"convdsl": {"ok": True, "ms": 1.0}, "convdsl@n2-wgather": {"ok": True, "ms": 0.8}})
+    results, cases = _results(tmp_path, {"convdsl": {"ok": True, "ms": 1.0},
+                                         "convdsl@n2-wgather-ko": {"ok": True, "ms": 0.8}})
     collect(results, cases, CUDA, db_path)
-    # a later run whose candidates were compiled with that entry's pad form (their labels carry no pad)
+    # a later run whose candidates were compiled with that entry's zero-border form and phase weight order
+    # (plan reads them from the database), so their labels carry neither
     results, cases = _results(tmp_path, {"convdsl": {"ok": True, "ms": 0.8}, "convdsl@n4": {"ok": True, "ms": 0.5}})
     collect(results, cases, CUDA, db_path)
-    assert lookup(DGRAD, CUDA, db_path) == Knobs(n_scale=4, pad="gather")
+    assert lookup(DGRAD, CUDA, db_path) == Knobs(n_scale=4, pad="gather", k_inner=False)
     entry = json.loads(db_path.read_text())[target_key(CUDA)][signature(DGRAD)]
     assert entry["default_ms"] == 1.0 and entry["ms"] == 0.5
-
-
-def test_collect_keeps_a_tuned_phase_weight_order(tmp_path):
-    db_path = tmp_path / "db.json"
-    results, cases = _results(tmp_path, {"convdsl": {"ok": True, "ms": 1.0}, "convdsl@n2-ko": {"ok": True, "ms": 0.8}})
-    collect(results, cases, CUDA, db_path)
-    results, cases = _results(tmp_path, {"convdsl": {"ok": True, "ms": 0.8}, "convdsl@n4": {"ok": True, "ms": 0.5}})
-    collect(results, cases, CUDA, db_path)
-    assert lookup(DGRAD, CUDA, db_path) == Knobs(n_scale=4, k_inner=False)
 
 
 def test_phase_weight_order_candidates_only_where_there_are_phases():
