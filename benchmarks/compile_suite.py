@@ -132,8 +132,7 @@ def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH
                 from convdsl.tuning.knobs import parse_label
 
                 knobs = parse_label(impl.split("@", 1)[1])
-                mlir = lower_to_mlir([p], target, pad_forms={p.name: knobs.pad} if knobs.pad else None,
-                                     k_inner={p.name: knobs.k_inner} if knobs.k_inner is not None else None)
+                mlir = lower_to_mlir([p], target, knobs={p.name: knobs})
                 mlir_path.write_text(mlir)
                 vmfb = compile_with_knobs(mlir, target, {p.name: knobs}, strict=True)
             elif impl.startswith("convdsl+partials:"):

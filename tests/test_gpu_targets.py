@@ -7,6 +7,7 @@ from convdsl.backends.iree import compile_mlir
 from convdsl.passes import lower_to_mlir
 from convdsl.problem import ConvProblem, Epilogue
 from convdsl.targets import Target
+from convdsl.tuning import Knobs
 
 BASE = ConvProblem(
     op="grad_input", dims=2, groups=2, batch=4, in_channels=16, out_channels=32, input=(14, 14), filter=(3, 3),
@@ -61,4 +62,4 @@ def test_sm90_is_described_in_the_module_and_compiles_to_sm90_ptx():
 @pytest.mark.parametrize("form", ["fuse", "gather"])
 def test_every_pad_form_compiles_for_cuda(name, form):
     p = KERNELS[name].with_(name="k")
-    assert compile_mlir(lower_to_mlir([p], TARGETS[0], pad_forms={"k": form}), TARGETS[0])
+    assert compile_mlir(lower_to_mlir([p], TARGETS[0], knobs={"k": Knobs(pad=form)}), TARGETS[0])

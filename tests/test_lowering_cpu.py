@@ -12,6 +12,7 @@ from convdsl.passes import lower_to_mlir
 from convdsl.problem import LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
 from convdsl.targets import Target
+from convdsl.tuning import Knobs
 
 CPU = Target("cpu", "host")
 
@@ -222,9 +223,9 @@ def test_grad_input_with_phase_weights_k_innermost(p):
     # the order CUDA uses for strided kernels ([G, C, taps, K], plan.weight_k_inner), forced on the CPU
     from convdsl.passes.plan import plan_kernel
 
-    planned = plan_kernel(p, CPU, k_inner=True)
+    planned = plan_kernel(p, CPU, Knobs(k_inner=True))
     assert planned.weight_k_inner == (planned.form == "implicit-gemm")
-    module = LoadedModule(compile_mlir(lower_to_mlir([p], CPU, k_inner={p.name: True}), CPU), CPU)
+    module = LoadedModule(compile_mlir(lower_to_mlir([p], CPU, knobs={p.name: Knobs(k_inner=True)}), CPU), CPU)
     inputs = random_inputs(p, seed=0)
     got = module.call(p.name, *inputs, out_dtype=p.result_dtype)
     err = relative_error(np.asarray(got, dtype=np.float64), reference(p, *inputs))

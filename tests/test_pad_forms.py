@@ -33,7 +33,7 @@ def _problem(op: str, **kw) -> ConvProblem:
 
 
 def _run(p: ConvProblem, form: str) -> float:
-    mlir = lower_to_mlir([p], CPU, pad_forms={p.name: form})
+    mlir = lower_to_mlir([p], CPU, knobs={p.name: Knobs(pad=form)})
     marker = {"fuse": "tensor.pad", "insert": "tensor.insert_slice"}.get(form)
     assert marker is None or marker in mlir, f"{form}: no {marker} in the IR"
     if form == "gather":
@@ -63,9 +63,9 @@ def test_pad_forms_with_a_bilinear_epilogue_and_3d_strides(form):
 
 def test_each_form_emits_its_ir():
     p = _problem("grad_weight")
-    fuse = lower_to_mlir([p], CPU, pad_forms={"k": "fuse"})
-    gather = lower_to_mlir([p], CPU, pad_forms={"k": "gather"})
-    insert = lower_to_mlir([p], CPU, pad_forms={"k": "insert"})
+    fuse = lower_to_mlir([p], CPU, knobs={"k": Knobs(pad="fuse")})
+    gather = lower_to_mlir([p], CPU, knobs={"k": Knobs(pad="gather")})
+    insert = lower_to_mlir([p], CPU, knobs={"k": Knobs(pad="insert")})
     assert "tensor.pad" in fuse and "tensor.insert_slice" not in fuse
     assert "tensor.pad" not in gather and "tensor.insert_slice" not in gather and "tensor.extract %" in gather
     assert "tensor.insert_slice" in insert and "tensor.pad" not in insert
@@ -74,13 +74,13 @@ def test_each_form_emits_its_ir():
 def test_gather_falls_back_to_insert_on_a_short_contiguous_axis():
     # 3 channels on the contiguous axis (a ResNet stem) do not vectorise: measured slower than the copy
     p = _problem("grad_weight", in_channels=3)
-    assert "tensor.insert_slice" in lower_to_mlir([p], CPU, pad_forms={"k": "gather"})
+    assert "tensor.insert_slice" in lower_to_mlir([p], CPU, knobs={"k": Knobs(pad="gather")})
 
 
 def test_strided_grad_input_has_no_strided_insert_slice():
     # the phases are interleaved by one generic: no insert_slice with a non-unit stride remains
     for op in ("grad_input", "transposed"):
-        mlir = lower_to_mlir([_problem(op, stride=(2, 3))], CPU, pad_forms={"k": "gather"})
+        mlir = lower_to_mlir([_problem(op, stride=(2, 3))], CPU, knobs={"k": Knobs(pad="gather")})
         strided = [m for m in re.findall(r"tensor\.insert_slice[^\n]*\] \[([0-9, ]+)\] :", mlir)
                    if set(m.replace(" ", "").split(",")) != {"1"}]
         assert not strided, strided
@@ -95,9 +95,9 @@ def test_default_pad_form_rule():
     assert default_pad_form(_problem("grad_input", dtype="f16"), CUDA) == "gather"  # strided
     assert default_pad_form(_problem("grad_weight", dtype="bf16"), CUDA) == "gather"
     assert plan_kernel(f16_dgrad, CUDA).pad_form in ("fuse", "gather", "insert")
-    assert plan_kernel(f16_dgrad, CUDA, "insert").pad_form == "insert"
-    with pytest.raises(ValueError, match="pad_form: expected one of"):
-        plan_kernel(f16_dgrad, CUDA, "zeros")
+    assert plan_kernel(f16_dgrad, CUDA, Knobs(pad="insert")).pad_form == "insert"
+    with pytest.raises(ValueError, match="pad: expected one of"):
+        plan_kernel(f16_dgrad, CUDA, Knobs(pad="zeros"))
 
 
 def test_pad_knob_round_trips_and_keeps_iree_config():
@@ -119,6 +119,6 @@ def test_fuse_flag_is_added_only_for_a_gpu_module_with_tensor_pad(monkeypatch):
 
     monkeypatch.setattr(ireec, "compile_str", fake_compile_str)
     p = _problem("grad_weight", dtype="f16")
-    compile_mlir(lower_to_mlir([p], CUDA, pad_forms={"k": "fuse"}), CUDA)
-    compile_mlir(lower_to_mlir([p], CUDA, pad_forms={"k": "gather"}), CUDA)
+    compile_mlir(lower_to_mlir([p], CUDA, knobs={"k": Knobs(pad="fuse")}), CUDA)
+    compile_mlir(lower_to_mlir([p], CUDA, knobs={"k": Knobs(pad="gather")}), CUDA)
     assert FUSE_PAD_FLAG in seen[0] and FUSE_PAD_FLAG not in seen[1]

@@ -144,7 +144,7 @@ def test_a_tuned_phase_weight_order_overrides_the_rule(tmp_path, monkeypatch):
     db_path.write_text(json.dumps({target_key(CUDA): {signature(strided): {"knobs": {"n_scale": 4, "k_inner": False}}}}))
     monkeypatch.setattr(db, "DB_PATH", db_path)
     assert not plan_kernel(strided, CUDA).weight_k_inner
-    assert plan_kernel(strided, CUDA, k_inner=True).weight_k_inner  # a candidate's override wins
+    assert plan_kernel(strided, CUDA, Knobs(k_inner=True)).weight_k_inner  # a candidate's override wins
 
 
 def test_collect_ignores_gains_within_noise(tmp_path):

@@ -6,7 +6,7 @@ IR after every pass that produced one, and hands each stage to `observe` (`convd
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
 
 from iree.compiler import ir
 from iree.compiler.passmanager import PassManager
@@ -15,6 +15,9 @@ from ..problem import ConvProblem
 from ..targets import Target
 from .lower import emit_kernel
 from .plan import KernelPlan, plan_kernel
+
+if TYPE_CHECKING:
+    from ..tuning.knobs import Knobs
 
 
 class LoweringError(RuntimeError):
@@ -27,17 +30,15 @@ class Stage:
     target: Target
     plans: tuple[KernelPlan, ...] = ()
     module: Optional[ir.Module] = None
-    # per kernel name: the zero-border form to use instead of the tuned or default one (tuning candidates)
-    pad_forms: tuple[tuple[str, str], ...] = ()
-    # per kernel name: the phase weight order to use instead of the tuned or default one (tuning candidates)
-    k_inner: tuple[tuple[str, bool], ...] = ()
+    # per kernel name: knobs whose IR choices (zero-border form, phase weight order) replace the tuned or
+    # default ones (tuning candidates; plan_kernel)
+    knobs: tuple[tuple[str, "Knobs"], ...] = ()
 
 
 def plan_kernels(stage: Stage) -> Stage:
     # every decision (stride phases, split-K, fp8 types, depthwise form) is made before any IR exists
-    forms, orders = dict(stage.pad_forms), dict(stage.k_inner)
-    return replace(stage, plans=tuple(plan_kernel(p, stage.target, forms.get(p.name), orders.get(p.name))
-                                      for p in stage.problems))
+    knobs = dict(stage.knobs)
+    return replace(stage, plans=tuple(plan_kernel(p, stage.target, knobs.get(p.name)) for p in stage.problems))
 
 
 def emit_linalg(stage: Stage) -> Stage:
@@ -97,11 +98,9 @@ def run_pipeline(
     problems: Sequence[ConvProblem],
     target: Target,
     observe: Optional[Callable[[str, Stage], None]] = None,
-    pad_forms: Optional[Mapping[str, str]] = None,
-    k_inner: Optional[Mapping[str, bool]] = None,
+    knobs: Optional[Mapping[str, "Knobs"]] = None,
 ) -> Stage:
-    stage = Stage(tuple(problems), target, pad_forms=tuple(sorted((pad_forms or {}).items())),
-                  k_inner=tuple(sorted((k_inner or {}).items())))
+    stage = Stage(tuple(problems), target, knobs=tuple(sorted((knobs or {}).items())))
     for name, pass_fn in PIPELINE:
         stage = pass_fn(stage)
         if stage.module is not None and not stage.module.operation.verify():
@@ -112,5 +111,5 @@ def run_pipeline(
 
 
 def lower_to_mlir(problems: Sequence[ConvProblem], target: Target,
-                  pad_forms: Optional[Mapping[str, str]] = None, k_inner: Optional[Mapping[str, bool]] = None) -> str:
-    return str(run_pipeline(problems, target, pad_forms=pad_forms, k_inner=k_inner).module)
+                  knobs: Optional[Mapping[str, "Knobs"]] = None) -> str:
+    return str(run_pipeline(problems, target, knobs=knobs).module)

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..algebra import Phase, SplitK, dy_padding, grad_input_phases, plan_split_k, x_window
 from ..problem import ConvProblem
 from ..targets import Target
 from . import bf16x3, gather
+
+if TYPE_CHECKING:
+    from ..tuning.knobs import Knobs
 
 
 @dataclass(frozen=True)
@@ -123,21 +126,11 @@ def default_pad_form(problem: ConvProblem, target: Target) -> str:
     return "gather"
 
 
-def _tuned(problem: ConvProblem, target: Target):
+def _tuned(problem: ConvProblem, target: Target) -> Optional["Knobs"]:
     """The tuning database's knobs for this problem (None on the CPU or for shapes it does not hold)."""
     from ..tuning.db import lookup
 
     return lookup(problem, target) if target.backend != "cpu" else None
-
-
-def _tuned_pad_form(problem: ConvProblem, target: Target) -> Optional[str]:
-    tuned = _tuned(problem, target)
-    return tuned.pad if tuned is not None else None
-
-
-def _pad_form(problem: ConvProblem, target: Target) -> str:
-    """The tuned choice for this problem if the database has one, else the default rule."""
-    return _tuned_pad_form(problem, target) or default_pad_form(problem, target)
 
 
 def _act(p: ConvProblem, name: str) -> str:
@@ -167,25 +160,19 @@ def weight_k_inner(problem: ConvProblem, target: Target) -> bool:
     return target.backend in WEIGHT_K_INNER_BACKENDS and not problem.depthwise and strided
 
 
-def _weight_k_inner(problem: ConvProblem, target: Target) -> bool:
-    """The tuned order for this problem if the database has one (knob k_inner), else the rule.  The order
-    and the tiles interact: CK 17's best tiles with K outer took 1.9x longer with K inner (run 12)."""
-    tuned = _tuned(problem, target)
-    if tuned is not None and tuned.k_inner is not None:
-        return tuned.k_inner and not problem.depthwise
-    return weight_k_inner(problem, target)
+def plan_kernel(problem: ConvProblem, target: Target, knobs: Optional["Knobs"] = None) -> KernelPlan:
+    """The kernel's plan.  Its IR choices, the zero-border form (knob `pad`) and the phase weight order
+    (`k_inner`), come field by field from `knobs` (a tuning candidate), else from the tuning database's entry
+    for this problem, else from the rules (default_pad_form, weight_k_inner).  The order and the tiles
+    interact: CK 17's best tiles with K outer took 1.9x longer with K inner (run 12), so both are tuned."""
+    plan = _plan_by_rules(problem, target)
+    for chosen in (_tuned(problem, target), knobs):  # the database's choices, then the candidate's over them
+        if chosen is not None:
+            plan = _with_ir_knobs(plan, chosen)
+    return plan
 
 
-def plan_kernel(problem: ConvProblem, target: Target, pad_form: Optional[str] = None,
-                k_inner: Optional[bool] = None) -> KernelPlan:
-    """The kernel's plan; `pad_form` and `k_inner` override the tuned or default zero-border form and phase
-    weight order (tuning candidates)."""
-    if k_inner is not None:
-        return _with_k_inner(plan_kernel(problem, target, pad_form), k_inner)
-    if pad_form is not None:
-        if pad_form not in PAD_FORMS:
-            raise ValueError(f"pad_form: expected one of {', '.join(PAD_FORMS)}, got {pad_form!r}")
-        return _with_pad_form(plan_kernel(problem, target), pad_form)
+def _plan_by_rules(problem: ConvProblem, target: Target) -> KernelPlan:
     if problem.bf16x3:
         return _plan_bf16x3(problem, target)
     if problem.layout == "NGCHW" and target.backend in CHANNELS_LAST_BACKENDS:
@@ -193,28 +180,28 @@ def plan_kernel(problem: ConvProblem, target: Target, pad_form: Optional[str] = 
         # on an H200 for forward, grad_input and grad_weight, whatever the loop order; f32 was right):
         # run the kernel channels-last, between two layout copies.  Measured: benchmarks/README.md.
         inner = _plan(problem.with_(layout="NHWGC"), target)
-        tuned = _tuned_pad_form(problem, target)
-        if tuned is not None:
-            inner = _with_pad_form(inner, tuned)
         return KernelPlan(problem, target, inner.form, inner.compute_a, inner.compute_b, channels_last=inner)
     return _plan(problem, target)
 
 
-def _with_k_inner(plan: KernelPlan, k_inner: bool) -> KernelPlan:
-    """The plan with the phase weight order set wherever there are stride phases (and K and C loops)."""
-    inner = {k: _with_k_inner(getattr(plan, k), k_inner) for k in ("channels_last", "bf16x3")
+def _with_ir_knobs(plan: KernelPlan, knobs: "Knobs") -> KernelPlan:
+    """The plan (and the plans it wraps) with the knobs' zero-border form and phase weight order, where set;
+    the order applies only where there are stride phases with K and C loops."""
+    if knobs.pad is not None and knobs.pad not in PAD_FORMS:
+        raise ValueError(f"pad: expected one of {', '.join(PAD_FORMS)}, got {knobs.pad!r}")
+    inner = {k: _with_ir_knobs(getattr(plan, k), knobs) for k in ("channels_last", "bf16x3")
              if getattr(plan, k) is not None}
-    applies = bool(plan.phases) and plan.form == "implicit-gemm"
-    return replace(plan, weight_k_inner=k_inner if applies else plan.weight_k_inner, **inner)
-
-
-def _with_pad_form(plan: KernelPlan, pad_form: str) -> KernelPlan:
-    inner = {k: _with_pad_form(getattr(plan, k), pad_form) for k in ("channels_last", "bf16x3")
-             if getattr(plan, k) is not None}
-    return replace(plan, pad_form=pad_form, **inner)
+    changes = dict(inner)
+    if knobs.pad is not None:
+        changes["pad_form"] = knobs.pad
+    if knobs.k_inner is not None and plan.phases and plan.form == "implicit-gemm":
+        changes["weight_k_inner"] = knobs.k_inner
+    return replace(plan, **changes)
 
 
 def _plan_bf16x3(problem: ConvProblem, target: Target) -> KernelPlan:
+    from ..tuning.knobs import Knobs
+
     # The f32 kernel's form decides.  Depthwise and gather kernels are bound by memory (a few MACs per
     # loaded value): matrix units bring them nothing and the split would triple their reads, so they
     # keep the plain f32 plan (on the FMA units).  The CPU runs the split kernel like a GPU does.
@@ -226,7 +213,7 @@ def _plan_bf16x3(problem: ConvProblem, target: Target) -> KernelPlan:
     if inner.pad_form == "fuse":
         # the hi/lo split feeding a tensor.pad fused into the contraction computed garbage on an H200
         # (CK 3D grad_input, rel. err 1.4; benchmarks/results/*run9*): the border gets its own pass
-        inner = _with_pad_form(inner, "gather")
+        inner = _with_ir_knobs(inner, Knobs(pad="gather"))
     return KernelPlan(problem, target, "implicit-gemm", bf16x3=inner)
 
 
@@ -246,7 +233,7 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
         phases = tuple(grad_input_phases(problem))
         lo, hi = dy_padding(problem, list(phases))
         return KernelPlan(problem, target, form, compute_a, compute_b, phases=phases, dy_pad_lo=lo, dy_pad_hi=hi,
-                          pad_form=_pad_form(problem, target), weight_k_inner=_weight_k_inner(problem, target))
+                          pad_form=default_pad_form(problem, target), weight_k_inner=weight_k_inner(problem, target))
     lo, hi = x_window(problem)
     split = plan_split_k(problem) if problem.op == "grad_weight" else None
     # On GPUs a grad_weight with one tap is IREE's plain matmul path, which computed garbage for it with
@@ -257,4 +244,4 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
         and target.backend in CHANNELS_LAST_BACKENDS
     )
     return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split,
-                      dy_first=dy_first, pad_form=_pad_form(problem, target))
+                      dy_first=dy_first, pad_form=default_pad_form(problem, target))

@@ -59,9 +59,8 @@ def _compile_one(spec: dict, target: Target, out_dir: str, impl: str) -> tuple[s
     path = Path(out_dir) / f"{p.name}.{impl.replace('@', '-at-')}.vmfb"
     try:
         knobs = None if impl == "convdsl" else parse_label(impl.split("@", 1)[1])
-        # a candidate's zero-border form changes the IR, its tiles the configuration
-        mlir = lower_to_mlir([p], target, pad_forms={p.name: knobs.pad} if knobs and knobs.pad else None,
-                             k_inner={p.name: knobs.k_inner} if knobs and knobs.k_inner is not None else None)
+        # a candidate's zero-border form and phase weight order change the IR, its tiles the configuration
+        mlir = lower_to_mlir([p], target, knobs={p.name: knobs} if knobs else None)
         if knobs is None:
             vmfb = compile_mlir(mlir, target)
         else:
@@ -127,7 +126,7 @@ def collect(results_path: Path, cases_path: Path, target: Target, db_path: Path 
         problem = problem_from_spec(spec)
         previous = section.get(signature(problem), {})
         if knobs.pad is None and previous.get("knobs", {}).get("pad"):
-            # the candidate was compiled with the entry's tuned zero-border form (plan._tuned_pad_form)
+            # the candidate was compiled with the entry's tuned zero-border form (plan.plan_kernel)
             knobs = replace(knobs, pad=previous["knobs"]["pad"])
         if knobs.k_inner is None and previous.get("knobs", {}).get("k_inner") is not None:
             knobs = replace(knobs, k_inner=previous["knobs"]["k_inner"])  # likewise the phase weight order

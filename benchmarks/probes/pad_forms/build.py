@@ -3,7 +3,7 @@ benchmarks/build/cases.json (gpu_bench.py times every vmfb listed there).
 
     python benchmarks/probes/pad_forms/build.py [--cases a,b] [--variants pad-insert,pad-gather,pad-fuse]
 
-The forms are plan.PAD_FORMS, forced per kernel with lower_to_mlir(pad_forms=...).  The run recorded in
+The forms are plan.PAD_FORMS, forced per kernel with lower_to_mlir(knobs={name: Knobs(pad=...)}).  The run recorded in
 benchmarks/results/*padforms* was made before the forms became plan choices, with environment switches
 that also turned the stride-phase interleave on and off ("interleave" variants there; the interleave is
 now always used for strided grad_input).
@@ -25,13 +25,13 @@ def build(name: str, variant: str, out: str) -> tuple[str, str, str | None, str]
     from benchmarks.suite import load_suite
     from convdsl.passes import lower_to_mlir
     from convdsl.targets import Target
-    from convdsl.tuning import compile_with_knobs
+    from convdsl.tuning import Knobs, compile_with_knobs
     from convdsl.tuning.db import knobs_for
 
     target = Target.parse("cuda", "sm_80")
     p = load_suite(str(ROOT / "benchmarks/suite.toml"), names=[name])[0].problem
-    mlir = lower_to_mlir([p], target, pad_forms={p.name: VARIANTS[variant]})
-    if "tensor.insert_slice" not in lower_to_mlir([p], target, pad_forms={p.name: "insert"}):
+    mlir = lower_to_mlir([p], target, knobs={p.name: Knobs(pad=VARIANTS[variant])})
+    if "tensor.insert_slice" not in lower_to_mlir([p], target, knobs={p.name: Knobs(pad="insert")}):
         return name, variant, None, "no padding"
     try:  # compile_mlir adds IREE's pad-fusion flag when the IR has a tensor.pad
         vmfb = compile_with_knobs(mlir, target, {p.name: knobs_for(p, target)}, strict=False)
