@@ -309,15 +309,15 @@ class Iree:
         """convdsl's destination-passing twin of the function (convdsl/abi.py), when the module has one:
         (IntoCall, one zero-argument call per input set).  Result buffer and workspace are allocated here,
         once, as a framework would keep them; None for modules without it (iree-today)."""
-        from convdsl.backends.into_call import IntoCall
+        from convdsl.backends.into_call import IntoCall, allocate_result
 
         vm_module = ctx.modules.module.vm_module
         if vm_module.lookup_function(case["function"] + "$into") is None:
             return None
         rdtype = case["result"]["dtype"]
         views = [[a._buffer_view for a in s] for s in dsets]
-        call = IntoCall(ctx, vm_module, case["function"], views[0], case["result"]["shape"], self.elem[rdtype],
-                        4 if rdtype == "f32" else 2)
+        out = allocate_result(self.device, case["result"]["shape"], self.elem[rdtype], 4 if rdtype == "f32" else 2)
+        call = IntoCall(ctx, vm_module, case["function"], views[0], out)
         packed = [call.pack(v) for v in views]
         return call, [lambda a=a: call.call(a) for a in packed]
 

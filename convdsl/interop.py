@@ -22,7 +22,6 @@ KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_ROCM = 1, 2, 3, 10
 DRIVER_DEVICE_TYPES = {"local-task": (KDL_CPU, KDL_CUDA_HOST), "local-sync": (KDL_CPU, KDL_CUDA_HOST),
                        "cuda": (KDL_CUDA,), "hip": (KDL_ROCM,)}
 DTYPE_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 
 
 class InteropError(TypeError):
@@ -116,9 +115,7 @@ class DLPackKernel:
         call = self._calls.get(key)
         if call is None:
             loaded = self.module.loaded
-            call = self._calls[key] = IntoCall(
-                loaded.context, loaded.vm_module, self.problem.name, views, concrete.result_shape,
-                out_view.element_type, BYTES[concrete.result_dtype], out=out_view)
+            call = self._calls[key] = IntoCall(loaded.context, loaded.vm_module, self.problem.name, views, out_view)
         call.call(call.pack(views, out=out_view))
         return out
 

@@ -10,17 +10,31 @@ from ..abi import INTO_SUFFIX, TRANSIENTS_SIZE_CONSTANT, TRANSIENTS_SIZE_FUNCTIO
 MIN_WORKSPACE_BYTES = 256  # a kernel without transients still takes a (tiny) buffer
 
 
+def allocate_result(device, shape: Sequence[int], element_type, bytes_per_element: int):
+    """A device-local buffer view of the result's shape, for IntoCall to write into."""
+    import iree.runtime as rt
+
+    size = max(1, math.prod(shape)) * bytes_per_element
+    return rt.HalBufferView(_allocate(device.allocator, size), list(shape), element_type)
+
+
+def _allocate(allocator, size: int):
+    import iree.runtime as rt
+
+    return allocator.allocate_buffer(memory_type=rt.MemoryType.DEVICE_LOCAL,
+                                     allowed_usage=rt.BufferUsage.DEFAULT, allocation_size=size)
+
+
 class IntoCall:
     """`call(pack(args))` runs `<name>$into(args..., out, workspace)`; `out` holds the result afterwards.
 
     context: the iree.runtime SystemContext the module was added to; vm_module: that module (an
-    rt.VmModule); args: the argument buffer views, whose shapes fix the result's; out_shape,
-    out_element_type (an rt.HalElementType) and out_bytes_per_element: the result's; out: an existing buffer
-    view of that shape to write into (default: one allocated here).
+    rt.VmModule); args: the argument buffer views, whose shapes fix the result's; out: a buffer view of the
+    result's shape to write into (allocate_result, or a framework tensor imported through DLPack).  The
+    workspace is allocated here, once.
     """
 
-    def __init__(self, context, vm_module, name: str, args: Sequence, out_shape: Sequence[int],
-                 out_element_type, out_bytes_per_element: int, out=None) -> None:
+    def __init__(self, context, vm_module, name: str, args: Sequence, out) -> None:
         import iree.runtime as rt
 
         self._rt = rt
@@ -30,21 +44,12 @@ class IntoCall:
         self.function = vm_module.lookup_function(self.name)
         if self.function is None:
             raise LookupError(f"the module has no function {self.name!r} (compiled before convdsl had it)")
+        self.out = out
         allocator = context.config.device.allocator
-        if out is None:
-            out_bytes = max(1, math.prod(out_shape)) * out_bytes_per_element
-            out = rt.HalBufferView(self._allocate(allocator, out_bytes), list(out_shape), out_element_type)
-        self.out = out  # a buffer view the caller may own (e.g. a framework tensor imported through DLPack)
-        placeholder = self._allocate(allocator, MIN_WORKSPACE_BYTES)
-        self.workspace = placeholder
+        self.workspace = _allocate(allocator, MIN_WORKSPACE_BYTES)  # a placeholder while the size is asked
         self.workspace_bytes = self._workspace_size(list(args))
         if self.workspace_bytes > MIN_WORKSPACE_BYTES:
-            self.workspace = self._allocate(allocator, self.workspace_bytes)
-
-    def _allocate(self, allocator, size: int):
-        rt = self._rt
-        return allocator.allocate_buffer(memory_type=rt.MemoryType.DEVICE_LOCAL,
-                                         allowed_usage=rt.BufferUsage.DEFAULT, allocation_size=size)
+            self.workspace = _allocate(allocator, self.workspace_bytes)
 
     def _workspace_size(self, args: list) -> int:
         reflection = self.function.reflection

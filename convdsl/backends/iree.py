@@ -171,11 +171,11 @@ class LoadedModule:
         """A reusable destination-passing call of kernel `name` (convdsl/abi.py): `call.call(call.pack(views))`
         writes the result into `call.out`, a buffer allocated once, with a workspace allocated once."""
         from ..reference import NUMPY_DTYPES
-        from .into_call import IntoCall
+        from .into_call import IntoCall, allocate_result
 
         dtype = np.dtype(NUMPY_DTYPES[out_dtype])
-        views = [a._buffer_view for a in device_args]
-        return IntoCall(self.context, self.vm_module, name, views, out_shape, _element_type(dtype), dtype.itemsize)
+        out = allocate_result(self.device, out_shape, _element_type(dtype), dtype.itemsize)
+        return IntoCall(self.context, self.vm_module, name, [a._buffer_view for a in device_args], out)
 
     def download_view(self, view, out_dtype: Optional[str] = None) -> np.ndarray:
         """A result buffer view (e.g. IntoCall.out) -> host array."""

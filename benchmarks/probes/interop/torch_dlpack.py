@@ -55,8 +55,7 @@ def probe(case: dict, build: Path, iree, rt) -> dict:
     except Exception as err:  # noqa: BLE001 - the finding is the error
         return {"import": f"{type(err).__name__}: {err}"}
     out["import"] = "ok"
-    call = IntoCall(ctx, vm_module, case["function"], views, case["result"]["shape"], iree.elem[case["result"]["dtype"]],
-                    2, out=out_view)
+    call = IntoCall(ctx, vm_module, case["function"], views, out_view)
     packed = call.pack(views)
     torch.cuda.synchronize()
     call.call(packed)
