@@ -86,27 +86,16 @@ def _element_type(dtype: np.dtype):
     }[np.dtype(dtype).name]
 
 
-# Runtime settings convdsl creates its devices with, per driver.  Measured on an H200 (benchmarks/README.md,
-# runs 9 and 10): a caching allocator with CUDA's stream-ordered allocations off (`--device_allocator=caching
-# --cuda_async_allocations=false` for plain IREE tools) cut a lone small call by up to 0.2 ms and the large
-# kernels by up to 20%, but over the whole suite in one process it added 0.2-0.4 ms to some small calls, and
-# the suite's geomean was lower (0.159 vs 0.166 of cuDNN).  IREE's defaults stay; these are the hooks.
-RUNTIME_FLAGS: dict[str, tuple[str, ...]] = {}
-RUNTIME_ALLOCATORS: dict[str, tuple[str, ...]] = {}
-
-
 @functools.lru_cache(maxsize=None)
 def runtime_config(driver: str):
-    """One iree.runtime Config (one device) per driver and process, with convdsl's runtime settings."""
+    """One iree.runtime Config (one device) per driver and process, with IREE's default runtime settings.
+
+    A caching allocator (`--cuda_async_allocations=false` + "caching") was measured and not kept
+    (benchmarks/README.md, runs 9 and 10); per-call allocation is avoided by the `$into` twin instead.
+    """
     import iree.runtime as rt
 
-    flags = RUNTIME_FLAGS.get(driver, ())
-    if flags:
-        rt.flags.parse_flags(*flags)  # read when the driver is created: before the first get_driver
-    allocators = list(RUNTIME_ALLOCATORS.get(driver, ()))
-    if not allocators:
-        return rt.Config(driver)
-    return rt.Config(device=rt.get_driver(driver).create_default_device(allocators=allocators))
+    return rt.Config(driver)
 
 
 @dataclass
@@ -190,9 +179,11 @@ class LoadedModule:
         """
         from ..abi import INTO_SUFFIX
 
+        if (out_shape is None) != (out_dtype is None):
+            raise ValueError("time: give the result's out_shape and out_dtype together, or neither")
         dev_args = [self.upload(a) for a in args]
         if out_shape is not None and self.vm_module.lookup_function(name + INTO_SUFFIX) is not None:
-            into = self.into_call(name, dev_args, out_shape, out_dtype or "f32")
+            into = self.into_call(name, dev_args, out_shape, out_dtype)
             packed = into.pack([a._buffer_view for a in dev_args])
             one = lambda: into.call(packed)  # noqa: E731
         else:

@@ -38,7 +38,8 @@ def _load(path: str, mtime: float) -> dict:
         return {}
 
 
-def load_db(path: Path = DB_PATH) -> dict:
+def load_db(path: Path | None = None) -> dict:
+    path = path or DB_PATH
     try:
         return _load(str(path), path.stat().st_mtime)
     except OSError:
@@ -46,7 +47,7 @@ def load_db(path: Path = DB_PATH) -> dict:
 
 
 def lookup(p: ConvProblem, target: Target, path: Path | None = None) -> Knobs | None:
-    entry = load_db(path or DB_PATH).get(target_key(target), {}).get(signature(p))
+    entry = load_db(path).get(target_key(target), {}).get(signature(p))
     return Knobs(**entry["knobs"]) if entry else None
 
 
