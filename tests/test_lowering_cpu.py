@@ -7,6 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from convdsl.algebra import output_size
+from convdsl.tuning.knobs import Knobs
 from convdsl.backends.iree import LoadedModule, compile_mlir
 from convdsl.passes import lower_to_mlir
 from convdsl.problem import LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue
@@ -236,7 +237,8 @@ def test_phase_weights_are_k_innermost_on_gpus_only():
     from convdsl.passes.plan import plan_kernel
 
     p = BASE.with_(op="grad_input", stride=(2, 2), groups=1, in_channels=64, out_channels=64)
-    assert not plan_kernel(p.with_(stride=(1, 1)), Target("cuda", "sm_80")).weight_k_inner
-    assert plan_kernel(p, Target("cuda", "sm_80")).form == "implicit-gemm"
-    assert plan_kernel(p, Target("cuda", "sm_80")).weight_k_inner
+    linalg = Knobs(extern=False)  # the order is a choice of the linalg form (not of the Triton kernels)
+    assert not plan_kernel(p.with_(stride=(1, 1)), Target("cuda", "sm_80"), linalg).weight_k_inner
+    assert plan_kernel(p, Target("cuda", "sm_80"), linalg).form == "implicit-gemm"
+    assert plan_kernel(p, Target("cuda", "sm_80"), linalg).weight_k_inner
     assert not plan_kernel(p, CPU).weight_k_inner

@@ -94,8 +94,8 @@ def test_default_pad_form_rule():
     assert default_pad_form(_problem("grad_input", stride=(1, 1), dtype="f32"), CUDA) == "gather"
     assert default_pad_form(_problem("grad_input", dtype="f16"), CUDA) == "gather"  # strided
     assert default_pad_form(_problem("grad_weight", dtype="bf16"), CUDA) == "gather"
-    assert plan_kernel(f16_dgrad, CUDA).pad_form in ("fuse", "gather", "insert")
-    assert plan_kernel(f16_dgrad, CUDA, Knobs(pad="insert")).pad_form == "insert"
+    assert plan_kernel(f16_dgrad, CUDA, Knobs(extern=False)).pad_form in ("fuse", "gather", "insert")
+    assert plan_kernel(f16_dgrad, CUDA, Knobs(pad="insert", extern=False)).pad_form == "insert"
     with pytest.raises(ValueError, match="pad: expected one of"):
         plan_kernel(f16_dgrad, CUDA, Knobs(pad="zeros"))
 
@@ -119,6 +119,6 @@ def test_fuse_flag_is_added_only_for_a_gpu_module_with_tensor_pad(monkeypatch):
 
     monkeypatch.setattr(ireec, "compile_str", fake_compile_str)
     p = _problem("grad_weight", dtype="f16")
-    compile_mlir(lower_to_mlir([p], CUDA, knobs={"k": Knobs(pad="fuse")}), CUDA)
-    compile_mlir(lower_to_mlir([p], CUDA, knobs={"k": Knobs(pad="gather")}), CUDA)
+    compile_mlir(lower_to_mlir([p], CUDA, knobs={"k": Knobs(pad="fuse", extern=False)}), CUDA)
+    compile_mlir(lower_to_mlir([p], CUDA, knobs={"k": Knobs(pad="gather", extern=False)}), CUDA)
     assert FUSE_PAD_FLAG in seen[0] and FUSE_PAD_FLAG not in seen[1]

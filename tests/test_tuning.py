@@ -21,13 +21,14 @@ DGRAD = ConvProblem(
     op="grad_input", dims=2, groups=1, batch=8, in_channels=64, out_channels=64, input=(28, 28), filter=(3, 3),
     stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), dtype="f16", name="dgrad",
 )
+LINALG = {"dgrad": Knobs(extern=False)}  # these tests tune IREE's lowering of the linalg form
 
 
 @pytest.fixture(scope="module")
 def configured(tmp_path_factory) -> str:
     """IREE's own configuration of the contraction dispatch, as the tuner sees it."""
     folder = tmp_path_factory.mktemp("cfg")
-    compile_mlir(lower_to_mlir([DGRAD], CUDA), CUDA,
+    compile_mlir(lower_to_mlir([DGRAD], CUDA, knobs=LINALG), CUDA,
                  ["--compile-to=executable-configurations", f"--iree-hal-dump-executable-configurations-to={folder}"])
     texts = [p.read_text() for p in folder.glob("*.mlir") if "mma_kind" in p.read_text()]
     assert len(texts) == 1
@@ -53,7 +54,7 @@ def test_knobs_scale_tiles_and_keep_the_subgroup_count(configured):
 
 
 def test_compile_with_knobs_substitutes_the_configuration():
-    mlir = lower_to_mlir([DGRAD], CUDA)
+    mlir = lower_to_mlir([DGRAD], CUDA, knobs=LINALG)
     default = compile_mlir(mlir, CUDA)
     tuned = compile_with_knobs(mlir, CUDA, {"dgrad": Knobs(n_scale=2, m_scale=2)}, strict=True)
     assert tuned != default and len(tuned) > 0
@@ -139,9 +140,11 @@ def test_a_tuned_phase_weight_order_overrides_the_rule(tmp_path, monkeypatch):
     from convdsl.passes.plan import plan_kernel
 
     strided = DGRAD.with_(stride=(2, 2))
-    assert plan_kernel(strided, CUDA).weight_k_inner  # the rule: strided grad_input on CUDA
+    linalg = Knobs(extern=False)
+    assert plan_kernel(strided, CUDA, linalg).weight_k_inner  # the rule: strided grad_input on CUDA
     db_path = tmp_path / "db.json"
-    db_path.write_text(json.dumps({target_key(CUDA): {signature(strided): {"knobs": {"n_scale": 4, "k_inner": False}}}}))
+    db_path.write_text(json.dumps({target_key(CUDA): {signature(strided): {
+        "knobs": {"n_scale": 4, "k_inner": False, "extern": False}}}}))
     monkeypatch.setattr(db, "DB_PATH", db_path)
     assert not plan_kernel(strided, CUDA).weight_k_inner
     assert plan_kernel(strided, CUDA, Knobs(k_inner=True)).weight_k_inner  # a candidate's override wins

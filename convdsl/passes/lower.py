@@ -7,7 +7,7 @@ applies the epilogue and the output cast, which IREE fuses into the contraction'
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 from iree.compiler import ir
 from iree.compiler.dialects import arith, func, linalg, tensor
@@ -37,21 +37,27 @@ from .ir import (
     weight_axes,
     zeros,
 )
-from . import bf16x3, gather
+from ..kernels.launch import Binary
+from . import bf16x3, extern, gather
 from .plan import KernelPlan
 
 
-def emit_kernel(plan: KernelPlan) -> None:
+def emit_kernel(plan: KernelPlan, binaries: Optional[Mapping[str, Binary]] = None) -> None:
     """Append `func.func @<kernel name>` and its destination-passing twin `@"<name>$into"` (convdsl/abi.py:
-    caller-owned result and workspace, so that a call allocates nothing) at the current insertion point."""
+    caller-owned result and workspace, so that a call allocates nothing) at the current insertion point,
+    after the external executables of a form "extern" plan (`binaries`: launch name -> binary)."""
     p = plan.problem
+    if plan.extern is not None:
+        for launch in plan.extern.launches:
+            extern.emit_executable(launch, binaries[launch.name])
+    bound = dict(binaries or {})
     arg_types = [
         tensor_type(_signature_shape(p, shape), element_type(dt)) for shape, dt in zip(p.arg_shapes, p.arg_dtypes)
     ]
     result_type = tensor_type(_signature_shape(p, p.result_shape), element_type(p.result_dtype))
-    _emit_function(plan, p.name, arg_types, result_type)
+    _emit_function(plan, p.name, arg_types, result_type, bound)
     workspace_type = ir.Type.parse("!hal.buffer")
-    into = _emit_function(plan, p.name + INTO_SUFFIX, [*arg_types, result_type, workspace_type], result_type)
+    into = _emit_function(plan, p.name + INTO_SUFFIX, [*arg_types, result_type, workspace_type], result_type, bound)
     no_attrs = ir.DictAttr.get({})
     into.arg_attrs = ir.ArrayAttr.get([
         *([no_attrs] * len(arg_types)),
@@ -60,14 +66,17 @@ def emit_kernel(plan: KernelPlan) -> None:
     ])
 
 
-def _emit_function(plan: KernelPlan, name: str, arg_types: list[ir.Type], result_type: ir.Type) -> func.FuncOp:
+def _emit_function(plan: KernelPlan, name: str, arg_types: list[ir.Type], result_type: ir.Type,
+                   binaries: Mapping[str, Binary]) -> func.FuncOp:
     """One function computing `plan` from its leading len(problem.arg_shapes) arguments."""
     p = plan.problem
     fn = func.FuncOp(name, (arg_types, [result_type]))
     block = fn.add_entry_block()
     with ir.InsertionPoint(block):
         args = list(block.arguments)[:len(p.arg_shapes)]
-        if plan.bf16x3 is not None:
+        if plan.extern is not None:
+            result = _emit_extern(plan, args, binaries)
+        elif plan.bf16x3 is not None:
             # compute = "bf16x3": the f32 operands as concatenated bf16 hi/lo blocks, then the bf16 kernel
             # with the tripled reduction; its result is already f32 (or out_dtype) in this kernel's
             # result shape, which does not depend on the tripled axis (see passes/bf16x3.py)
@@ -76,6 +85,21 @@ def _emit_function(plan: KernelPlan, name: str, arg_types: list[ir.Type], result
             result = _emit_planned(plan, args)
         func.ReturnOp([result])
     return fn
+
+
+def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, Binary]) -> ir.Value:
+    """The Triton GEMM cores (passes/extern.py) with the epilogue, cast and split-K sum in linalg."""
+    p, ext = plan.problem, plan.extern
+    assert ext is not None
+    if p.fp8_compute:
+        # the operands rounded to their fp8 grids once, stored in f16 (kernels/launch.operand_element)
+        args = [_round_operand(plan, args[0], 0), _round_operand(plan, args[1], 1)]
+    if p.op == "grad_weight":
+        launch = ext.launches[0]
+        return extern.grad_weight(launch, binaries[launch.name], ext.partials_shape, p, args[0], args[1],
+                                  lambda total: _epilogue(p, total, None))
+    # grad_input / transposed: the kernels apply a scale epilogue and store in the result type
+    return extern.grad_input(ext.launches, binaries, p, args[0], args[1])
 
 
 def _emit_planned(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:

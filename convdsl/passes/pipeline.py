@@ -13,6 +13,7 @@ from iree.compiler.passmanager import PassManager
 
 from ..problem import ConvProblem
 from ..targets import Target
+from ..kernels.launch import Binary, compile_launch
 from .lower import emit_kernel
 from .plan import KernelPlan, plan_kernel
 
@@ -33,6 +34,8 @@ class Stage:
     # per kernel name: knobs whose IR choices (zero-border form, phase weight order) replace the tuned or
     # default ones (tuning candidates; plan_kernel)
     knobs: tuple[tuple[str, "Knobs"], ...] = ()
+    # launch name -> its Triton binary (form "extern" kernels; kernels/launch.py)
+    binaries: tuple[tuple[str, Binary], ...] = ()
 
 
 def plan_kernels(stage: Stage) -> Stage:
@@ -41,14 +44,27 @@ def plan_kernels(stage: Stage) -> Stage:
     return replace(stage, plans=tuple(plan_kernel(p, stage.target, knobs.get(p.name)) for p in stage.problems))
 
 
+def compile_gemm_cores(stage: Stage) -> Stage:
+    # CUDA: IREE's own GEMM code is 5-10x slower than the chip allows; the planned Triton kernels are
+    # compiled here (no GPU needed) so that the IR can embed their binaries
+    binaries = {}
+    for plan in stage.plans:
+        if plan.extern is not None:
+            for launch in plan.extern.launches:
+                binaries[launch.name] = compile_launch(launch, stage.target.arch)
+    return replace(stage, binaries=tuple(binaries.items()))
+
+
 def emit_linalg(stage: Stage) -> Stage:
     # one func.func per kernel, built with the MLIR Python bindings as linalg.generic implicit GEMMs
+    # (or as flow.dispatch of the external GEMM cores, with linalg around them)
     ctx = ir.Context()
+    binaries = dict(stage.binaries)
     with ctx, ir.Location.unknown():
         module = ir.Module.create()
         with ir.InsertionPoint(module.body):
             for plan in stage.plans:
-                emit_kernel(plan)
+                emit_kernel(plan, binaries)
     return replace(stage, module=module)
 
 
@@ -87,6 +103,7 @@ def _check_contraction(op: ir.Operation) -> None:
 
 PIPELINE: tuple[tuple[str, Callable[[Stage], Stage]], ...] = (
     ("plan", plan_kernels),
+    ("gemm-cores", compile_gemm_cores),
     ("linalg", emit_linalg),
     ("canonical", canonicalize),
     ("iree-forms", check_iree_forms),

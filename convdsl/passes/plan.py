@@ -6,12 +6,25 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 from ..algebra import Phase, SplitK, dy_padding, grad_input_phases, plan_split_k, x_window
+from ..kernels.launch import Launch, default_grad_input_tiles, default_grad_weight_tiles, plan_launches, \
+    unsupported_reason
+from ..kernels.tiles import TileConfig, parse_tiles
 from ..problem import ConvProblem
 from ..targets import Target
 from . import bf16x3, gather
 
 if TYPE_CHECKING:
     from ..tuning.knobs import Knobs
+
+
+@dataclass(frozen=True)
+class ExternPlan:
+    """The Triton launches of a kernel: one per stride phase (grad_input) or one producing f32 split-K
+    partials [S, G, K, taps, C] (grad_weight), all with the same tiles."""
+
+    tiles: TileConfig
+    launches: tuple[Launch, ...]
+    partials_shape: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,10 @@ class KernelPlan:
     # grad_input / transposed: the flipped phase weights are built as [G, C, taps, K] (the reduction
     # channel K innermost) instead of [G, K, taps, C]; see weight_k_inner()
     weight_k_inner: bool = False
+    # form "extern" (CUDA): the GEMM core as Triton kernels in IREE external dispatches (passes/extern.py)
+    extern: Optional[ExternPlan] = None
+    # why a CUDA kernel keeps the linalg form (shown by explain); None where not asked
+    linalg_reason: Optional[str] = None
 
     def describe(self) -> str:
         p = self.problem
@@ -53,6 +70,11 @@ class KernelPlan:
             )
             + f" -> {p.result_name} {list(p.result_shape)} {p.result_dtype}"
         )
+        if self.extern is not None:
+            lines.extend(_describe_extern(self))
+            return "\n".join(lines)
+        if self.linalg_reason:
+            lines.append(f"  GEMM core: IREE's lowering of the linalg form ({self.linalg_reason})")
         if self.compute_a:
             lines.append(f"  compute: A in {self.compute_a}, B in {self.compute_b}, products summed in f32")
         if self.bf16x3 is not None:
@@ -160,16 +182,67 @@ def weight_k_inner(problem: ConvProblem, target: Target) -> bool:
     return target.backend in WEIGHT_K_INNER_BACKENDS and not problem.depthwise and strided
 
 
+def _describe_extern(plan: KernelPlan) -> list[str]:
+    p, ext = plan.problem, plan.extern
+    assert ext is not None
+    lines = [f"  GEMM core: Triton kernels in IREE external dispatches, tiles {ext.tiles.label()}"]
+    for launch in ext.launches:
+        c = dict(launch.constants)
+        detail = f"grid {list(launch.grid)}, {launch.warps} warps, {c['PRECISION']} products"
+        if launch.kernel == "grad_input_phase":
+            q = [c[f"Q{i}"] for i in range(3)][3 - p.dims:]
+            j = [c[f"J{i}"] for i in range(3)][3 - p.dims:]
+            r = [c[f"R{i}"] for i in range(3)][3 - p.dims:]
+            what = f"residue {r}: positions {q}, taps {j}" + (" (no tap: stores zeros)" if 0 in j else "")
+        else:
+            what = (f"f32 partials {list(ext.partials_shape)}: split-K S={launch.grid[2]} chunks of {c['CHUNK']}"
+                    " reduction steps, summed in chunk order by one linalg reduction")
+        lines.append(f"    {launch.name}: {what}; {detail}")
+    if p.fp8_compute:
+        lines.append(f"  compute: operands rounded to {p.compute[0]} (first argument) and {p.compute[1]} (second)"
+                     " by one linalg pass each, stored in f16 (exact), products summed in f32")
+    return lines
+
+
+def _extern_tiles(problem: ConvProblem, target: Target, layers: list["Knobs"]) -> tuple[Optional[TileConfig], str]:
+    """(tiles, reason): the Triton tiles when the external kernels are used, else None and why not.
+    The rule (kernels.launch.unsupported_reason) decides unless a layer's `extern` says otherwise."""
+    reason = unsupported_reason(problem, target.backend, target.arch) if target.backend == "cuda" else "cpu"
+    use = reason is None
+    tiles = None
+    for layer in layers:
+        if layer.extern is not None:
+            if layer.extern and reason is not None:
+                raise ValueError(f"extern: kernel {problem.name} cannot use the external kernels: {reason}")
+            use = layer.extern
+            if not use:
+                reason = "extern = false (tuned or asked for)"
+        if layer.tiles is not None:
+            tiles = parse_tiles(layer.tiles)
+    if not use:
+        return None, reason or ""
+    if tiles is None:
+        tiles = default_grad_weight_tiles(problem) if problem.op == "grad_weight" else default_grad_input_tiles(problem)
+    return tiles, ""
+
+
 def plan_kernel(problem: ConvProblem, target: Target, knobs: Optional["Knobs"] = None) -> KernelPlan:
     """The kernel's plan.  Its IR choices, the zero-border form (knob `pad`) and the phase weight order
     (`k_inner`), come field by field from `knobs` (a tuning candidate), else from the tuning database's entry
     for this problem, else from the rules (default_pad_form, weight_k_inner).  The order and the tiles
     interact: CK 17's best tiles with K outer took 1.9x longer with K inner (run 12), so both are tuned."""
+    layers = [k for k in (_tuned(problem, target), knobs) if k is not None]  # the candidate's over the DB's
+    for layer in layers:
+        if layer.pad is not None and layer.pad not in PAD_FORMS:
+            raise ValueError(f"pad: expected one of {', '.join(PAD_FORMS)}, got {layer.pad!r}")
+    tiles, reason = _extern_tiles(problem, target, layers)
+    if tiles is not None:
+        launches, partials = plan_launches(problem, tiles)
+        return KernelPlan(problem, target, "extern", extern=ExternPlan(tiles, launches, partials))
     plan = _plan_by_rules(problem, target)
-    for chosen in (_tuned(problem, target), knobs):  # the database's choices, then the candidate's over them
-        if chosen is not None:
-            plan = _with_ir_knobs(plan, chosen)
-    return plan
+    for chosen in layers:
+        plan = _with_ir_knobs(plan, chosen)
+    return replace(plan, linalg_reason=reason) if target.backend == "cuda" else plan
 
 
 def _plan_by_rules(problem: ConvProblem, target: Target) -> KernelPlan:

@@ -11,6 +11,10 @@ scratch, convdsl scales IREE's own choice:
   pad           how the zero border is built (passes/plan.py PAD_FORMS); None: plan.default_pad_form
   k_inner       grad_input's phase weights with the reduction channel innermost (label "ki") or outermost
                 ("ko"); None: plan.weight_k_inner's rule.  It interacts with the tiles (CK 17, run 12).
+  extern        CUDA: the GEMM core as Triton kernels in IREE external dispatches (True) or IREE's own
+                lowering of the linalg form (False, label "linalg"); None: kernels/launch.py's rule.
+  tiles         the Triton kernels' tiles (a kernels.launch.TileConfig label, e.g. t128x128x64w8s4);
+                None: the default tiles for the shape.
 
 Scaling a workgroup tile scales the matching subgroup tile too, so the number of subgroups (and the
 workgroup size) stays the same and each subgroup does more work.  The mechanism is IREE's own:
@@ -26,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..kernels.tiles import TILE_LABEL
 from ..targets import Target
 
 
@@ -37,6 +42,8 @@ class Knobs:
     prefetch: Optional[int] = None
     pad: Optional[str] = None
     k_inner: Optional[bool] = None
+    extern: Optional[bool] = None
+    tiles: Optional[str] = None
 
     @property
     def is_default(self) -> bool:
@@ -44,8 +51,9 @@ class Knobs:
 
     @property
     def config_default(self) -> bool:
-        """Whether IREE's own lowering configuration is kept (pad and k_inner act on the IR, not on it)."""
-        return Knobs(**{**self.as_dict(), "pad": None, "k_inner": None}).is_default
+        """Whether IREE's own lowering configuration is kept (pad, k_inner, extern and tiles act on the IR or
+        on the Triton kernels, not on it)."""
+        return Knobs(**{**self.as_dict(), "pad": None, "k_inner": None, "extern": None, "tiles": None}).is_default
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -64,6 +72,10 @@ class Knobs:
             parts.append(f"w{self.pad}")
         if self.k_inner is not None:
             parts.append("ki" if self.k_inner else "ko")
+        if self.extern is False:
+            parts.append("linalg")
+        if self.tiles is not None:
+            parts.append(self.tiles)
         return "-".join(parts) or "default"
 
 
@@ -75,6 +87,12 @@ def parse_label(label: str) -> Knobs:
             continue
         if part in ("ki", "ko"):
             fields["k_inner"] = part == "ki"
+            continue
+        if part == "linalg":
+            fields["extern"] = False
+            continue
+        if part.startswith("t") and TILE_LABEL.fullmatch(part):
+            fields["tiles"] = part
             continue
         key, value = part[0], part[1:]
         if key == "n":
@@ -89,7 +107,7 @@ def parse_label(label: str) -> Knobs:
             fields["pad"] = value
         else:
             raise ValueError(f"knobs: expected parts n<int>, m<int>, k<float>, p<int>, w<insert|gather|fuse>, ki, ko, "
-                             f"got {part!r} in {label!r}")
+                             f"linalg, t<M>x<N>x<K>w<warps>s<stages>[k<split>][g<group>], got {part!r} in {label!r}")
     return Knobs(**fields)
 
 

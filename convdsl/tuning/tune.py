@@ -13,11 +13,14 @@ Phase 3 (here):  `convdsl tune collect RESULTS/<device>-<date>.json --cases DIR/
 from __future__ import annotations
 
 import json
+import math
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..kernels.tiles import TileConfig
+from ..passes.plan import plan_kernel
 from ..problem import ConvProblem, problem_from_spec
 from ..targets import Target
 from .db import DB_PATH, signature, target_key
@@ -72,8 +75,44 @@ def _compile_one(spec: dict, target: Target, out_dir: str, impl: str) -> tuple[s
         return impl, None, first[:300]
 
 
-def candidates_for(p: ConvProblem) -> tuple[Knobs, ...]:
-    """The knob sets worth compiling for `p`: the phase weight order matters only where there are phases."""
+# Tiles tried for the Triton GEMM cores (form "extern"): rows x columns x reduction step, warps, stages.
+# Around the defaults (kernels/launch.py): smaller tiles for more blocks on small problems, wider ones
+# for more reuse, a shorter reduction step with deeper pipelines.
+EXTERN_TILES: tuple[TileConfig, ...] = (
+    TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 64, 8, 4), TileConfig(128, 64, 64, 4, 4),
+    TileConfig(128, 64, 64, 4, 5), TileConfig(64, 64, 64, 4, 4), TileConfig(64, 128, 64, 4, 4),
+    TileConfig(128, 256, 64, 8, 3), TileConfig(256, 128, 64, 8, 3), TileConfig(128, 128, 32, 8, 5),
+    TileConfig(128, 64, 32, 4, 6),
+)
+
+
+def extern_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
+    """Tile sets for a kernel whose GEMM core is a Triton kernel: columns no wider than twice what the
+    problem has (C for grad_input, taps x C for grad_weight), rows of grad_weight no taller than twice K;
+    for grad_weight also the default tiles with half and twice the automatic split-K."""
+    from ..kernels.launch import default_grad_weight_tiles, grad_weight_split
+
+    wide = p.dtype == "f32"
+    cols = p.in_channels * (math.prod(p.filter) if p.op == "grad_weight" else 1)
+    out = []
+    for t in EXTERN_TILES:
+        if t.block_n > 2 * max(cols, 32) or (p.op == "grad_weight" and t.block_m > 2 * max(p.out_channels, 32)):
+            continue
+        if wide:  # f32 tiles take twice the shared memory per stage
+            t = replace(t, block_k=min(t.block_k, 32), stages=min(t.stages, 3))
+        out.append(t)
+    if p.op == "grad_weight":
+        base = default_grad_weight_tiles(p)
+        parts, _ = grad_weight_split(p, base)
+        out += [replace(base, split=s) for s in {max(1, parts // 2), min(64, parts * 2)} - {parts}]
+    return tuple(dict.fromkeys(Knobs(tiles=t.label()) for t in out))
+
+
+def candidates_for(p: ConvProblem, target: Optional[Target] = None) -> tuple[Knobs, ...]:
+    """The knob sets worth compiling for `p` on `target`: tiles where the GEMM core is a Triton kernel,
+    else IREE's knobs (the phase weight order only where there are phases)."""
+    if target is not None and plan_kernel(p, target, Knobs()).extern is not None:
+        return extern_candidates(p)
     phased = p.op in ("grad_input", "transposed")
     return tuple(k for k in CANDIDATES if k.k_inner is None or phased)
 
@@ -86,7 +125,7 @@ def candidates(problems: Sequence[ConvProblem], target: Target, out_dir: Path, j
     cases = []
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         for p in problems:
-            impls = ["convdsl", *(f"convdsl@{k.label()}" for k in candidates_for(p))]
+            impls = ["convdsl", *(f"convdsl@{k.label()}" for k in candidates_for(p, target))]
             kernel = manifest([p], target)["kernels"][0]
             futures = [pool.submit(_compile_one, problem_to_spec(p), target, str(out_dir), i) for i in impls]
             results = [f.result() for f in futures]

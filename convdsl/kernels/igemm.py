@@ -1,0 +1,175 @@
+"""The GEMM cores of grad_input and grad_weight as Triton kernels (CUDA targets).
+
+IREE 3.13 lowers convdsl's linalg implicit GEMMs for CUDA to mma.sync fed by scalar global loads, with no
+cp.async and no ldmatrix (70-95 TFLOP/s on an H100 against cuDNN's 400-700; benchmarks/README.md).  These
+kernels are the same implicit GEMMs written tile by tile; Triton pipelines their loads through shared
+memory (cp.async or TMA-free wgmma on sm_90) and convdsl links the resulting binary into the IREE module
+as an external dispatch (passes/extern.py), so that IREE still owns the buffers, the schedule and the ABI.
+
+Every problem is canonicalised to 3 spatial dimensions (leading dimensions of size 1), and every tensor
+is addressed through element strides, so one kernel serves 1D/2D/3D and every layout (NHWGC, GNHWC,
+NGCHW; GKYXC, GKCYX).  All shapes are compile-time constants: Triton folds the index arithmetic.
+
+Index algebra (per spatial dimension d; shared/design/conv-algebra.md, convdsl/algebra.py):
+  grad_input, one stride phase (residue r):  dX[i = r + s*q] = sum over taps j < J, channels k of
+      dY[o = q + off - j*o_step] * W[y = y0 + j*tap_step]        (o outside [0, O) reads zero)
+  grad_weight:  dW[k, y, c] = sum over n, o of dY[n, o, k] * X[n, i = o*s + y*d - lo, c]
+      (i outside [0, I) reads zero), the sum over (n, o) cut into S chunks of whole BLOCK_R steps,
+      each chunk's f32 partial sum stored apart and added in chunk order afterwards (deterministic).
+fp8/bf8 compute: the operands arrive already rounded to their fp8 grid and stored in f16 (a linalg pass
+before the dispatch), so the kernels multiply exact fp8 values on the f16 path and keep cp.async loads.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grad_input_phase(
+    dy, w, dx,
+    # sizes: channels, batch, dY spatial O, this phase's positions Q and taps J
+    C: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr,
+    Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr,
+    J0: tl.constexpr, J1: tl.constexpr, J2: tl.constexpr,
+    # phase algebra: dX position i = R + S*q; dY position o = q + OFF - j*OSTEP; tap y = Y0 + j*TSTEP
+    R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+    OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr,
+    OSTEP0: tl.constexpr, OSTEP1: tl.constexpr, OSTEP2: tl.constexpr,
+    Y00: tl.constexpr, Y01: tl.constexpr, Y02: tl.constexpr,
+    TSTEP0: tl.constexpr, TSTEP1: tl.constexpr, TSTEP2: tl.constexpr,
+    # element strides: dY (n, g, k, o0, o1, o2), W (g, k, c, y0, y1, y2), dX (n, g, c, i0, i1, i2)
+    DYN: tl.constexpr, DYG: tl.constexpr, DYK: tl.constexpr, DY0: tl.constexpr, DY1: tl.constexpr,
+    DY2: tl.constexpr,
+    WG: tl.constexpr, WK: tl.constexpr, WC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
+    DXN: tl.constexpr, DXG: tl.constexpr, DXC: tl.constexpr, DX0: tl.constexpr, DX1: tl.constexpr,
+    DX2: tl.constexpr,
+    ALPHA: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    # GEMM per group g: rows m = (n, q0, q1, q2), columns c, reduction (j0, j1, j2, k)
+    M: tl.constexpr = N * Q0 * Q1 * Q2
+    TILES_M: tl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
+    TILES_N: tl.constexpr = (C + BLOCK_N - 1) // BLOCK_N
+    K_STEPS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    # grouped tile order: GROUP_M row tiles share their W columns in L2
+    width = GROUP_M * TILES_N
+    first_m = (pid // width) * GROUP_M
+    rows_here = tl.minimum(TILES_M - first_m, GROUP_M)
+    tile_m = first_m + (pid % width) % rows_here
+    tile_n = (pid % width) // rows_here
+
+    m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    m_ok = m < M
+    q2 = m % Q2
+    q1 = (m // Q2) % Q1
+    q0 = (m // (Q2 * Q1)) % Q0
+    n = m // (Q2 * Q1 * Q0)
+    c_ok = c < C
+    dy_row = dy + g * DYG + n * DYN
+    w_col = w + g * WG + c * WC
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in tl.range(0, J0 * J1 * J2 * K_STEPS, num_stages=NUM_STAGES):
+        j = step // K_STEPS
+        k = (step % K_STEPS) * BLOCK_K + kk
+        j2 = j % J2
+        j1 = (j // J2) % J1
+        j0 = j // (J2 * J1)
+        o0 = q0 + (OFF0 - j0 * OSTEP0)
+        o1 = q1 + (OFF1 - j1 * OSTEP1)
+        o2 = q2 + (OFF2 - j2 * OSTEP2)
+        row_ok = m_ok & (o0 >= 0) & (o0 < O0) & (o1 >= 0) & (o1 < O1) & (o2 >= 0) & (o2 < O2)
+        k_ok = k < K
+        a_ptrs = dy_row[:, None] + (o0 * DY0 + o1 * DY1 + o2 * DY2)[:, None] + (k * DYK)[None, :]
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        tap = (Y00 + j0 * TSTEP0) * W0 + (Y01 + j1 * TSTEP1) * W1 + (Y02 + j2 * TSTEP2) * W2
+        b_ptrs = w_col[None, :] + (tap + k * WK)[:, None]
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+
+    out = acc * ALPHA
+    i0 = R0 + S0 * q0
+    i1 = R1 + S1 * q1
+    i2 = R2 + S2 * q2
+    dx_ptrs = (dx + g * DXG + (n * DXN + i0 * DX0 + i1 * DX1 + i2 * DX2)[:, None] + (c * DXC)[None, :])
+    tl.store(dx_ptrs, out.to(dx.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def grad_weight_partials(
+    x, dy, partials,
+    # sizes: channels, batch, X spatial I, dY spatial O, filter F
+    C: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+    I0: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr,
+    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr,
+    F0: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+    LO0: tl.constexpr, LO1: tl.constexpr, LO2: tl.constexpr,
+    # element strides: X (n, g, c, i0, i1, i2), dY (n, g, k, o0, o1, o2)
+    XN: tl.constexpr, XG: tl.constexpr, XC: tl.constexpr, X0: tl.constexpr, X1: tl.constexpr, X2: tl.constexpr,
+    DYN: tl.constexpr, DYG: tl.constexpr, DYK: tl.constexpr, DY0: tl.constexpr, DY1: tl.constexpr,
+    DY2: tl.constexpr,
+    # split-K: chunk s covers reduction steps [s*CHUNK, min((s+1)*CHUNK, L)), CHUNK a multiple of BLOCK_R
+    CHUNK: tl.constexpr, G: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    # GEMM per group g: rows k, columns (f0, f1, f2, c) (c fastest), reduction (n, o0, o1, o2);
+    # partials[s, g, k, f0, f1, f2, c] in f32
+    L: tl.constexpr = N * O0 * O1 * O2
+    T: tl.constexpr = F0 * F1 * F2
+    COLS: tl.constexpr = T * C
+    TILES_N: tl.constexpr = (COLS + BLOCK_N - 1) // BLOCK_N
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    s = tl.program_id(2)
+    tile_m = pid // TILES_N
+    tile_n = pid % TILES_N
+
+    k = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    col = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = k < K
+    col_ok = col < COLS
+    c = col % C
+    f = col // C
+    f2 = f % F2
+    f1 = (f // F2) % F1
+    f0 = f // (F2 * F1)
+    # X position of column (f, c) at output position o: o*S + f*D - LO
+    shift0 = f0 * D0 - LO0
+    shift1 = f1 * D1 - LO1
+    shift2 = f2 * D2 - LO2
+    x_col = x + g * XG + c * XC + shift0 * X0 + shift1 * X1 + shift2 * X2
+    dy_row = dy + g * DYG + k * DYK
+    rr = tl.arange(0, BLOCK_R)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    start = s * CHUNK
+    for r0 in tl.range(start, tl.minimum(start + CHUNK, L), BLOCK_R, num_stages=NUM_STAGES):
+        r = r0 + rr
+        r_ok = r < L
+        o2 = r % O2
+        o1 = (r // O2) % O1
+        o0 = (r // (O2 * O1)) % O0
+        n = r // (O2 * O1 * O0)
+        a_ptrs = dy_row[:, None] + (n * DYN + o0 * DY0 + o1 * DY1 + o2 * DY2)[None, :]
+        a = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+        i0 = (o0 * S0)[:, None] + shift0[None, :]
+        i1 = (o1 * S1)[:, None] + shift1[None, :]
+        i2 = (o2 * S2)[:, None] + shift2[None, :]
+        in_x = (i0 >= 0) & (i0 < I0) & (i1 >= 0) & (i1 < I1) & (i2 >= 0) & (i2 < I2)
+        b_ptrs = x_col[None, :] + (n * XN + o0 * (S0 * X0) + o1 * (S1 * X1) + o2 * (S2 * X2))[:, None]
+        b = tl.load(b_ptrs, mask=in_x & r_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+
+    out_ptrs = partials + ((s * G + g) * K + k)[:, None] * COLS + col[None, :]
+    tl.store(out_ptrs, acc, mask=k_ok[:, None] & col_ok[None, :])

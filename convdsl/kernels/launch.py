@@ -1,0 +1,312 @@
+"""From a ConvProblem to Triton launches (kernel, compile-time constants, grid) and their binaries.
+
+A `Launch` is everything a kernel binary depends on, frozen and hashable: `compile_launch` turns it into
+a cubin (sm_90: Hopper's wgmma needs the arch-specific sm_90a, which runs on H100/H200 only) or PTX
+(other archs: the driver JIT-compiles it for the chip it runs on), with the facts IREE's external
+dispatch needs (threads per block, dynamic shared memory, kernel parameter count).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from ..algebra import Phase, grad_input_phases
+from ..problem import ConvProblem
+from .tiles import TileConfig
+
+# Kernel parameters Triton appends after the declared ones (global and profile scratch pointers).
+# IREE passes bindings, then 32-bit constants; the two extra slots are filled with constants that the
+# kernel never reads, which compile_launch checks (scratch sizes 0).
+TRITON_TRAILING_PARAMS = 2
+POINTER_ALIGNMENT = 16
+PTX_VERSION = 80
+ELEMENT = {"f16": "fp16", "bf16": "bf16", "f32": "fp32"}
+# Hopper has 132 SMs (H100 SXM) or 132 (H200); the split-K and tile heuristics aim at a few waves of them
+SM_COUNT = 132
+
+
+class TritonUnavailable(RuntimeError):
+    """Triton is not installed (or cannot build for this arch): the linalg form is used instead."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str  # a @triton.jit function of convdsl/kernels/igemm.py
+    name: str  # the exported symbol (unique within a module)
+    pointer_types: tuple[str, ...]  # Triton element types of the bindings, in kernel order
+    constants: tuple[tuple[str, object], ...]
+    grid: tuple[int, int, int]
+    warps: int
+    stages: int
+
+    def constant(self, key: str):
+        return dict(self.constants)[key]
+
+
+@dataclass(frozen=True)
+class Binary:
+    name: str
+    data: bytes
+    kind: str  # "cubin" or "ptx"
+    threads: int
+    shared_bytes: int
+    params: int  # kernel parameters in the binary's entry point
+
+
+# --- canonical 3D strides --------------------------------------------------------------------
+
+def _pad3(values: tuple[int, ...], fill: int) -> tuple[int, int, int]:
+    return tuple([fill] * (3 - len(values)) + list(values))  # type: ignore[return-value]
+
+
+def activation_strides(p: ConvProblem, spatial: tuple[int, ...], channels: int) -> tuple[int, ...]:
+    """Element strides (n, g, channel, s0, s1, s2) of an activation in p's layout, spatial padded to 3D."""
+    sp = _pad3(spatial, 1)
+    g, n = p.groups, p.batch
+    if p.layout == "NGCHW":
+        s2, s1, s0 = 1, sp[2], sp[2] * sp[1]
+        ch = math.prod(sp)
+        return (g * channels * ch, channels * ch, ch, s0, s1, s2)
+    if p.layout == "NHWGC":
+        ch, gs = 1, channels
+        s2 = g * channels
+        s1, s0 = s2 * sp[2], s2 * sp[2] * sp[1]
+        return (s0 * sp[0], gs, ch, s0, s1, s2)
+    # GNHWC
+    s2 = channels
+    s1, s0 = s2 * sp[2], s2 * sp[2] * sp[1]
+    return (s0 * sp[0], n * s0 * sp[0], 1, s0, s1, s2)
+
+
+def weight_strides(p: ConvProblem) -> tuple[int, ...]:
+    """Element strides (g, k, c, y0, y1, y2) of the weight in p's weight layout, taps padded to 3D."""
+    f = _pad3(p.filter, 1)
+    taps, c, k = math.prod(f), p.in_channels, p.out_channels
+    if p.weight_layout == "GKYXC":
+        y2, y1, y0 = c, c * f[2], c * f[2] * f[1]
+        return (k * taps * c, taps * c, 1, y0, y1, y2)
+    y2, y1, y0 = 1, f[2], f[2] * f[1]
+    return (k * c * taps, c * taps, taps, y0, y1, y2)
+
+
+def _precision(p: ConvProblem) -> str:
+    # f32: three-pass TF32 on the tensor cores (about f32's accuracy; error measured against the f64
+    # reference in the GPU tests); compute = "bf16x3": three bf16 products, as the linalg form does
+    if p.dtype != "f32":
+        return "ieee"  # 16-bit operands: exact products, f32 accumulation
+    return "bf16x3" if p.bf16x3 else "tf32x3"
+
+
+def operand_element(p: ConvProblem) -> str:
+    """Element type the kernels read: fp8/bf8 compute arrives rounded to its grid and stored in f16 (every
+    e4m3 and e5m2 value is exact in f16), the same products as fp8 matrix instructions with f32 sums.
+    Measured on an H100 (run 14): rounding inside the kernel broke its cp.async pipeline (79 TFLOP/s)."""
+    return "fp16" if p.fp8_compute else ELEMENT[p.dtype]
+
+
+# --- grad_input ------------------------------------------------------------------------------
+
+def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
+    c, k = p.in_channels, p.out_channels
+    block_n = 32 if c <= 32 else 64 if c <= 64 else 128
+    wide = p.dtype == "f32"
+    block_k = max(16, min(32 if wide else 64, 1 << (k - 1).bit_length()))
+    return TileConfig(128, block_n, block_k, warps=8 if block_n >= 128 else 4, stages=3 if wide else 4)
+
+
+def grad_input_launches(p: ConvProblem, tiles: TileConfig, base: str) -> list[Launch]:
+    """One launch per stride phase (all-zero phases too: their kernels store zeros), each writing the
+    dX positions i = r + s*q of its residue r; together they write every element of dX once."""
+    phases = grad_input_phases(p)
+    dy_str = activation_strides(p, p.output, p.out_channels)
+    dx_str = activation_strides(p, p.input, p.in_channels)
+    w_str = weight_strides(p)
+    launches = []
+    for index, ph in enumerate(phases):
+        pd = _pad_phase(ph)
+        consts = dict(
+            C=p.in_channels, K=p.out_channels, N=p.batch,
+            **_triple("O", _pad3(p.output, 1)),
+            **_triple("Q", tuple(d["Q"] for d in pd)), **_triple("J", tuple(d["J"] for d in pd)),
+            **_triple("R", tuple(d["r"] for d in pd)), **_triple("S", _pad3(p.stride, 1)),
+            **_triple("OFF", tuple(d["off"] for d in pd)), **_triple("OSTEP", tuple(d["o_step"] for d in pd)),
+            **_triple("Y0", tuple(d["y0"] for d in pd)), **_triple("TSTEP", tuple(d["tap_step"] for d in pd)),
+            DYN=dy_str[0], DYG=dy_str[1], DYK=dy_str[2], DY0=dy_str[3], DY1=dy_str[4], DY2=dy_str[5],
+            WG=w_str[0], WK=w_str[1], WC=w_str[2], W0=w_str[3], W1=w_str[4], W2=w_str[5],
+            DXN=dx_str[0], DXG=dx_str[1], DXC=dx_str[2], DX0=dx_str[3], DX1=dx_str[4], DX2=dx_str[5],
+            ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
+            PRECISION=_precision(p),
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+            NUM_STAGES=tiles.stages,
+        )
+        rows = p.batch * math.prod(ph.sizes)
+        grid = (-(-rows // tiles.block_m) * -(-p.in_channels // tiles.block_n), p.groups, 1)
+        elem = operand_element(p)
+        launches.append(Launch(
+            "grad_input_phase", f"{base}_phase{index}", (elem, elem, ELEMENT[p.result_dtype]),
+            tuple(consts.items()), grid, tiles.warps, tiles.stages,
+        ))
+    return launches
+
+
+def _triple(prefix: str, values: tuple[int, ...]) -> dict[str, int]:
+    return {f"{prefix}{i}": v for i, v in enumerate(values)}
+
+
+def _pad_phase(ph: Phase) -> list[dict[str, int]]:
+    # leading unit dimensions: one residue, one tap at y = 0 reading o = q
+    unit = dict(r=0, y0=0, J=1, tap_step=1, off=0, o_step=1, Q=1)
+    dims = [dict(r=d.r, y0=d.y0, J=d.J, tap_step=d.tap_step, off=d.off, o_step=d.o_step, Q=d.Q)
+            for d in ph.dims]
+    return [unit] * (3 - len(dims)) + dims
+
+
+# --- grad_weight -----------------------------------------------------------------------------
+
+def default_grad_weight_tiles(p: ConvProblem) -> TileConfig:
+    k = p.out_channels
+    block_m = 128 if k > 64 else 64 if k > 32 else 32 if k > 16 else 16
+    wide = p.dtype == "f32"
+    return TileConfig(block_m, 128, 32 if wide else 64, warps=8 if block_m >= 128 else 4, stages=3 if wide else 4)
+
+
+def grad_weight_split(p: ConvProblem, tiles: TileConfig) -> tuple[int, int]:
+    """(S, CHUNK): the reduction over L = N * prod(O) is cut into S chunks of CHUNK steps (a multiple of
+    the tile's reduction step, the last chunk shorter).  Without a forced S, enough chunks that tiles x S
+    fills the GPU about twice, each chunk at least 8 reduction steps, at most 64 chunks."""
+    length = p.batch * math.prod(p.output)
+    steps = -(-length // tiles.block_k)
+    tiles_out = p.groups * -(-p.out_channels // tiles.block_m) * \
+        -(-(p.in_channels * math.prod(p.filter)) // tiles.block_n)
+    parts = tiles.split or p.split_k or max(1, min(64, -(-2 * SM_COUNT // tiles_out), steps // 8))
+    parts = max(1, min(parts, steps))
+    chunk = -(-steps // parts) * tiles.block_k  # CHUNK = ceil(steps / S) tile steps
+    return -(-length // chunk), chunk  # S recomputed: no empty chunk
+
+
+def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str) -> tuple[Launch, tuple[int, ...]]:
+    """The launch and the shape of its f32 partials [S, G, K, F0, F1, F2, C] (filter padded to 3D)."""
+    parts, chunk = grad_weight_split(p, tiles)
+    x_str = activation_strides(p, p.input, p.in_channels)
+    dy_str = activation_strides(p, p.output, p.out_channels)
+    f3 = _pad3(p.filter, 1)
+    consts = dict(
+        C=p.in_channels, K=p.out_channels, N=p.batch,
+        **_triple("I", _pad3(p.input, 1)), **_triple("O", _pad3(p.output, 1)), **_triple("F", f3),
+        **_triple("S", _pad3(p.stride, 1)), **_triple("D", _pad3(p.dilation, 1)), **_triple("LO", _pad3(p.pad_lo, 0)),
+        XN=x_str[0], XG=x_str[1], XC=x_str[2], X0=x_str[3], X1=x_str[4], X2=x_str[5],
+        DYN=dy_str[0], DYG=dy_str[1], DYK=dy_str[2], DY0=dy_str[3], DY1=dy_str[4], DY2=dy_str[5],
+        CHUNK=chunk, G=p.groups, PRECISION=_precision(p),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_k, NUM_STAGES=tiles.stages,
+    )
+    cols = p.in_channels * math.prod(p.filter)
+    grid = (-(-p.out_channels // tiles.block_m) * -(-cols // tiles.block_n), p.groups, parts)
+    elem = operand_element(p)
+    launch = Launch("grad_weight_partials", f"{base}_partials", (elem, elem, "fp32"), tuple(consts.items()),
+                    grid, tiles.warps, tiles.stages)
+    return launch, (parts, p.groups, p.out_channels, *f3, p.in_channels)
+
+
+# --- compiling -------------------------------------------------------------------------------
+
+def triton_version() -> Optional[str]:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def arch_number(arch: str) -> int:
+    match = re.fullmatch(r"sm_(\d+)a?", arch)
+    if not match:
+        raise ValueError(f"arch: expected sm_XY, got {arch!r}")
+    return int(match.group(1))
+
+
+@functools.lru_cache(maxsize=None)
+def compile_launch(launch: Launch, arch: str) -> Binary:
+    """Compile one launch with Triton for `arch` (no GPU needed: Triton's LLVM and its bundled ptxas)."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError as exc:  # pragma: no cover - triton is a dependency on Linux
+        raise TritonUnavailable(f"triton is not installed ({exc})") from exc
+    from . import igemm
+
+    fn = getattr(igemm, launch.kernel)
+    arg_names = fn.arg_names
+    pointers = arg_names[: len(launch.pointer_types)]
+    signature = {name: "*" + t for name, t in zip(pointers, launch.pointer_types)}
+    signature.update({name: "constexpr" for name in arg_names[len(pointers):]})
+    constexprs = dict(launch.constants)
+    missing = set(arg_names[len(pointers):]) - set(constexprs)
+    if missing:
+        raise ValueError(f"launch {launch.name}: no value for {sorted(missing)}")
+    number = arch_number(arch)
+    # every binding starts 16-byte aligned (IREE aligns buffers and their suballocations to at least 64
+    # bytes): without this fact Triton loads one element at a time and cannot pipeline through cp.async
+    attrs = {(i,): [["tt.divisibility", POINTER_ALIGNMENT]] for i in range(len(pointers))}
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    # fp fusion (fma) on, Triton's historical default: the products and sums of the GEMM are fused anyway
+    options = {"num_warps": launch.warps, "num_stages": launch.stages, "enable_fp_fusion": True}
+    if number < 90:
+        # PTX for the driver to JIT: ISA 8.0 (CUDA 12.0), which any driver of the last years accepts;
+        # Triton's default follows its own ptxas and can be newer than the driver on the machine
+        options["ptx_version"] = PTX_VERSION
+    kernel = triton.compile(source, target=GPUTarget("cuda", number, 32), options=options)
+    meta = kernel.metadata
+    if meta.global_scratch_size or meta.profile_scratch_size:
+        raise RuntimeError(f"launch {launch.name}: Triton asked for scratch memory, which IREE cannot pass")
+    ptx = kernel.asm["ptx"]
+    params = len(re.findall(r"\.param\s+\.", ptx.split(")", 1)[0]))
+    expected = len(launch.pointer_types) + TRITON_TRAILING_PARAMS
+    if params != expected:
+        raise RuntimeError(f"launch {launch.name}: kernel has {params} parameters, expected {expected}")
+    entry = meta.name
+    if number >= 90:
+        data, kind = kernel.asm["cubin"], "cubin"
+    else:
+        data, kind = ptx.encode(), "ptx"
+    return Binary(entry, data, kind, threads=32 * launch.warps, shared_bytes=int(meta.shared), params=params)
+
+
+# --- when the external kernels apply -----------------------------------------------------------
+
+MAX_ELEMENTS = 2**31 - 1  # the kernels index with 32-bit offsets
+
+
+def unsupported_reason(p: ConvProblem, backend: str, arch: str) -> Optional[str]:
+    """Why this kernel keeps the linalg form on this target (None: the Triton GEMM core applies)."""
+    from ..passes import gather
+
+    if backend != "cuda":
+        return f"the external kernels are CUDA kernels; target is {backend}"
+    if arch_number(arch) < 80:
+        return f"the kernels need sm_80 or newer (cp.async, bf16 mma); target is {arch}"
+    if p.op == "forward":
+        return "forward keeps the linalg form (no external kernel for it)"
+    if p.dynamic_batch:
+        return "batch = ?: the kernels are specialised to every size"
+    if p.epilogue.kind == "bilinear":
+        return "the bilinear epilogue's tensor is added by the linalg form"
+    if p.depthwise or gather.applies(p):
+        return "few channels per group: the memory-bound depthwise/gather forms are used"
+    sizes = (p.x_shape, p.y_shape, p.w_shape)
+    if any(math.prod(s) > MAX_ELEMENTS for s in sizes):
+        return "a tensor has 2^31 elements or more"
+    if triton_version() is None:
+        return "triton is not installed"
+    return None
+
+
+def plan_launches(p: ConvProblem, tiles: Optional[TileConfig]) -> tuple[tuple[Launch, ...], tuple[int, ...]]:
+    """The launches of one kernel (and the f32 partials' shape for grad_weight), symbols named after it."""
+    base = re.sub(r"\W", "_", p.name)
+    if p.op == "grad_weight":
+        launch, partials = grad_weight_launch(p, tiles or default_grad_weight_tiles(p), base)
+        return (launch,), partials
+    return tuple(grad_input_launches(p, tiles or default_grad_input_tiles(p), base)), ()

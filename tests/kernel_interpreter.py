@@ -1,0 +1,53 @@
+"""Run convdsl's Triton kernels in Triton's interpreter (on the CPU) and print their relative errors.
+
+Used by tests/test_extern.py in a subprocess: TRITON_INTERPRET must be set before triton is imported, and
+the other tests import the compiled form.  stdin: a JSON list of problem specs; stdout: a JSON list of
+{"name", "error", "unwritten"} (unwritten: output elements the launches never stored, filled with NaN first).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from convdsl.kernels import igemm  # noqa: E402
+from convdsl.kernels.launch import plan_launches  # noqa: E402
+from convdsl.kernels.tiles import parse_tiles  # noqa: E402
+from convdsl.problem import problem_from_spec  # noqa: E402
+from convdsl.reference import random_inputs, reference, relative_error  # noqa: E402
+
+
+def run(spec: dict, tiles: str) -> dict:
+    p = problem_from_spec(spec)
+    args = random_inputs(p, seed=3)
+    want = reference(p, *args)
+    tensors = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)) for a in args]
+    launches, partials_shape = plan_launches(p, parse_tiles(tiles))
+    if p.op == "grad_weight":
+        partials = torch.full(partials_shape, float("nan"))
+        launch = launches[0]
+        getattr(igemm, launch.kernel)[launch.grid](tensors[0], tensors[1], partials, **dict(launch.constants))
+        # the linalg sum of the real kernel: chunks in order, then [G, K, taps(3D), C] in the weight layout
+        total = partials.sum(0).reshape(p.groups, p.out_channels, *p.filter, p.in_channels).numpy()
+        got = total if p.weight_layout == "GKYXC" else np.moveaxis(total, -1, 2)
+    else:
+        out = torch.full(p.result_shape, float("nan"))
+        for launch in launches:
+            getattr(igemm, launch.kernel)[launch.grid](tensors[0], tensors[1], out, **dict(launch.constants))
+        got = out.numpy()
+    unwritten = int(np.isnan(got).sum())
+    return {"name": p.name, "error": relative_error(np.nan_to_num(got), want), "unwritten": unwritten}
+
+
+def main() -> None:
+    jobs = json.load(sys.stdin)
+    json.dump([run(job["spec"], job["tiles"]) for job in jobs], sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

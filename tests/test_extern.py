@@ -1,0 +1,213 @@
+"""The Triton GEMM cores (convdsl/kernels) and their IREE external dispatches (passes/extern.py).
+
+Numerics: the kernels run in Triton's interpreter on the CPU (a subprocess, tests/kernel_interpreter.py)
+against the float64 reference, over layouts, ranks, strides, dilations, paddings and groups.
+Compilation: the same launches compile to cubin (sm_90) and PTX (sm_80) here, where no GPU exists, and
+iree-compile accepts the modules that embed them.  The GPU tests (tests/test_gpu.py) run them on a chip.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from convdsl.algebra import grad_input_phases
+from convdsl.backends.iree import compile_mlir
+from convdsl.kernels.launch import (
+    activation_strides,
+    grad_weight_split,
+    plan_launches,
+    unsupported_reason,
+    weight_strides,
+)
+from convdsl.kernels.tiles import TileConfig, parse_tiles
+from convdsl.passes import lower_to_mlir
+from convdsl.passes.plan import plan_kernel
+from convdsl.problem import ConvProblem, Epilogue, problem_to_spec
+from convdsl.reference import tolerance
+from convdsl.targets import Target
+from convdsl.tuning.knobs import Knobs, parse_label
+
+pytest.importorskip("triton")
+
+HOPPER, AMPERE, CPU = Target("cuda", "sm_90"), Target("cuda", "sm_80"), Target("cpu", "host")
+SMALL_TILES = "t16x16x16w4s2g2"
+HERE = Path(__file__).resolve().parent
+
+
+def _p(**kw) -> ConvProblem:
+    base = dict(op="grad_input", dims=2, groups=2, batch=2, in_channels=5, out_channels=6, input=(7, 6),
+                filter=(3, 2), stride=(2, 1), dilation=(1, 2), pad_lo=(1, 0), pad_hi=(1, 1), dtype="f32", name="k")
+    base.update(kw)
+    return ConvProblem(**base)
+
+
+def _interpret(problems: list[ConvProblem], tiles: str = SMALL_TILES) -> list[dict]:
+    pytest.importorskip("torch")  # Triton's interpreter runs on torch CPU tensors
+    jobs = [{"spec": problem_to_spec(p), "tiles": tiles} for p in problems]
+    done = subprocess.run([sys.executable, str(HERE / "kernel_interpreter.py")], input=json.dumps(jobs),
+                          capture_output=True, text=True, cwd=HERE.parent, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def _check(problems: list[ConvProblem], results: list[dict]) -> None:
+    for p, r in zip(problems, results):
+        assert r["unwritten"] == 0, f"{p.describe()}: {r['unwritten']} output elements never stored"
+        assert r["error"] <= tolerance(p), f"{p.describe()}: relative error {r['error']:.2e}"
+
+
+NAMED = [
+    *(_p(op=op, layout=layout, weight_layout=wl, name=f"{op}-{layout}-{wl}")
+      for op in ("grad_input", "grad_weight") for layout in ("NHWGC", "GNHWC", "NGCHW") for wl in ("GKYXC", "GKCYX")),
+    # 1D stride 3 (a residue with no tap: its launch stores zeros), 3D strided and dilated
+    _p(dims=1, input=(11,), filter=(3,), stride=(3,), dilation=(1,), pad_lo=(2,), pad_hi=(0,), name="1d-s3"),
+    _p(op="grad_weight", dims=1, input=(11,), filter=(3,), stride=(3,), dilation=(1,), pad_lo=(2,), pad_hi=(0,),
+       name="1d-s3-w"),
+    _p(dims=3, input=(5, 4, 6), filter=(2, 3, 3), stride=(2, 1, 2), dilation=(1, 1, 2), pad_lo=(1, 1, 2),
+       pad_hi=(0, 1, 1), name="3d"),
+    _p(op="grad_weight", dims=3, input=(5, 4, 6), filter=(2, 3, 3), stride=(2, 1, 2), dilation=(1, 1, 2),
+       pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="3d-w"),
+    # transposed is grad_input's arithmetic; a scale epilogue is applied by the kernel
+    _p(op="transposed", name="transposed"),
+    _p(epilogue=Epilogue("scale", 0.5), name="scaled"),
+    # more channels than one tile, an explicit split-K
+    _p(op="grad_weight", in_channels=33, out_channels=17, groups=1, split_k=3, name="split"),
+]
+
+
+def test_interpreted_kernels_match_the_reference():
+    _check(NAMED, _interpret(NAMED))
+
+
+@st.composite
+def problems(draw) -> ConvProblem:
+    dims = draw(st.integers(1, 3))
+    filt = tuple(draw(st.integers(1, 3)) for _ in range(dims))
+    dil = tuple(draw(st.integers(1, 2)) for _ in range(dims))
+    stride = tuple(draw(st.integers(1, 3)) for _ in range(dims))
+    lo = tuple(draw(st.integers(0, 2)) for _ in range(dims))
+    hi = tuple(draw(st.integers(0, 2)) for _ in range(dims))
+    # the window must fit: I + lo + hi >= d*(R-1) + 1
+    inp = tuple(max(draw(st.integers(2, 7)), d * (r - 1) + 1 - a - b) for r, d, a, b in zip(filt, dil, lo, hi))
+    return ConvProblem(
+        op=draw(st.sampled_from(["grad_input", "grad_weight"])), dims=dims, groups=draw(st.integers(1, 2)),
+        batch=draw(st.integers(1, 2)), in_channels=draw(st.integers(2, 9)), out_channels=draw(st.integers(2, 9)),
+        input=inp, filter=filt, stride=stride, dilation=dil, pad_lo=lo, pad_hi=hi,
+        layout=draw(st.sampled_from(["NHWGC", "GNHWC", "NGCHW"])),
+        weight_layout=draw(st.sampled_from(["GKYXC", "GKCYX"])), dtype="f32", name="prop",
+    )
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(problems(), min_size=8, max_size=8))
+def test_interpreted_kernels_match_the_reference_on_random_shapes(batch):
+    _check(batch, _interpret(batch))
+
+
+# --- the index algebra the launches carry ----------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_phase_launches_write_every_dx_position_once(p):
+    # the residues i = r + s*q of the launches partition [0, I) in every dimension
+    if p.op != "grad_input":
+        p = p.with_(op="grad_input")
+    launches, _ = plan_launches(p, parse_tiles(SMALL_TILES))
+    assert len(launches) == len(grad_input_phases(p))
+    seen = []
+    for launch in launches:
+        c = dict(launch.constants)
+        per_dim = [[c[f"R{i}"] + c[f"S{i}"] * q for q in range(c[f"Q{i}"])] for i in range(3)]
+        seen.extend((a, b, d) for a in per_dim[0] for b in per_dim[1] for d in per_dim[2])
+    padded = (1,) * (3 - p.dims) + p.input
+    assert sorted(seen) == sorted((a, b, d) for a in range(padded[0]) for b in range(padded[1])
+                                  for d in range(padded[2]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems(), st.integers(0, 9))
+def test_split_k_chunks_cover_the_reduction_once(p, forced):
+    tiles = TileConfig(16, 16, 16, 4, 2, split=forced)
+    parts, chunk = grad_weight_split(p, tiles)
+    length = p.batch * math.prod(p.output)
+    assert chunk % tiles.block_k == 0 and parts >= 1
+    assert (parts - 1) * chunk < length <= parts * chunk  # every chunk non-empty, the last one may be short
+
+
+def test_strides_address_every_element_once():
+    for layout in ("NHWGC", "GNHWC", "NGCHW"):
+        p = _p(layout=layout, dims=3, input=(3, 4, 5), filter=(1, 2, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
+               pad_lo=(0, 0, 0), pad_hi=(0, 0, 0))
+        n, g, c, s0, s1, s2 = activation_strides(p, p.input, p.in_channels)
+        offsets = {a * n + b * g + d * c + i * s0 + j * s1 + k * s2
+                   for a in range(p.batch) for b in range(p.groups) for d in range(p.in_channels)
+                   for i in range(3) for j in range(4) for k in range(5)}
+        assert offsets == set(range(math.prod(p.x_shape)))
+    for wl in ("GKYXC", "GKCYX"):
+        p = _p(weight_layout=wl, dims=3, input=(3, 4, 5), filter=(1, 2, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
+               pad_lo=(0, 0, 0), pad_hi=(0, 0, 0))
+        g, k, c, y0, y1, y2 = weight_strides(p)
+        offsets = {a * g + b * k + d * c + i * y0 + j * y1 + m * y2
+                   for a in range(p.groups) for b in range(p.out_channels) for d in range(p.in_channels)
+                   for i in range(1) for j in range(2) for m in range(3)}
+        assert offsets == set(range(math.prod(p.w_shape)))
+
+
+# --- when the external kernels apply ---------------------------------------------------------
+
+def test_rule_and_overrides():
+    p = _p(in_channels=64, out_channels=64)
+    assert plan_kernel(p, HOPPER).form == "extern"
+    assert plan_kernel(p, CPU).form == "implicit-gemm"
+    linalg = plan_kernel(p, HOPPER, Knobs(extern=False))
+    assert linalg.form == "implicit-gemm" and "extern = false" in linalg.describe()
+    for other, why in (
+        (p.with_(op="forward"), "forward"),
+        (p.with_(dynamic_batch=True), "batch = ?"),
+        (p.with_(epilogue=Epilogue("bilinear", 1.0, 0.5)), "bilinear"),
+        (p.with_(groups=8, in_channels=1, out_channels=1), "few channels"),
+    ):
+        assert why in unsupported_reason(other, "cuda", "sm_90")
+        assert plan_kernel(other, HOPPER).form != "extern"
+        with pytest.raises(ValueError, match="cannot use the external kernels"):
+            plan_kernel(other, HOPPER, Knobs(extern=True))
+    assert "sm_80" in unsupported_reason(p, "cuda", "sm_75")
+    tiled = plan_kernel(p, HOPPER, Knobs(tiles="t64x32x16w4s3"))
+    assert tiled.extern.tiles == TileConfig(64, 32, 16, 4, 3)
+    assert dict(tiled.extern.launches[0].constants)["BLOCK_N"] == 32
+
+
+def test_tile_labels_round_trip_and_reject_bad_tiles():
+    for tiles in (TileConfig(128, 64, 32, 4, 4), TileConfig(64, 128, 64, 8, 3, group_m=4, split=7)):
+        assert parse_tiles(tiles.label()) == tiles
+        knobs = Knobs(tiles=tiles.label(), extern=False)
+        assert parse_label(knobs.label()) == knobs and knobs.config_default
+    with pytest.raises(ValueError, match="power of two"):
+        TileConfig(48, 64, 32, 4, 4)
+    with pytest.raises(ValueError, match="expected t<M>"):
+        parse_tiles("t64x64")
+
+
+# --- IR and compilation ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", [HOPPER, AMPERE], ids=str)
+def test_modules_embed_the_kernels_and_compile_for_cuda(target):
+    dgrad = _p(in_channels=32, out_channels=48, name="dgrad")  # stride (2, 1): two phase launches
+    wgrad = _p(op="grad_weight", in_channels=32, out_channels=48, compute=("bf8", "fp8"), dtype="f16", name="wgrad")
+    mlir = lower_to_mlir([dgrad, wgrad], target)
+    kind = "cubin" if target.arch == "sm_90" else "ptx"
+    assert mlir.count("hal.executable.source") == 3 and mlir.count(f'.{kind}"') == 3
+    # each launch once per function (plain and $into); the phases write dX in place after the first
+    assert mlir.count("flow.dispatch @dgrad_phase") == 4
+    assert "-> %" in mlir  # a tied (in-place) dispatch result
+    assert mlir.count("flow.dispatch @wgrad_partials") == 2
+    assert "linalg.generic" in mlir  # the split-K sum and the fp8 rounding around the kernels
+    vmfb = compile_mlir(mlir, target)
+    assert len(vmfb) > 10_000
