@@ -131,6 +131,8 @@ def key_material(problems: Sequence[ConvProblem], target: Target, extra_flags: S
         "convdsl_version": _convdsl_version(),
         "convdsl_source": source_digest(),
         "iree_version": iree_version(),
+        # CUDA kernels embed Triton-compiled binaries (kernels/launch.py): another Triton, other binaries
+        "triton_version": triton_version() if target.backend == "cuda" else None,
         # the tuned (or heuristic) lowering knobs of each kernel: a new tuning database misses
         "knobs": [_knobs_for(p, target) for p in problems],
     }
@@ -140,6 +142,12 @@ def _knobs_for(p: ConvProblem, target: Target) -> dict:
     from .tuning.db import knobs_for
 
     return knobs_for(p, target).as_dict()
+
+
+def triton_version():
+    from .kernels.launch import triton_version as version
+
+    return version()
 
 
 def cache_key(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = ()) -> str:

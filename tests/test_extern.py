@@ -21,6 +21,7 @@ from convdsl.algebra import grad_input_phases
 from convdsl.backends.iree import compile_mlir
 from convdsl.kernels.launch import (
     activation_strides,
+    grad_input_launches,
     grad_weight_split,
     plan_launches,
     unsupported_reason,
@@ -79,6 +80,11 @@ NAMED = [
     _p(epilogue=Epilogue("scale", 0.5), name="scaled"),
     # more channels than one tile, an explicit split-K
     _p(op="grad_weight", in_channels=33, out_channels=17, groups=1, split_k=3, name="split"),
+    # few channels per group: the direct kernel (depthwise strided and dilated; grouped, channel-first)
+    _p(groups=6, in_channels=1, out_channels=1, stride=(2, 2), dilation=(1, 2), name="depthwise"),
+    _p(groups=5, in_channels=1, out_channels=1, layout="NGCHW", weight_layout="GKCYX", name="depthwise-ngchw"),
+    _p(dims=3, groups=4, in_channels=1, out_channels=1, input=(5, 4, 6), filter=(2, 3, 3), stride=(2, 1, 2),
+       dilation=(1, 1, 2), pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="depthwise-3d"),
 ]
 
 
@@ -119,7 +125,7 @@ def test_phase_launches_write_every_dx_position_once(p):
     # the residues i = r + s*q of the launches partition [0, I) in every dimension
     if p.op != "grad_input":
         p = p.with_(op="grad_input")
-    launches, _ = plan_launches(p, parse_tiles(SMALL_TILES))
+    launches = grad_input_launches(p, parse_tiles(SMALL_TILES), "k")
     assert len(launches) == len(grad_input_phases(p))
     seen = []
     for launch in launches:
@@ -172,13 +178,22 @@ def test_rule_and_overrides():
         (p.with_(op="forward"), "forward"),
         (p.with_(dynamic_batch=True), "batch = ?"),
         (p.with_(epilogue=Epilogue("bilinear", 1.0, 0.5)), "bilinear"),
-        (p.with_(groups=8, in_channels=1, out_channels=1), "few channels"),
+        (p.with_(op="grad_weight", groups=8, in_channels=1, out_channels=1), "few channels"),
     ):
         assert why in unsupported_reason(other, "cuda", "sm_90")
         assert plan_kernel(other, HOPPER).form != "extern"
         with pytest.raises(ValueError, match="cannot use the external kernels"):
             plan_kernel(other, HOPPER, Knobs(extern=True))
     assert "sm_80" in unsupported_reason(p, "cuda", "sm_75")
+    ngchw = p.with_(layout="NGCHW")
+    assert plan_kernel(ngchw, HOPPER).channels_last.problem.layout == "NHWGC"  # the rule: NHWGC copies
+    assert plan_kernel(ngchw, HOPPER, Knobs(relayout=False)).channels_last is None
+    assert "copied to NHWGC" in plan_kernel(ngchw, HOPPER).describe()
+    assert parse_label("cl-t64x32x16w4s3") == Knobs(relayout=True, tiles="t64x32x16w4s3")
+    assert "gather form" in unsupported_reason(p.with_(groups=8, in_channels=4, out_channels=4), "cuda", "sm_90")
+    depthwise = plan_kernel(p.with_(groups=8, in_channels=1, out_channels=1), HOPPER)
+    assert [la.kernel for la in depthwise.extern.launches] == ["grad_input_direct"]
+    assert "direct sums" in depthwise.describe() and "f32 FMA" in depthwise.describe()
     tiled = plan_kernel(p, HOPPER, Knobs(tiles="t64x32x16w4s3"))
     assert tiled.extern.tiles == TileConfig(64, 32, 16, 4, 3)
     assert dict(tiled.extern.launches[0].constants)["BLOCK_N"] == 32

@@ -173,3 +173,57 @@ def grad_weight_partials(
 
     out_ptrs = partials + ((s * G + g) * K + k)[:, None] * COLS + col[None, :]
     tl.store(out_ptrs, acc, mask=k_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def grad_input_direct(
+    dy, w, dx,
+    # few channels per group (depthwise, ResNeXt-like): no GEMM worth the matrix units; each dX element
+    # sums its taps x K products directly, reading dY through the caches (bound by memory, not math)
+    G: tl.constexpr, C: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+    I0: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr,
+    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr,
+    F0: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+    LO0: tl.constexpr, LO1: tl.constexpr, LO2: tl.constexpr,
+    DYN: tl.constexpr, DYG: tl.constexpr, DYK: tl.constexpr, DY0: tl.constexpr, DY1: tl.constexpr,
+    DY2: tl.constexpr,
+    WG: tl.constexpr, WK: tl.constexpr, WC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
+    DXN: tl.constexpr, DXG: tl.constexpr, DXC: tl.constexpr, DX0: tl.constexpr, DX1: tl.constexpr,
+    DX2: tl.constexpr,
+    ALPHA: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_CH: tl.constexpr,
+):
+    # rows: dX positions (n, i0, i1, i2); columns: channels (g, c), c fastest
+    P: tl.constexpr = N * I0 * I1 * I2
+    pos = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    ch = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
+    p_ok = pos < P
+    ch_ok = ch < G * C
+    g = ch // C
+    c = ch % C
+    i2 = pos % I2
+    i1 = (pos // I2) % I1
+    i0 = (pos // (I2 * I1)) % I0
+    n = pos // (I2 * I1 * I0)
+    acc = tl.zeros((BLOCK_P, BLOCK_CH), dtype=tl.float32)
+    for t0 in tl.static_range(F0):
+        # dY position o with o*S = i + LO - t*D: the tap reaches i only where S divides it
+        a0 = i0 + (LO0 - t0 * D0)
+        ok0 = (a0 >= 0) & (a0 % S0 == 0) & (a0 < O0 * S0)
+        for t1 in tl.static_range(F1):
+            a1 = i1 + (LO1 - t1 * D1)
+            ok1 = ok0 & (a1 >= 0) & (a1 % S1 == 0) & (a1 < O1 * S1)
+            for t2 in tl.static_range(F2):
+                a2 = i2 + (LO2 - t2 * D2)
+                ok = p_ok & ok1 & (a2 >= 0) & (a2 % S2 == 0) & (a2 < O2 * S2)
+                row = n * DYN + (a0 // S0) * DY0 + (a1 // S1) * DY1 + (a2 // S2) * DY2
+                tap = t0 * W0 + t1 * W1 + t2 * W2
+                for k in tl.static_range(K):
+                    v = tl.load(dy + row[:, None] + (g * DYG + k * DYK)[None, :],
+                                mask=ok[:, None] & ch_ok[None, :], other=0.0)
+                    wk = tl.load(w + g * WG + k * WK + c * WC + tap, mask=ch_ok, other=0.0)
+                    acc += v.to(tl.float32) * wk.to(tl.float32)[None, :]
+    out = acc * ALPHA
+    dx_ptrs = dx + (n * DXN + i0 * DX0 + i1 * DX1 + i2 * DX2)[:, None] + (g * DXG + c * DXC)[None, :]
+    tl.store(dx_ptrs, out.to(dx.dtype.element_ty), mask=p_ok[:, None] & ch_ok[None, :])

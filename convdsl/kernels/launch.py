@@ -167,6 +167,34 @@ def _pad_phase(ph: Phase) -> list[dict[str, int]]:
     return [unit] * (3 - len(dims)) + dims
 
 
+def direct_grad_input_tiles(p: ConvProblem) -> TileConfig:
+    """grad_input_direct: 64 positions x up to 64 channels per block (block_k unused, kept at its minimum)."""
+    channels = p.groups * p.in_channels
+    return TileConfig(64, 64 if channels >= 64 else 32 if channels >= 32 else 16, 16, warps=4, stages=1)
+
+
+def grad_input_direct_launch(p: ConvProblem, tiles: TileConfig, base: str) -> Launch:
+    """Few channels per group: one launch, every dX element summing its taps x K products."""
+    dy_str = activation_strides(p, p.output, p.out_channels)
+    dx_str = activation_strides(p, p.input, p.in_channels)
+    w_str = weight_strides(p)
+    consts = dict(
+        G=p.groups, C=p.in_channels, K=p.out_channels, N=p.batch,
+        **_triple("I", _pad3(p.input, 1)), **_triple("O", _pad3(p.output, 1)), **_triple("F", _pad3(p.filter, 1)),
+        **_triple("S", _pad3(p.stride, 1)), **_triple("D", _pad3(p.dilation, 1)), **_triple("LO", _pad3(p.pad_lo, 0)),
+        DYN=dy_str[0], DYG=dy_str[1], DYK=dy_str[2], DY0=dy_str[3], DY1=dy_str[4], DY2=dy_str[5],
+        WG=w_str[0], WK=w_str[1], WC=w_str[2], W0=w_str[3], W1=w_str[4], W2=w_str[5],
+        DXN=dx_str[0], DXG=dx_str[1], DXC=dx_str[2], DX0=dx_str[3], DX1=dx_str[4], DX2=dx_str[5],
+        ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
+        BLOCK_P=tiles.block_m, BLOCK_CH=tiles.block_n,
+    )
+    positions = p.batch * math.prod(p.input)
+    grid = (-(-positions // tiles.block_m), -(-(p.groups * p.in_channels) // tiles.block_n), 1)
+    elem = operand_element(p)
+    return Launch("grad_input_direct", f"{base}_direct", (elem, elem, ELEMENT[p.result_dtype]), tuple(consts.items()),
+                  grid, tiles.warps, tiles.stages)
+
+
 # --- grad_weight -----------------------------------------------------------------------------
 
 def default_grad_weight_tiles(p: ConvProblem) -> TileConfig:
@@ -299,8 +327,10 @@ def unsupported_reason(p: ConvProblem, backend: str, arch: str) -> Optional[str]
         return "batch = ?: the kernels are specialised to every size"
     if p.epilogue.kind == "bilinear":
         return "the bilinear epilogue's tensor is added by the linalg form"
-    if p.depthwise or gather.applies(p):
+    if p.op == "grad_weight" and (p.depthwise or gather.applies(p)):
         return "few channels per group: the memory-bound depthwise/gather forms are used"
+    if not p.depthwise and gather.applies(p):
+        return "few channels per group: the memory-bound gather form is used"
     sizes = (p.x_shape, p.y_shape, p.w_shape)
     if any(math.prod(s) > MAX_ELEMENTS for s in sizes):
         return "a tensor has 2^31 elements or more"
@@ -309,10 +339,31 @@ def unsupported_reason(p: ConvProblem, backend: str, arch: str) -> Optional[str]
     return None
 
 
-def plan_launches(p: ConvProblem, tiles: Optional[TileConfig]) -> tuple[tuple[Launch, ...], tuple[int, ...]]:
-    """The launches of one kernel (and the f32 partials' shape for grad_weight), symbols named after it."""
+def relayout_ngchw(p: ConvProblem) -> bool:
+    """NGCHW: whether the kernels run on NHWGC copies (False: they read NGCHW through its strides).
+    Measured on an H100 (results/*v15a*): Ascend's 3D dgrad 0.81 -> 0.14 ms with the copies (channels
+    strided by D*H*W defeat the tiles' vector loads), CK's NGCHW wgrad 0.337 -> 0.336 ms."""
+    return True
+
+
+def plan_launches(p: ConvProblem, tiles: Optional[TileConfig]
+                  ) -> tuple[TileConfig, tuple[Launch, ...], tuple[int, ...]]:
+    """(tiles, launches, f32 partials' shape for grad_weight) of one kernel, symbols named after it;
+    tiles None: the defaults of the kernel it uses."""
     base = re.sub(r"\W", "_", p.name)
     if p.op == "grad_weight":
-        launch, partials = grad_weight_launch(p, tiles or default_grad_weight_tiles(p), base)
-        return (launch,), partials
-    return tuple(grad_input_launches(p, tiles or default_grad_input_tiles(p), base)), ()
+        tiles = tiles or default_grad_weight_tiles(p)
+        launch, partials = grad_weight_launch(p, tiles, base)
+        return tiles, (launch,), partials
+    if direct_grad_input(p):
+        tiles = tiles or direct_grad_input_tiles(p)
+        return tiles, (grad_input_direct_launch(p, tiles, base),), ()
+    tiles = tiles or default_grad_input_tiles(p)
+    return tiles, tuple(grad_input_launches(p, tiles, base)), ()
+
+
+def direct_grad_input(p: ConvProblem) -> bool:
+    """Depthwise grad_input: direct sums.  Measured on an H100 (results/*v15b*): MobileNetV2's depthwise
+    dgrad 0.131 ms (linalg depthwise form 0.172, cuDNN 0.114); ResNeXt's C = K = 4 groups took 0.64-9.4 ms
+    with the tiles tried (its linalg gather form: 0.23), so grouped grad_input keeps the gather form."""
+    return p.op in ("grad_input", "transposed") and p.depthwise

@@ -91,6 +91,11 @@ def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, 
     """The Triton GEMM cores (passes/extern.py) with the epilogue, cast and split-K sum in linalg."""
     p, ext = plan.problem, plan.extern
     assert ext is not None
+    if plan.channels_last is not None:
+        inner = plan.channels_last
+        args = [_relayout(p, inner.problem, a) if shape != p.w_shape else a for a, shape in zip(args, p.arg_shapes)]
+        result = _emit_extern(inner, args, binaries)
+        return _relayout(inner.problem, p, result) if p.result_shape != p.w_shape else result
     if p.fp8_compute:
         # the operands rounded to their fp8 grids once, stored in f16 (kernels/launch.operand_element)
         args = [_round_operand(plan, args[0], 0), _round_operand(plan, args[1], 1)]

@@ -6,8 +6,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 from ..algebra import Phase, SplitK, dy_padding, grad_input_phases, plan_split_k, x_window
-from ..kernels.launch import Launch, default_grad_input_tiles, default_grad_weight_tiles, plan_launches, \
-    unsupported_reason
+from ..kernels.launch import Launch, plan_launches, relayout_ngchw, unsupported_reason
 from ..kernels.tiles import TileConfig, parse_tiles
 from ..problem import ConvProblem
 from ..targets import Target
@@ -71,7 +70,11 @@ class KernelPlan:
             + f" -> {p.result_name} {list(p.result_shape)} {p.result_dtype}"
         )
         if self.extern is not None:
-            lines.extend(_describe_extern(self))
+            if self.channels_last is not None:
+                lines.append("  layout: NGCHW activations copied to NHWGC and back around the kernels below")
+                lines.extend(_describe_extern(self.channels_last))
+            else:
+                lines.extend(_describe_extern(self))
             return "\n".join(lines)
         if self.linalg_reason:
             lines.append(f"  GEMM core: IREE's lowering of the linalg form ({self.linalg_reason})")
@@ -188,8 +191,11 @@ def _describe_extern(plan: KernelPlan) -> list[str]:
     lines = [f"  GEMM core: Triton kernels in IREE external dispatches, tiles {ext.tiles.label()}"]
     for launch in ext.launches:
         c = dict(launch.constants)
-        detail = f"grid {list(launch.grid)}, {launch.warps} warps, {c['PRECISION']} products"
-        if launch.kernel == "grad_input_phase":
+        detail = f"grid {list(launch.grid)}, {launch.warps} warps, {c.get('PRECISION', 'f32 FMA')} products"
+        if launch.kernel == "grad_input_direct":
+            what = (f"direct sums of {math.prod(p.filter)} taps x K={p.out_channels} per dX element"
+                    " (few channels per group: bound by memory)")
+        elif launch.kernel == "grad_input_phase":
             q = [c[f"Q{i}"] for i in range(3)][3 - p.dims:]
             j = [c[f"J{i}"] for i in range(3)][3 - p.dims:]
             r = [c[f"R{i}"] for i in range(3)][3 - p.dims:]
@@ -204,8 +210,10 @@ def _describe_extern(plan: KernelPlan) -> list[str]:
     return lines
 
 
-def _extern_tiles(problem: ConvProblem, target: Target, layers: list["Knobs"]) -> tuple[Optional[TileConfig], str]:
-    """(tiles, reason): the Triton tiles when the external kernels are used, else None and why not.
+def _extern_tiles(problem: ConvProblem, target: Target,
+                  layers: list["Knobs"]) -> tuple[bool, Optional[TileConfig], str]:
+    """(use, tiles, reason): whether the external kernels are used, with which tiles (None: the kernel's
+    defaults), else why not.
     The rule (kernels.launch.unsupported_reason) decides unless a layer's `extern` says otherwise."""
     reason = unsupported_reason(problem, target.backend, target.arch) if target.backend == "cuda" else "cpu"
     use = reason is None
@@ -219,11 +227,7 @@ def _extern_tiles(problem: ConvProblem, target: Target, layers: list["Knobs"]) -
                 reason = "extern = false (tuned or asked for)"
         if layer.tiles is not None:
             tiles = parse_tiles(layer.tiles)
-    if not use:
-        return None, reason or ""
-    if tiles is None:
-        tiles = default_grad_weight_tiles(problem) if problem.op == "grad_weight" else default_grad_input_tiles(problem)
-    return tiles, ""
+    return use, tiles, ("" if use else reason or "")
 
 
 def plan_kernel(problem: ConvProblem, target: Target, knobs: Optional["Knobs"] = None) -> KernelPlan:
@@ -235,9 +239,18 @@ def plan_kernel(problem: ConvProblem, target: Target, knobs: Optional["Knobs"] =
     for layer in layers:
         if layer.pad is not None and layer.pad not in PAD_FORMS:
             raise ValueError(f"pad: expected one of {', '.join(PAD_FORMS)}, got {layer.pad!r}")
-    tiles, reason = _extern_tiles(problem, target, layers)
-    if tiles is not None:
-        launches, partials = plan_launches(problem, tiles)
+    use, tiles, reason = _extern_tiles(problem, target, layers)
+    if use:
+        relayout = relayout_ngchw(problem)
+        for layer in layers:
+            relayout = layer.relayout if layer.relayout is not None else relayout
+        if problem.layout == "NGCHW" and relayout:
+            # the kernels on NHWGC copies of the activations (contiguous channels), made and undone by linalg
+            inner = problem.with_(layout="NHWGC")
+            tiles, launches, partials = plan_launches(inner, tiles)
+            inner_plan = KernelPlan(inner, target, "extern", extern=ExternPlan(tiles, launches, partials))
+            return KernelPlan(problem, target, "extern", extern=inner_plan.extern, channels_last=inner_plan)
+        tiles, launches, partials = plan_launches(problem, tiles)
         return KernelPlan(problem, target, "extern", extern=ExternPlan(tiles, launches, partials))
     plan = _plan_by_rules(problem, target)
     for chosen in layers:

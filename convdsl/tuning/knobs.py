@@ -13,6 +13,8 @@ scratch, convdsl scales IREE's own choice:
                 ("ko"); None: plan.weight_k_inner's rule.  It interacts with the tiles (CK 17, run 12).
   extern        CUDA: the GEMM core as Triton kernels in IREE external dispatches (True) or IREE's own
                 lowering of the linalg form (False, label "linalg"); None: kernels/launch.py's rule.
+  relayout      NGCHW with external kernels: copy the activations to NHWGC and back around them (label
+                "cl") or address NGCHW in place (label "ncl"); None: kernels/launch.relayout_ngchw's rule.
   tiles         the Triton kernels' tiles (a kernels.launch.TileConfig label, e.g. t128x128x64w8s4);
                 None: the default tiles for the shape.
 
@@ -43,6 +45,7 @@ class Knobs:
     pad: Optional[str] = None
     k_inner: Optional[bool] = None
     extern: Optional[bool] = None
+    relayout: Optional[bool] = None
     tiles: Optional[str] = None
 
     @property
@@ -53,7 +56,8 @@ class Knobs:
     def config_default(self) -> bool:
         """Whether IREE's own lowering configuration is kept (pad, k_inner, extern and tiles act on the IR or
         on the Triton kernels, not on it)."""
-        return Knobs(**{**self.as_dict(), "pad": None, "k_inner": None, "extern": None, "tiles": None}).is_default
+        return Knobs(**{**self.as_dict(), "pad": None, "k_inner": None, "extern": None, "relayout": None,
+                                   "tiles": None}).is_default
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +78,8 @@ class Knobs:
             parts.append("ki" if self.k_inner else "ko")
         if self.extern is False:
             parts.append("linalg")
+        if self.relayout is not None:
+            parts.append("cl" if self.relayout else "ncl")
         if self.tiles is not None:
             parts.append(self.tiles)
         return "-".join(parts) or "default"
@@ -91,6 +97,9 @@ def parse_label(label: str) -> Knobs:
         if part == "linalg":
             fields["extern"] = False
             continue
+        if part in ("cl", "ncl"):
+            fields["relayout"] = part == "cl"
+            continue
         if part.startswith("t") and TILE_LABEL.fullmatch(part):
             fields["tiles"] = part
             continue
@@ -107,7 +116,7 @@ def parse_label(label: str) -> Knobs:
             fields["pad"] = value
         else:
             raise ValueError(f"knobs: expected parts n<int>, m<int>, k<float>, p<int>, w<insert|gather|fuse>, ki, ko, "
-                             f"linalg, t<M>x<N>x<K>w<warps>s<stages>[k<split>][g<group>], got {part!r} in {label!r}")
+                             f"linalg, cl, ncl, t<M>x<N>x<K>w<warps>s<stages>[k<split>][g<group>], got {part!r} in {label!r}")
     return Knobs(**fields)
 
 
