@@ -85,6 +85,12 @@ NAMED = [
     _p(groups=5, in_channels=1, out_channels=1, layout="NGCHW", weight_layout="GKCYX", name="depthwise-ngchw"),
     _p(dims=3, groups=4, in_channels=1, out_channels=1, input=(5, 4, 6), filter=(2, 3, 3), stride=(2, 1, 2),
        dilation=(1, 1, 2), pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="depthwise-3d"),
+    # depthwise grad_weight: every tap of a block in registers (strided and dilated, 3D, channel-first)
+    _p(op="grad_weight", groups=6, in_channels=1, out_channels=1, stride=(2, 2), dilation=(1, 2), name="dw-w"),
+    _p(op="grad_weight", dims=3, groups=4, in_channels=1, out_channels=1, input=(5, 4, 6), filter=(2, 3, 3),
+       stride=(2, 1, 2), dilation=(1, 1, 2), pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="dw-w-3d"),
+    _p(op="grad_weight", groups=5, in_channels=1, out_channels=1, layout="NGCHW", weight_layout="GKCYX",
+       name="dw-w-ngchw"),
 ]
 
 
@@ -178,7 +184,7 @@ def test_rule_and_overrides():
         (p.with_(op="forward"), "forward"),
         (p.with_(dynamic_batch=True), "batch = ?"),
         (p.with_(epilogue=Epilogue("bilinear", 1.0, 0.5)), "bilinear"),
-        (p.with_(op="grad_weight", groups=8, in_channels=1, out_channels=1), "few channels"),
+        (p.with_(op="grad_weight", groups=8, in_channels=4, out_channels=4), "few channels"),
     ):
         assert why in unsupported_reason(other, "cuda", "sm_90")
         assert plan_kernel(other, HOPPER).form != "extern"
@@ -206,6 +212,8 @@ def test_tile_labels_round_trip_and_reject_bad_tiles():
         assert parse_label(knobs.label()) == knobs and knobs.config_default
     with pytest.raises(ValueError, match="power of two"):
         TileConfig(48, 64, 32, 4, 4)
+    with pytest.raises(ValueError, match="at least 16"):
+        plan_launches(_p(in_channels=32, out_channels=32), TileConfig(8, 64, 32, 4, 4))
     with pytest.raises(ValueError, match="expected t<M>"):
         parse_tiles("t64x64")
 

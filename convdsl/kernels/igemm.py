@@ -227,3 +227,56 @@ def grad_input_direct(
     out = acc * ALPHA
     dx_ptrs = dx + (n * DXN + i0 * DX0 + i1 * DX1 + i2 * DX2)[:, None] + (g * DXG + c * DXC)[None, :]
     tl.store(dx_ptrs, out.to(dx.dtype.element_ty), mask=p_ok[:, None] & ch_ok[None, :])
+
+
+@triton.jit
+def grad_weight_depthwise(
+    x, dy, partials,
+    # depthwise (C = K = 1 per group): dW[g, f] = sum over n, o of dY[n, o, g] * X[n, o*S + f*D - LO, g];
+    # every tap's products of a block of positions and channels are kept apart in registers (taps padded to
+    # T_PAD) and summed over the positions once, at the end: no GEMM, one read of dY, X through the caches
+    G: tl.constexpr, N: tl.constexpr,
+    I0: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr,
+    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr,
+    F0: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+    LO0: tl.constexpr, LO1: tl.constexpr, LO2: tl.constexpr,
+    XN: tl.constexpr, XG: tl.constexpr, X0: tl.constexpr, X1: tl.constexpr, X2: tl.constexpr,
+    DYN: tl.constexpr, DYG: tl.constexpr, DY0: tl.constexpr, DY1: tl.constexpr, DY2: tl.constexpr,
+    CHUNK: tl.constexpr, T_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_CH: tl.constexpr,
+):
+    # partials[s, g, f0, f1, f2] in f32 (the grad_weight partials [S, G, K, taps, C] with K = C = 1)
+    L: tl.constexpr = N * O0 * O1 * O2
+    T: tl.constexpr = F0 * F1 * F2
+    ch = tl.program_id(0) * BLOCK_CH + tl.arange(0, BLOCK_CH)
+    s = tl.program_id(1)
+    ch_ok = ch < G
+    t = tl.arange(0, T_PAD)
+    t_ok = t < T
+    shift2 = (t % F2) * D2 - LO2
+    shift1 = ((t // F2) % F1) * D1 - LO1
+    shift0 = (t // (F2 * F1)) * D0 - LO0
+    rr = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R, T_PAD, BLOCK_CH), dtype=tl.float32)
+    start = s * CHUNK
+    for r0 in range(start, tl.minimum(start + CHUNK, L), BLOCK_R):
+        r = r0 + rr
+        r_ok = r < L
+        o2 = r % O2
+        o1 = (r // O2) % O1
+        o0 = (r // (O2 * O1)) % O0
+        n = r // (O2 * O1 * O0)
+        dyv = tl.load(dy + (n * DYN + o0 * DY0 + o1 * DY1 + o2 * DY2)[:, None] + (ch * DYG)[None, :],
+                      mask=r_ok[:, None] & ch_ok[None, :], other=0.0)
+        i0 = (o0 * S0)[:, None] + shift0[None, :]
+        i1 = (o1 * S1)[:, None] + shift1[None, :]
+        i2 = (o2 * S2)[:, None] + shift2[None, :]
+        ok = (i0 >= 0) & (i0 < I0) & (i1 >= 0) & (i1 < I1) & (i2 >= 0) & (i2 < I2) & t_ok[None, :] & r_ok[:, None]
+        x_row = n[:, None] * XN + i0 * X0 + i1 * X1 + i2 * X2
+        xv = tl.load(x + x_row[:, :, None] + (ch * XG)[None, None, :], mask=ok[:, :, None] & ch_ok[None, None, :],
+                     other=0.0)
+        acc += xv.to(tl.float32) * dyv.to(tl.float32)[:, None, :]
+    total = tl.sum(acc, axis=0)
+    out = partials + (s * G + ch)[None, :] * T + t[:, None]
+    tl.store(out, total, mask=t_ok[:, None] & ch_ok[None, :])

@@ -23,12 +23,18 @@ class TileConfig:
     def __post_init__(self) -> None:
         for key in ("block_m", "block_n", "block_k"):
             v = getattr(self, key)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"tiles: {key} must be a power of two >= 16 (the matrix instructions' size), got {v}")
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"tiles: {key} must be a power of two, got {v}")
         if self.warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"tiles: warps must be 1, 2, 4, 8 or 16, got {self.warps}")
         if self.stages < 1 or self.group_m < 1 or self.split < 0:
             raise ValueError(f"tiles: stages and group_m must be positive and split >= 0, got {self}")
+
+    def check_matrix(self) -> None:
+        """The GEMM kernels' tiles feed the matrix instructions: every block at least 16."""
+        if min(self.block_m, self.block_n, self.block_k) < 16:
+            raise ValueError(f"tiles: a GEMM core's blocks must be at least 16 (the matrix instructions' size), "
+                             f"got {self.label()}")
 
     def label(self) -> str:
         s = f"t{self.block_m}x{self.block_n}x{self.block_k}w{self.warps}s{self.stages}"
