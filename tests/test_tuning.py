@@ -162,3 +162,18 @@ def test_shipped_database_is_used_for_its_shapes():
                     pad_hi=(1, 1, 1), dtype="f16", name="anything")
     assert knobs_for(p, CUDA) == Knobs(n_scale=2, m_scale=4)
     assert heuristic(p, CUDA) != knobs_for(p, CUDA)  # so the database, not the heuristic, decided
+
+
+def test_extern_kernels_get_tile_candidates():
+    from convdsl.kernels.tiles import parse_tiles
+    from convdsl.tuning.tune import candidates_for
+
+    hopper = Target("cuda", "sm_90")
+    tiles = candidates_for(DGRAD, hopper)
+    assert tiles and all(k.tiles is not None and k.config_default for k in tiles)
+    assert all(parse_tiles(k.tiles).block_n <= 2 * 64 for k in tiles)  # no column tile wider than twice C
+    wgrad = candidates_for(DGRAD.with_(op="grad_weight"), hopper)
+    assert any(parse_tiles(k.tiles).split for k in wgrad)  # split-K variants around the automatic S
+    f32 = candidates_for(DGRAD.with_(dtype="f32"), hopper)
+    assert all(parse_tiles(k.tiles).block_k <= 32 and parse_tiles(k.tiles).stages <= 3 for k in f32)
+    assert candidates_for(DGRAD, CUDA.__class__("cpu", "host")) == candidates_for(DGRAD)  # IREE's knobs elsewhere

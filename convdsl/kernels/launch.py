@@ -138,9 +138,9 @@ def grad_input_launches(p: ConvProblem, tiles: TileConfig, base: str) -> list[La
             **_triple("R", tuple(d["r"] for d in pd)), **_triple("S", _pad3(p.stride, 1)),
             **_triple("OFF", tuple(d["off"] for d in pd)), **_triple("OSTEP", tuple(d["o_step"] for d in pd)),
             **_triple("Y0", tuple(d["y0"] for d in pd)), **_triple("TSTEP", tuple(d["tap_step"] for d in pd)),
-            DYN=dy_str[0], DYG=dy_str[1], DYK=dy_str[2], DY0=dy_str[3], DY1=dy_str[4], DY2=dy_str[5],
-            WG=w_str[0], WK=w_str[1], WC=w_str[2], W0=w_str[3], W1=w_str[4], W2=w_str[5],
-            DXN=dx_str[0], DXG=dx_str[1], DXC=dx_str[2], DX0=dx_str[3], DX1=dx_str[4], DX2=dx_str[5],
+            **_named("DY", dy_str),
+            **_named("W", w_str, "GKC"),
+            **_named("DX", dx_str, "NGC"),
             ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
             PRECISION=_precision(p),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
@@ -158,6 +158,20 @@ def grad_input_launches(p: ConvProblem, tiles: TileConfig, base: str) -> list[La
 
 def _triple(prefix: str, values: tuple[int, ...]) -> dict[str, int]:
     return {f"{prefix}{i}": v for i, v in enumerate(values)}
+
+
+def _geometry(p: ConvProblem) -> dict[str, int]:
+    """I, O, F (sizes of X, dY, filter), S, D, LO (stride, dilation, low padding) per dimension, padded to 3D."""
+    return {**_triple("I", _pad3(p.input, 1)), **_triple("O", _pad3(p.output, 1)), **_triple("F", _pad3(p.filter, 1)),
+            **_triple("S", _pad3(p.stride, 1)), **_triple("D", _pad3(p.dilation, 1)),
+            **_triple("LO", _pad3(p.pad_lo, 0))}
+
+
+def _named(prefix: str, strides: tuple[int, ...], axes: str = "NGK") -> dict[str, int]:
+    """Kernel constants for one tensor's strides: prefix + axis letter (N, G, channel) and prefix + 0, 1, 2.
+    The channel letter is K for dY's (DYK), C otherwise: pass axes "NGC" or "GKC" (the weight)."""
+    names = [prefix + a for a in axes] + [f"{prefix}{i}" for i in range(3)]
+    return dict(zip(names, strides))
 
 
 def _pad_phase(ph: Phase) -> list[dict[str, int]]:
@@ -181,11 +195,10 @@ def grad_input_direct_launch(p: ConvProblem, tiles: TileConfig, base: str) -> La
     w_str = weight_strides(p)
     consts = dict(
         G=p.groups, C=p.in_channels, K=p.out_channels, N=p.batch,
-        **_triple("I", _pad3(p.input, 1)), **_triple("O", _pad3(p.output, 1)), **_triple("F", _pad3(p.filter, 1)),
-        **_triple("S", _pad3(p.stride, 1)), **_triple("D", _pad3(p.dilation, 1)), **_triple("LO", _pad3(p.pad_lo, 0)),
-        DYN=dy_str[0], DYG=dy_str[1], DYK=dy_str[2], DY0=dy_str[3], DY1=dy_str[4], DY2=dy_str[5],
-        WG=w_str[0], WK=w_str[1], WC=w_str[2], W0=w_str[3], W1=w_str[4], W2=w_str[5],
-        DXN=dx_str[0], DXG=dx_str[1], DXC=dx_str[2], DX0=dx_str[3], DX1=dx_str[4], DX2=dx_str[5],
+        **_geometry(p),
+        **_named("DY", dy_str),
+        **_named("W", w_str, "GKC"),
+        **_named("DX", dx_str, "NGC"),
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
         BLOCK_P=tiles.block_m, BLOCK_CH=tiles.block_n,
     )
@@ -247,8 +260,7 @@ def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str) -
     taps = math.prod(p.filter)
     consts = dict(
         G=p.groups, N=p.batch,
-        **_triple("I", _pad3(p.input, 1)), **_triple("O", _pad3(p.output, 1)), **_triple("F", _pad3(p.filter, 1)),
-        **_triple("S", _pad3(p.stride, 1)), **_triple("D", _pad3(p.dilation, 1)), **_triple("LO", _pad3(p.pad_lo, 0)),
+        **_geometry(p),
         XN=x_str[0], XG=x_str[1], X0=x_str[3], X1=x_str[4], X2=x_str[5],
         DYN=dy_str[0], DYG=dy_str[1], DY0=dy_str[3], DY1=dy_str[4], DY2=dy_str[5],
         CHUNK=chunk, T_PAD=1 << (taps - 1).bit_length(), BLOCK_R=tiles.block_m, BLOCK_CH=tiles.block_n,
@@ -268,10 +280,9 @@ def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str) -> tuple[La
     f3 = _pad3(p.filter, 1)
     consts = dict(
         C=p.in_channels, K=p.out_channels, N=p.batch,
-        **_triple("I", _pad3(p.input, 1)), **_triple("O", _pad3(p.output, 1)), **_triple("F", f3),
-        **_triple("S", _pad3(p.stride, 1)), **_triple("D", _pad3(p.dilation, 1)), **_triple("LO", _pad3(p.pad_lo, 0)),
-        XN=x_str[0], XG=x_str[1], XC=x_str[2], X0=x_str[3], X1=x_str[4], X2=x_str[5],
-        DYN=dy_str[0], DYG=dy_str[1], DYK=dy_str[2], DY0=dy_str[3], DY1=dy_str[4], DY2=dy_str[5],
+        **_geometry(p),
+        **_named("X", x_str, "NGC"),
+        **_named("DY", dy_str),
         CHUNK=chunk, G=p.groups, PRECISION=_precision(p),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_k, NUM_STAGES=tiles.stages,
     )
