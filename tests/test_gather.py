@@ -11,10 +11,14 @@ from convdsl.passes import gather, lower_to_mlir
 from convdsl.passes.plan import plan_kernel
 from convdsl.problem import LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue
 from convdsl.targets import Target
+from convdsl.tuning.knobs import Knobs
 
 from test_lowering_cpu import CPU, check, function_text
 
 CUDA = Target.parse("cuda", "sm_80")
+# these tests are about the linalg forms; on CUDA the depthwise kernels get Triton kernels by default
+# (tests/test_extern.py), so they ask for the linalg form
+LINALG = Knobs(extern=False)
 DW = ConvProblem(
     op="grad_input", dims=2, groups=6, batch=2, in_channels=1, out_channels=1, input=(9, 8), filter=(3, 3),
     stride=(2, 1), dilation=(1, 2), pad_lo=(1, 2), pad_hi=(2, 1), name="k",
@@ -24,7 +28,7 @@ DW = ConvProblem(
 @pytest.mark.parametrize("op", ["grad_input", "transposed", "grad_weight"])
 def test_small_groups_take_the_gather_form(op):
     for c, k in ((1, 1), (4, 4), (8, 2)):
-        assert plan_kernel(DW.with_(op=op, in_channels=c, out_channels=k), CUDA).form == "gather"
+        assert plan_kernel(DW.with_(op=op, in_channels=c, out_channels=k), CUDA, LINALG).form == "gather"
 
 
 @pytest.mark.parametrize("change", [
@@ -38,7 +42,7 @@ def test_small_groups_take_the_gather_form(op):
          pad_lo=(1, 1, 1), pad_hi=(1, 1, 1)),  # IREE fails to distribute 3D partial sums
 ])
 def test_other_problems_keep_their_forms(change):
-    assert plan_kernel(DW.with_(**change), CUDA).form != "gather"
+    assert plan_kernel(DW.with_(**change), CUDA, LINALG).form != "gather"
 
 
 @settings(max_examples=200, deadline=None)
@@ -56,7 +60,7 @@ def test_row_blocks_is_the_fewest_that_fill_the_gpu(batch, o0, g, taps):
 
 
 def test_gather_grad_input_has_no_padded_copy_and_no_reduction():
-    text = function_text(lower_to_mlir([DW], CUDA), DW.name)
+    text = function_text(lower_to_mlir([DW], CUDA, knobs={DW.name: LINALG}), DW.name)
     assert "tensor.extract " in text and "tensor.pad" not in text and "insert_slice" not in text
     generics = [ln for ln in text.splitlines() if "linalg.generic" in ln]
     assert len(generics) == 1 and '"reduction"' not in generics[0]
