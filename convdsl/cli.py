@@ -180,13 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from .compiler import ArgumentError
     from .frontend import ConvSyntaxError
+    from .passes.pipeline import LoweringError
 
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except ConvSyntaxError as err:
         print(err, file=sys.stderr)
-    except (ProblemError, TargetError, ArgumentError, CompileError, ValueError) as err:
+    except (ProblemError, TargetError, ArgumentError, CompileError, LoweringError, ValueError) as err:
         print(f"convdsl: error: {err}", file=sys.stderr)
     except FileNotFoundError as err:
         print(f"convdsl: error: {err.filename}: no such file", file=sys.stderr)

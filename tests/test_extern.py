@@ -234,3 +234,26 @@ def test_modules_embed_the_kernels_and_compile_for_cuda(target):
     assert "linalg.generic" in mlir  # the split-K sum and the fp8 rounding around the kernels
     vmfb = compile_mlir(mlir, target)
     assert len(vmfb) > 10_000
+
+
+def test_a_triton_failure_names_the_kernel_and_the_way_around(monkeypatch):
+    import convdsl.passes.pipeline as pipeline
+    from convdsl.passes.pipeline import LoweringError
+
+    def refuse(launch, arch):
+        raise RuntimeError("out of resource: shared memory")
+
+    monkeypatch.setattr(pipeline, "compile_launch", refuse)
+    with pytest.raises(LoweringError, match=r"kernel k: Triton could not compile launch k_phase0 .*shared memory.*linalg"):
+        lower_to_mlir([_p(in_channels=32, out_channels=32)], HOPPER)
+
+
+def test_the_command_line_reports_a_triton_failure_without_a_traceback(monkeypatch, capsys):
+    import convdsl.passes.pipeline as pipeline
+    from convdsl.cli import main
+
+    monkeypatch.setattr(pipeline, "compile_launch", lambda launch, arch: (_ for _ in ()).throw(RuntimeError("boom")))
+    example = Path(__file__).resolve().parent.parent / "examples" / "ck17_conv2d_bwd_data.conv"
+    assert main(["explain", str(example), "--target", "cuda", "--arch", "sm_90"]) == 2
+    err = capsys.readouterr().err
+    assert "convdsl: error: kernel" in err and "boom" in err and "Traceback" not in err

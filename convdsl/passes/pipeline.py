@@ -51,7 +51,15 @@ def compile_gemm_cores(stage: Stage) -> Stage:
     for plan in stage.plans:
         if plan.extern is not None:
             for launch in plan.extern.launches:
-                binaries[launch.name] = compile_launch(launch, stage.target.arch)
+                try:
+                    binaries[launch.name] = compile_launch(launch, stage.target.arch)
+                except Exception as err:  # noqa: BLE001 - Triton's errors, named and with a way around them
+                    first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+                    raise LoweringError(
+                        f"kernel {plan.problem.name}: Triton could not compile launch {launch.name} "
+                        f"(tiles {plan.extern.tiles.label()}, {stage.target.arch}): {first}. Other tiles "
+                        f"(Knobs(tiles=...)) or the linalg form (Knobs(extern=False), label 'linalg') avoid it."
+                    ) from err
     return replace(stage, binaries=tuple(binaries.items()))
 
 

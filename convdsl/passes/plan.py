@@ -185,13 +185,18 @@ def weight_k_inner(problem: ConvProblem, target: Target) -> bool:
     return target.backend in WEIGHT_K_INNER_BACKENDS and not problem.depthwise and strided
 
 
+# Triton's dot precisions as explain names them
+PRODUCTS = {"ieee": "exact 16-bit", "tf32x3": "3-pass TF32", "bf16x3": "3-pass bf16"}
+
+
 def _describe_extern(plan: KernelPlan) -> list[str]:
     p, ext = plan.problem, plan.extern
     assert ext is not None
     lines = [f"  GEMM core: Triton kernels in IREE external dispatches, tiles {ext.tiles.label()}"]
     for launch in ext.launches:
         c = dict(launch.constants)
-        detail = f"grid {list(launch.grid)}, {launch.warps} warps, {c.get('PRECISION', 'f32 FMA')} products"
+        products = PRODUCTS.get(c.get("PRECISION", ""), "f32 FMA")
+        detail = f"grid {list(launch.grid)}, {launch.warps} warps, {products} products"
         if launch.kernel == "grad_input_direct":
             what = (f"direct sums of {math.prod(p.filter)} taps x K={p.out_channels} per dX element"
                     " (few channels per group: bound by memory)")
