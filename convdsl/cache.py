@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .backends import iree as _iree
+from .kernels import launch
 from .problem import ConvProblem
 from .targets import Target
 
@@ -132,7 +133,7 @@ def key_material(problems: Sequence[ConvProblem], target: Target, extra_flags: S
         "convdsl_source": source_digest(),
         "iree_version": iree_version(),
         # CUDA kernels embed Triton-compiled binaries (kernels/launch.py): another Triton, other binaries
-        "triton_version": triton_version() if target.backend == "cuda" else None,
+        "triton_version": launch.triton_version() if target.backend == "cuda" else None,
         # the tuned (or heuristic) lowering knobs of each kernel: a new tuning database misses
         "knobs": [_knobs_for(p, target) for p in problems],
     }
@@ -142,12 +143,6 @@ def _knobs_for(p: ConvProblem, target: Target) -> dict:
     from .tuning.db import knobs_for
 
     return knobs_for(p, target).as_dict()
-
-
-def triton_version():
-    from .kernels.launch import triton_version as version
-
-    return version()
 
 
 def cache_key(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = ()) -> str:

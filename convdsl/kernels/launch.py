@@ -225,14 +225,22 @@ def grad_weight_split(p: ConvProblem, tiles: TileConfig) -> tuple[int, int]:
     """(S, CHUNK): the reduction over L = N * prod(O) is cut into S chunks of CHUNK steps (a multiple of
     the tile's reduction step, the last chunk shorter).  Without a forced S, enough chunks that tiles x S
     fills the GPU about twice, each chunk at least 8 reduction steps, at most 64 chunks."""
-    length = p.batch * math.prod(p.output)
-    steps = -(-length // tiles.block_k)
     tiles_out = p.groups * -(-p.out_channels // tiles.block_m) * \
         -(-(p.in_channels * math.prod(p.filter)) // tiles.block_n)
-    parts = tiles.split or p.split_k or max(1, min(64, -(-2 * SM_COUNT // tiles_out), steps // 8))
+    return _reduction_chunks(p, tiles, tiles.block_k, tiles_out, waves=2, max_parts=64, min_steps=8)
+
+
+def _reduction_chunks(p: ConvProblem, tiles: TileConfig, step: int, programs: int, waves: int, max_parts: int,
+                      min_steps: int) -> tuple[int, int]:
+    """(S, CHUNK) for a reduction over L = N * prod(O) in steps of `step`: S forced (tiles.split, then the
+    problem's split_k) or enough that programs x S fills the GPU `waves` times, at most max_parts chunks of
+    at least min_steps steps.  CHUNK = ceil(steps / S) steps; S is then recomputed so no chunk is empty."""
+    length = p.batch * math.prod(p.output)
+    steps = -(-length // step)
+    parts = tiles.split or p.split_k or max(1, min(max_parts, -(-waves * SM_COUNT // programs), steps // min_steps))
     parts = max(1, min(parts, steps))
-    chunk = -(-steps // parts) * tiles.block_k  # CHUNK = ceil(steps / S) tile steps
-    return -(-length // chunk), chunk  # S recomputed: no empty chunk
+    chunk = -(-steps // parts) * step
+    return -(-length // chunk), chunk
 
 
 def depthwise_grad_weight_tiles(p: ConvProblem) -> TileConfig:
@@ -248,13 +256,9 @@ def depthwise_grad_weight_tiles(p: ConvProblem) -> TileConfig:
 
 def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str) -> tuple[Launch, tuple[int, ...]]:
     """Depthwise grad_weight: f32 partials [S, G, 1, taps, 1] of S chunks of positions, as grad_weight_launch."""
-    length = p.batch * math.prod(p.output)
     blocks = -(-p.groups // tiles.block_n)
-    steps = -(-length // tiles.block_m)
-    parts = tiles.split or p.split_k or max(1, min(256, -(-4 * SM_COUNT // blocks), steps // 16))
-    parts = max(1, min(parts, steps))
-    chunk = -(-steps // parts) * tiles.block_m
-    parts = -(-length // chunk)
+    # memory-bound: more chunks than the GEMMs (4 waves, up to 256) to keep enough loads in flight
+    parts, chunk = _reduction_chunks(p, tiles, tiles.block_m, blocks, waves=4, max_parts=256, min_steps=16)
     x_str = activation_strides(p, p.input, p.in_channels)
     dy_str = activation_strides(p, p.output, p.out_channels)
     taps = math.prod(p.filter)

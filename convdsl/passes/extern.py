@@ -36,9 +36,10 @@ def emit_executable(launch: Launch, binary: Binary) -> None:
     """A `hal.executable.source` at the current insertion point (module level) for one launch."""
     data = np.frombuffer(binary.data, dtype=np.int8)
     blob = ir.DenseElementsAttr.get(data, type=ir.VectorType.get([data.size], ir.IntegerType.get_signless(8)))
-    object_attr = ir.Attribute.parse(f'#hal.executable.object<{{path = "{binary.name}.{binary.kind}"}}>')
-    # the object carries its bytes (the module is self-contained); `path` only names it in dumps
-    object_attr = _with_data(object_attr, blob)
+    # the object carries its bytes (the module is self-contained); `path` only names it in dumps.
+    # #hal.executable.object has no Python builder: its attribute is parsed, with the data printed in
+    object_attr = ir.Attribute.parse(
+        f'#hal.executable.object<{{path = "{binary.name}.{binary.kind}", data = {blob}}}>')
     objects = ir.Attribute.parse(f"#hal.executable.objects<{{{_CUDA_GENERIC_TARGET} = [{object_attr}]}}>")
     source = hal.ExecutableSourceOp(executable_symbol(launch), sym_visibility="private", objects=objects)
     block = source.body.blocks.append()
@@ -57,12 +58,6 @@ def emit_executable(launch: Launch, binary: Binary) -> None:
             # the grid is static: every size of the problem is a compile-time constant
             hal.ReturnOp([arith.ConstantOp(index, v).result for v in launch.grid])
         hal.ExecutableSourceEndOp()
-
-
-def _with_data(object_attr: ir.Attribute, blob: ir.Attribute) -> ir.Attribute:
-    # #hal.executable.object has no Python builder: print the data into its attribute text once
-    text = str(object_attr)
-    return ir.Attribute.parse(text.replace("}>", f", data = {blob}}}>", 1))
 
 
 def _layout(pointers: int) -> ir.Attribute:

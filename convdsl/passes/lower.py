@@ -7,7 +7,7 @@ applies the epilogue and the output cast, which IREE fuses into the contraction'
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from iree.compiler import ir
 from iree.compiler.dialects import arith, func, linalg, tensor
@@ -92,10 +92,7 @@ def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, 
     p, ext = plan.problem, plan.extern
     assert ext is not None
     if plan.channels_last is not None:
-        inner = plan.channels_last
-        args = [_relayout(p, inner.problem, a) if shape != p.w_shape else a for a, shape in zip(args, p.arg_shapes)]
-        result = _emit_extern(inner, args, binaries)
-        return _relayout(inner.problem, p, result) if p.result_shape != p.w_shape else result
+        return _between_layout_copies(plan, args, lambda inner, moved: _emit_extern(inner, moved, binaries))
     if p.fp8_compute:
         # the operands rounded to their fp8 grids once, stored in f16 (kernels/launch.operand_element)
         args = [_round_operand(plan, args[0], 0), _round_operand(plan, args[1], 1)]
@@ -108,17 +105,19 @@ def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, 
 
 
 def _emit_planned(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
-    p = plan.problem
     if plan.channels_last is not None:
-        # NGCHW on a GPU: run the channels-last kernel between two layout copies (see plan.py)
-        inner = plan.channels_last
-        args = [_relayout(p, inner.problem, a) if shape != p.w_shape else a
-                for a, shape in zip(args, p.arg_shapes)]
-        result = _emit_op(inner, args)
-        if p.result_shape != p.w_shape:
-            result = _relayout(inner.problem, p, result)
-        return result
+        return _between_layout_copies(plan, args, _emit_op)
     return _emit_op(plan, args)
+
+
+def _between_layout_copies(plan: KernelPlan, args: list[ir.Value],
+                           emit: Callable[[KernelPlan, list[ir.Value]], ir.Value]) -> ir.Value:
+    """NGCHW on a GPU: the channels-last plan's kernel (`emit`) between two layout copies (see plan.py);
+    the weight keeps its layout."""
+    p, inner = plan.problem, plan.channels_last
+    moved = [_relayout(p, inner.problem, a) if shape != p.w_shape else a for a, shape in zip(args, p.arg_shapes)]
+    result = emit(inner, moved)
+    return _relayout(inner.problem, p, result) if p.result_shape != p.w_shape else result
 
 
 def _emit_op(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:

@@ -278,8 +278,6 @@ def _plan_by_rules(problem: ConvProblem, target: Target) -> KernelPlan:
 def _with_ir_knobs(plan: KernelPlan, knobs: "Knobs") -> KernelPlan:
     """The plan (and the plans it wraps) with the knobs' zero-border form and phase weight order, where set;
     the order applies only where there are stride phases with K and C loops."""
-    if knobs.pad is not None and knobs.pad not in PAD_FORMS:
-        raise ValueError(f"pad: expected one of {', '.join(PAD_FORMS)}, got {knobs.pad!r}")
     inner = {k: _with_ir_knobs(getattr(plan, k), knobs) for k in ("channels_last", "bf16x3")
              if getattr(plan, k) is not None}
     changes = dict(inner)
