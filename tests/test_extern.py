@@ -21,7 +21,8 @@ from convdsl.algebra import grad_input_phases
 from convdsl.backends.iree import compile_mlir
 from convdsl.kernels.launch import (
     activation_strides,
-    grad_input_launches,
+    default_pack,
+    grad_input_launch,
     grad_weight_split,
     plan_launches,
     unsupported_reason,
@@ -98,6 +99,53 @@ def test_interpreted_kernels_match_the_reference():
     _check(NAMED, _interpret(NAMED))
 
 
+def _grouped(**kw) -> ConvProblem:
+    return _p(**{**dict(groups=8, in_channels=4, out_channels=4), **kw})
+
+
+# packed groups: PACK groups per GEMM with a block-diagonal weight (both ops, strided and dilated, channel-first,
+# uneven C and K, 1D and 3D, transposed, depthwise packed on request)
+PACKED = [
+    _grouped(name="packed"),
+    _grouped(op="grad_weight", name="packed-w"),
+    _grouped(layout="NGCHW", weight_layout="GKCYX", name="packed-ngchw"),
+    _grouped(op="grad_weight", layout="NGCHW", weight_layout="GKCYX", name="packed-w-ngchw"),
+    _grouped(in_channels=2, out_channels=8, name="packed-2x8"),
+    _grouped(op="grad_weight", in_channels=8, out_channels=2, name="packed-w-8x2"),
+    _grouped(op="transposed", dims=1, input=(11,), filter=(3,), stride=(3,), dilation=(1,), pad_lo=(2,),
+             pad_hi=(0,), name="packed-1d-s3"),
+    _grouped(op="grad_weight", dims=3, input=(5, 4, 6), filter=(2, 3, 3), stride=(2, 1, 2), dilation=(1, 1, 2),
+             pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="packed-w-3d"),
+    _grouped(in_channels=1, out_channels=1, name="packed-depthwise"),
+    _grouped(op="grad_weight", in_channels=1, out_channels=1, name="packed-w-depthwise"),
+]
+
+
+def test_interpreted_packed_groups_match_the_reference():
+    _check(PACKED, _interpret(PACKED, tiles="t16x16x16w4s2g2p4"))
+    # the default tiles pack by themselves (default_pack): 4 groups of 8 channels, 8 groups of 4
+    defaults = [_grouped(groups=4, in_channels=8, out_channels=8, name="default-8"), _grouped(name="default-4"),
+                _grouped(op="grad_weight", name="default-4-w")]
+    assert [plan_launches(p, None)[0].pack for p in defaults] == [4, 8, 8]
+    _check(defaults, _interpret(defaults, tiles=""))
+
+
+def test_packing_needs_adjacent_group_channels_and_a_dividing_pack():
+    assert default_pack(_grouped(layout="GNHWC")) == 1  # groups' channels are not adjacent in GNHWC
+    assert default_pack(_grouped(groups=6)) == 2  # as far as the group count divides
+    assert default_pack(_grouped(in_channels=32, out_channels=16)) == 2
+    assert default_pack(_grouped(in_channels=32, out_channels=32)) == 1
+    assert default_pack(_grouped(in_channels=1, out_channels=1)) == 1  # depthwise: its own kernels
+    with pytest.raises(ValueError, match="pack 4 for kernel k: 6 groups are not a multiple"):
+        plan_launches(_grouped(groups=6), parse_tiles("t16x16x16w4s2p4"))
+    with pytest.raises(ValueError, match="layout GNHWC does not keep"):
+        plan_launches(_grouped(layout="GNHWC", op="grad_weight"), parse_tiles("t16x16x16w4s2p2"))
+    # the rule: packable few-channel groups take the Triton kernels on CUDA, GNHWC keeps the gather form
+    rx = _grouped(dtype="f16", stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), filter=(3, 3))
+    assert unsupported_reason(rx, "cuda", "sm_90") is None
+    assert "gather form" in unsupported_reason(rx.with_(layout="GNHWC"), "cuda", "sm_90")
+
+
 @st.composite
 def problems(draw) -> ConvProblem:
     dims = draw(st.integers(1, 3))
@@ -127,17 +175,24 @@ def test_interpreted_kernels_match_the_reference_on_random_shapes(batch):
 
 @settings(max_examples=60, deadline=None)
 @given(problems())
-def test_phase_launches_write_every_dx_position_once(p):
-    # the residues i = r + s*q of the launches partition [0, I) in every dimension
+def test_the_phases_of_the_launch_write_every_dx_position_once(p):
+    # the residues i = r + s*q of the phases partition [0, I) in every dimension; the phases' program ranges
+    # [FIRST[p], FIRST[p+1]) tile the grid, each as many programs as its row and column tiles, heaviest first
     if p.op != "grad_input":
         p = p.with_(op="grad_input")
-    launches = grad_input_launches(p, parse_tiles(SMALL_TILES), "k")
-    assert len(launches) == len(grad_input_phases(p))
+    tiles = parse_tiles(SMALL_TILES)
+    c = dict(grad_input_launch(p, tiles, "k").constants)
+    grid_x = grad_input_launch(p, tiles, "k").grid[0]
+    assert c["PHASES"] == len(grad_input_phases(p)) and c["FIRST"][0] == 0 and c["FIRST"][-1] == grid_x
     seen = []
-    for launch in launches:
-        c = dict(launch.constants)
-        per_dim = [[c[f"R{i}"] + c[f"S{i}"] * q for q in range(c[f"Q{i}"])] for i in range(3)]
+    for ph in range(c["PHASES"]):
+        q = [c[f"Q{i}"][ph] for i in range(3)]
+        per_dim = [[c[f"R{i}"][ph] + c[f"S{i}"] * j for j in range(q[i])] for i in range(3)]
         seen.extend((a, b, d) for a in per_dim[0] for b in per_dim[1] for d in per_dim[2])
+        rows = p.batch * math.prod(q)
+        assert c["FIRST"][ph + 1] - c["FIRST"][ph] == -(-rows // tiles.block_m) * -(-c["C"] // tiles.block_n)
+    taps = [math.prod(c[f"J{i}"][ph] for i in range(3)) for ph in range(c["PHASES"])]
+    assert taps == sorted(taps, reverse=True)
     padded = (1,) * (3 - p.dims) + p.input
     assert sorted(seen) == sorted((a, b, d) for a in range(padded[0]) for b in range(padded[1])
                                   for d in range(padded[2]))
@@ -184,7 +239,7 @@ def test_rule_and_overrides():
         (p.with_(op="forward"), "forward"),
         (p.with_(dynamic_batch=True), "batch = ?"),
         (p.with_(epilogue=Epilogue("bilinear", 1.0, 0.5)), "bilinear"),
-        (p.with_(op="grad_weight", groups=8, in_channels=4, out_channels=4), "few channels"),
+        (p.with_(op="grad_weight", groups=8, in_channels=4, out_channels=4, layout="GNHWC"), "few channels"),
     ):
         assert why in unsupported_reason(other, "cuda", "sm_90")
         assert plan_kernel(other, HOPPER).form != "extern"
@@ -196,7 +251,10 @@ def test_rule_and_overrides():
     assert plan_kernel(ngchw, HOPPER, Knobs(relayout=False)).channels_last is None
     assert "copied to NHWGC" in plan_kernel(ngchw, HOPPER).describe()
     assert parse_label("cl-t64x32x16w4s3") == Knobs(relayout=True, tiles="t64x32x16w4s3")
-    assert "gather form" in unsupported_reason(p.with_(groups=8, in_channels=4, out_channels=4), "cuda", "sm_90")
+    packed = plan_kernel(p.with_(groups=8, in_channels=4, out_channels=4), HOPPER)
+    assert packed.extern.tiles.pack == 8 and "8 groups per GEMM" in packed.describe()
+    assert "gather form" in unsupported_reason(p.with_(groups=8, in_channels=4, out_channels=4, layout="GNHWC"),
+                                               "cuda", "sm_90")
     depthwise = plan_kernel(p.with_(groups=8, in_channels=1, out_channels=1), HOPPER)
     assert [la.kernel for la in depthwise.extern.launches] == ["grad_input_direct"]
     assert "direct sums" in depthwise.describe() and "f32 FMA" in depthwise.describe()
@@ -222,14 +280,13 @@ def test_tile_labels_round_trip_and_reject_bad_tiles():
 
 @pytest.mark.parametrize("target", [HOPPER, AMPERE], ids=str)
 def test_modules_embed_the_kernels_and_compile_for_cuda(target):
-    dgrad = _p(in_channels=32, out_channels=48, name="dgrad")  # stride (2, 1): two phase launches
+    dgrad = _p(in_channels=32, out_channels=48, name="dgrad")  # stride (2, 1): two phases, one launch
     wgrad = _p(op="grad_weight", in_channels=32, out_channels=48, compute=("bf8", "fp8"), dtype="f16", name="wgrad")
     mlir = lower_to_mlir([dgrad, wgrad], target)
     kind = "cubin" if target.arch == "sm_90" else "ptx"
-    assert mlir.count("hal.executable.source") == 3 and mlir.count(f'.{kind}"') == 3
-    # each launch once per function (plain and $into); the phases write dX in place after the first
-    assert mlir.count("flow.dispatch @dgrad_phase") == 4
-    assert "-> %" in mlir  # a tied (in-place) dispatch result
+    assert mlir.count("hal.executable.source") == 2 and mlir.count(f'.{kind}"') == 2
+    # each launch once per function (plain and $into): one dispatch writes all of dX
+    assert mlir.count("flow.dispatch @dgrad_phases") == 2
     assert mlir.count("flow.dispatch @wgrad_partials") == 2
     assert "linalg.generic" in mlir  # the split-K sum and the fp8 rounding around the kernels
     vmfb = compile_mlir(mlir, target)
@@ -244,7 +301,7 @@ def test_a_triton_failure_names_the_kernel_and_the_way_around(monkeypatch):
         raise RuntimeError("out of resource: shared memory")
 
     monkeypatch.setattr(pipeline, "compile_launch", refuse)
-    with pytest.raises(LoweringError, match=r"kernel k: Triton could not compile launch k_phase0 .*shared memory.*linalg"):
+    with pytest.raises(LoweringError, match=r"kernel k: Triton could not compile launch k_phases .*shared memory.*linalg"):
         lower_to_mlir([_p(in_channels=32, out_channels=32)], HOPPER)
 
 

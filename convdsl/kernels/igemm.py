@@ -16,6 +16,12 @@ Index algebra (per spatial dimension d; shared/design/conv-algebra.md, convdsl/a
   grad_weight:  dW[k, y, c] = sum over n, o of dY[n, o, k] * X[n, i = o*s + y*d - lo, c]
       (i outside [0, I) reads zero), the sum over (n, o) cut into S chunks of whole BLOCK_R steps,
       each chunk's f32 partial sum stored apart and added in chunk order afterwards (deterministic).
+Packed groups (PACK > 1, few channels per group, ResNeXt-like): PACK consecutive groups form one GEMM of
+PACK*C columns and PACK*K reductions (rows for grad_weight) whose weight is block-diagonal: grad_input masks
+the off-diagonal weight blocks to zero, grad_weight stores only the diagonal blocks.  The matrix units do
+PACK times the useful products, in exchange for tiles of 16 and more (these kernels are bound by memory).
+The packed view needs the channels of consecutive groups to be adjacent (NHWGC, NGCHW): launch.py folds
+the group stride into the channel stride.
 fp8/bf8 compute: the operands arrive already rounded to their fp8 grid and stored in f16 (a linalg pass
 before the dispatch), so the kernels multiply exact fp8 values on the f16 path and keep cp.async loads.
 """
@@ -26,16 +32,18 @@ import triton.language as tl
 
 
 @triton.jit
-def grad_input_phase(
+def grad_input_phases(
     dy, w, dx,
-    # sizes: channels, batch, dY spatial O, this phase's positions Q and taps J
+    # sizes: channels, batch, dY spatial O
     C: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
     O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+    # the stride phases, one tuple entry each: phase p owns programs [FIRST[p], FIRST[p + 1]) (heaviest first);
+    # its positions Q and taps J; dX position i = R + S*q; dY position o = q + OFF - j*OSTEP; tap y = Y0 + j*TSTEP
+    PHASES: tl.constexpr, FIRST: tl.constexpr,
     Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr,
     J0: tl.constexpr, J1: tl.constexpr, J2: tl.constexpr,
-    # phase algebra: dX position i = R + S*q; dY position o = q + OFF - j*OSTEP; tap y = Y0 + j*TSTEP
     R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
-    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
     OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr,
     OSTEP0: tl.constexpr, OSTEP1: tl.constexpr, OSTEP2: tl.constexpr,
     Y00: tl.constexpr, Y01: tl.constexpr, Y02: tl.constexpr,
@@ -46,17 +54,54 @@ def grad_input_phase(
     WG: tl.constexpr, WK: tl.constexpr, WC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
     DXN: tl.constexpr, DXG: tl.constexpr, DXC: tl.constexpr, DX0: tl.constexpr, DX1: tl.constexpr,
     DX2: tl.constexpr,
-    ALPHA: tl.constexpr, PRECISION: tl.constexpr,
+    ALPHA: tl.constexpr, PRECISION: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
-    # GEMM per group g: rows m = (n, q0, q1, q2), columns c, reduction (j0, j1, j2, k)
+    # One launch for every stride phase: each program finds its phase (a uniform branch) and runs that phase's
+    # tile with the phase's constants folded in, so dX is written by one dispatch (IREE places it in the
+    # caller's buffer; per-phase dispatches tied into one tensor cost a copy of dX and a barrier per phase)
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    for p in tl.static_range(PHASES):
+        if (pid >= FIRST[p]) & (pid < FIRST[p + 1]):
+            _phase_tile(dy, w, dx, pid - FIRST[p], g, C, K, N, O0, O1, O2, Q0[p], Q1[p], Q2[p], J0[p], J1[p], J2[p],
+                        R0[p], R1[p], R2[p], S0, S1, S2, OFF0[p], OFF1[p], OFF2[p], OSTEP0[p], OSTEP1[p], OSTEP2[p],
+                        Y00[p], Y01[p], Y02[p], TSTEP0[p], TSTEP1[p], TSTEP2[p],
+                        DYN, DYG, DYK, DY0, DY1, DY2, WG, WK, WC, W0, W1, W2, DXN, DXG, DXC, DX0, DX1, DX2,
+                        ALPHA, PRECISION, PACK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES)
+
+
+@triton.jit
+def _phase_tile(
+    dy, w, dx, pid, g,
+    C: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr,
+    Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr,
+    J0: tl.constexpr, J1: tl.constexpr, J2: tl.constexpr,
+    R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
+    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
+    OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr,
+    OSTEP0: tl.constexpr, OSTEP1: tl.constexpr, OSTEP2: tl.constexpr,
+    Y00: tl.constexpr, Y01: tl.constexpr, Y02: tl.constexpr,
+    TSTEP0: tl.constexpr, TSTEP1: tl.constexpr, TSTEP2: tl.constexpr,
+    DYN: tl.constexpr, DYG: tl.constexpr, DYK: tl.constexpr, DY0: tl.constexpr, DY1: tl.constexpr,
+    DY2: tl.constexpr,
+    WG: tl.constexpr, WK: tl.constexpr, WC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
+    DXN: tl.constexpr, DXG: tl.constexpr, DXC: tl.constexpr, DX0: tl.constexpr, DX1: tl.constexpr,
+    DX2: tl.constexpr,
+    ALPHA: tl.constexpr, PRECISION: tl.constexpr, PACK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    # one phase's tile (pid counts from the phase's first program): a GEMM per (packed) group g with rows
+    # m = (n, q0, q1, q2), columns c, reduction (j0, j1, j2, k); PACK > 1: C and K count the PACK groups'
+    # channels, column c of sub-group c // (C / PACK) meets only the reductions k of the same sub-group (the
+    # weight's other blocks are zero)
     M: tl.constexpr = N * Q0 * Q1 * Q2
     TILES_M: tl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
     TILES_N: tl.constexpr = (C + BLOCK_N - 1) // BLOCK_N
     K_STEPS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    pid = tl.program_id(0)
-    g = tl.program_id(1)
     # grouped tile order: GROUP_M row tiles share their W columns in L2
     width = GROUP_M * TILES_N
     first_m = (pid // width) * GROUP_M
@@ -74,7 +119,13 @@ def grad_input_phase(
     n = m // (Q2 * Q1 * Q0)
     c_ok = c < C
     dy_row = dy + g * DYG + n * DYN
-    w_col = w + g * WG + c * WC
+    if PACK > 1:
+        C_SUB: tl.constexpr = C // PACK
+        K_SUB: tl.constexpr = K // PACK
+        c_sub = c // C_SUB
+        w_col = w + (g * PACK + c_sub) * WG + (c % C_SUB) * WC
+    else:
+        w_col = w + g * WG + c * WC
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in tl.range(0, J0 * J1 * J2 * K_STEPS, num_stages=NUM_STAGES):
@@ -91,8 +142,13 @@ def grad_input_phase(
         a_ptrs = dy_row[:, None] + (o0 * DY0 + o1 * DY1 + o2 * DY2)[:, None] + (k * DYK)[None, :]
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         tap = (Y00 + j0 * TSTEP0) * W0 + (Y01 + j1 * TSTEP1) * W1 + (Y02 + j2 * TSTEP2) * W2
-        b_ptrs = w_col[None, :] + (tap + k * WK)[:, None]
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+        if PACK > 1:
+            b_ptrs = w_col[None, :] + (tap + (k % K_SUB) * WK)[:, None]
+            diagonal = (k // K_SUB)[:, None] == c_sub[None, :]
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :] & diagonal, other=0.0)
+        else:
+            b_ptrs = w_col[None, :] + (tap + k * WK)[:, None]
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
 
     out = acc * ALPHA
@@ -120,11 +176,12 @@ def grad_weight_partials(
     DY2: tl.constexpr,
     # split-K: chunk s covers reduction steps [s*CHUNK, min((s+1)*CHUNK, L)), CHUNK a multiple of BLOCK_R
     CHUNK: tl.constexpr, G: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    # GEMM per group g: rows k, columns (f0, f1, f2, c) (c fastest), reduction (n, o0, o1, o2);
-    # partials[s, g, k, f0, f1, f2, c] in f32
+    # GEMM per (packed) group g: rows k, columns (f0, f1, f2, c) (c fastest), reduction (n, o0, o1, o2);
+    # partials[s, g, k, f0, f1, f2, c] in f32.  PACK > 1: G, K and C count packed groups and their channels;
+    # only the diagonal blocks (row and column of one sub-group) are stored, at their group's place
     L: tl.constexpr = N * O0 * O1 * O2
     T: tl.constexpr = F0 * F1 * F2
     COLS: tl.constexpr = T * C
@@ -171,8 +228,17 @@ def grad_weight_partials(
         b = tl.load(b_ptrs, mask=in_x & r_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
 
-    out_ptrs = partials + ((s * G + g) * K + k)[:, None] * COLS + col[None, :]
-    tl.store(out_ptrs, acc, mask=k_ok[:, None] & col_ok[None, :])
+    if PACK > 1:
+        C_SUB: tl.constexpr = C // PACK
+        K_SUB: tl.constexpr = K // PACK
+        sub = k // K_SUB
+        row = ((s * G + g) * PACK + sub) * K_SUB + k % K_SUB
+        out_ptrs = partials + row[:, None] * (T * C_SUB) + (f * C_SUB + c % C_SUB)[None, :]
+        diagonal = sub[:, None] == (c // C_SUB)[None, :]
+        tl.store(out_ptrs, acc, mask=k_ok[:, None] & col_ok[None, :] & diagonal)
+    else:
+        out_ptrs = partials + ((s * G + g) * K + k)[:, None] * COLS + col[None, :]
+        tl.store(out_ptrs, acc, mask=k_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit

@@ -100,53 +100,98 @@ def operand_element(p: ConvProblem) -> str:
     return "fp16" if p.fp8_compute else ELEMENT[p.dtype]
 
 
+# --- packed groups ---------------------------------------------------------------------------
+
+def default_pack(p: ConvProblem) -> int:
+    """Groups per GEMM for grouped kernels with few channels (C or K under 32, depthwise excepted: it has
+    its own kernels): enough that the packed C and K reach 32, as far as the group count divides, in layouts
+    where consecutive groups' channels are adjacent (packable).  Measured on an H100 (results/*tune5*),
+    ResNeXt's C = K = 4: 8 groups per GEMM took dgrad 0.187 -> 0.127 ms and wgrad 0.283 -> 0.175 ms
+    against 4 groups (the linalg gather form: 0.252 and 0.466); depthwise kernels packed 16 to a GEMM were
+    1.3x-1.8x slower than the depthwise kernels."""
+    small = min(p.in_channels, p.out_channels)
+    if p.groups == 1 or p.depthwise or small >= 32 or not packable(p):
+        return 1
+    pack = 1
+    while pack * small < 32 and p.groups % (2 * pack) == 0:
+        pack *= 2
+    return pack
+
+
+def packable(p: ConvProblem) -> bool:
+    """Packed groups read C*PACK (K*PACK) channels with one channel stride: the group stride of X, dX and
+    dY must be the channel stride times C (K), as in NHWGC and NGCHW, not GNHWC."""
+    x_str = activation_strides(p, p.input, p.in_channels)
+    dy_str = activation_strides(p, p.output, p.out_channels)
+    return x_str[1] == p.in_channels * x_str[2] and dy_str[1] == p.out_channels * dy_str[2]
+
+
+def _packed(p: ConvProblem, pack: int) -> tuple[int, int, int]:
+    """(groups, C, K) of the packed GEMMs: G / PACK GEMMs of PACK*C columns and PACK*K reductions."""
+    if pack > 1 and (p.groups % pack or not packable(p)):
+        why = (f"{p.groups} groups are not a multiple of it" if p.groups % pack else
+               f"layout {p.layout} does not keep consecutive groups' channels adjacent")
+        raise ValueError(f"tiles: pack {pack} for kernel {p.name}: {why}")
+    return p.groups // pack, pack * p.in_channels, pack * p.out_channels
+
+
+def _pack_strides(strides: tuple[int, ...], pack: int) -> tuple[int, ...]:
+    """(n, g, channel, s0, s1, s2) of a packed view: a packed group spans PACK groups."""
+    return (strides[0], strides[1] * pack, *strides[2:])
+
+
 # --- grad_input ------------------------------------------------------------------------------
 
 def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
     """Tiles for shapes the tuning database does not hold, from the H100 search (results/*tune4*): columns as
-    wide as C up to 256 (DeepLab and w2v2 dgrad: 1.42x and 1.11x over 128), three stages for the widest."""
-    c, k = p.in_channels, p.out_channels
-    block_n = 32 if c <= 32 else 64 if c <= 64 else 128 if c <= 128 else 256
+    wide as C up to 256 (DeepLab and w2v2 dgrad: 1.42x and 1.11x over 128), three stages for the widest;
+    few-channel groups packed (default_pack)."""
+    pack = default_pack(p)
+    _, c, k = _packed(p, pack)
+    block_n = 16 if c <= 16 else 32 if c <= 32 else 64 if c <= 64 else 128 if c <= 128 else 256
     wide = p.dtype == "f32"
     block_k = max(16, min(32 if wide else 64, 1 << (k - 1).bit_length()))
     return TileConfig(128, block_n, block_k, warps=8 if block_n >= 128 else 4,
-                      stages=3 if wide or block_n >= 128 else 4)
+                      stages=3 if wide or block_n >= 128 else 4, pack=pack)
 
 
-def grad_input_launches(p: ConvProblem, tiles: TileConfig, base: str) -> list[Launch]:
-    """One launch per stride phase (all-zero phases too: their kernels store zeros), each writing the
-    dX positions i = r + s*q of its residue r; together they write every element of dX once."""
+def grad_input_launch(p: ConvProblem, tiles: TileConfig, base: str) -> Launch:
+    """One launch for every stride phase (all-zero phases too: their programs store zeros): phase p's programs
+    write the dX positions i = r + s*q of its residue r; together they write every element of dX once.
+    Phases are ordered by taps, heaviest first, so that the short ones fill the last wave.  Measured on an
+    H100 (ncu, run 18): a dispatch per phase, tied into one dX, made IREE copy dX into the caller's buffer
+    afterwards (CK 17: 0.30 ms of kernels in a 0.48 ms call)."""
     tiles.check_matrix()
-    phases = grad_input_phases(p)
-    dy_str = activation_strides(p, p.output, p.out_channels)
-    dx_str = activation_strides(p, p.input, p.in_channels)
-    w_str = weight_strides(p)
-    launches = []
-    for index, ph in enumerate(phases):
-        pd = _pad_phase(ph)
-        consts = dict(
-            C=p.in_channels, K=p.out_channels, N=p.batch,
-            **_triple("O", _pad3(p.output, 1)),
-            **_triple("Q", tuple(d["Q"] for d in pd)), **_triple("J", tuple(d["J"] for d in pd)),
-            **_triple("R", tuple(d["r"] for d in pd)), **_triple("S", _pad3(p.stride, 1)),
-            **_triple("OFF", tuple(d["off"] for d in pd)), **_triple("OSTEP", tuple(d["o_step"] for d in pd)),
-            **_triple("Y0", tuple(d["y0"] for d in pd)), **_triple("TSTEP", tuple(d["tap_step"] for d in pd)),
-            **_named("DY", dy_str),
-            **_named("W", w_str, "GKC"),
-            **_named("DX", dx_str, "NGC"),
-            ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
-            PRECISION=_precision(p),
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-            NUM_STAGES=tiles.stages,
-        )
+    phases = sorted(grad_input_phases(p), key=lambda ph: -math.prod(d.J for d in ph.dims))
+    groups, c, k = _packed(p, tiles.pack)
+    dy_str = _pack_strides(activation_strides(p, p.output, p.out_channels), tiles.pack)
+    dx_str = _pack_strides(activation_strides(p, p.input, p.in_channels), tiles.pack)
+    w_str = weight_strides(p)  # the kernel finds each sub-group's weight block itself
+    padded = [_pad_phase(ph) for ph in phases]
+    # per phase: its tiles over rows (n, q...) times column tiles; FIRST[p] is its first program
+    first = [0]
+    for ph in phases:
         rows = p.batch * math.prod(ph.sizes)
-        grid = (-(-rows // tiles.block_m) * -(-p.in_channels // tiles.block_n), p.groups, 1)
-        elem = operand_element(p)
-        launches.append(Launch(
-            "grad_input_phase", f"{base}_phase{index}", (elem, elem, ELEMENT[p.result_dtype]),
-            tuple(consts.items()), grid, tiles.warps, tiles.stages,
-        ))
-    return launches
+        first.append(first[-1] + -(-rows // tiles.block_m) * -(-c // tiles.block_n))
+    per_phase = {f"{name}{i}": tuple(pd[i][key] for pd in padded)
+                 for name, key in (("Q", "Q"), ("J", "J"), ("R", "r"), ("OFF", "off"), ("OSTEP", "o_step"),
+                                   ("Y0", "y0"), ("TSTEP", "tap_step"))
+                 for i in range(3)}
+    consts = dict(
+        C=c, K=k, N=p.batch,
+        **_triple("O", _pad3(p.output, 1)), **_triple("S", _pad3(p.stride, 1)),
+        PHASES=len(phases), FIRST=tuple(first), **per_phase,
+        **_named("DY", dy_str),
+        **_named("W", w_str, "GKC"),
+        **_named("DX", dx_str, "NGC"),
+        ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
+        PRECISION=_precision(p), PACK=tiles.pack,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        NUM_STAGES=tiles.stages,
+    )
+    elem = operand_element(p)
+    return Launch("grad_input_phases", f"{base}_phases", (elem, elem, ELEMENT[p.result_dtype]),
+                  tuple(consts.items()), (first[-1], groups, 1), tiles.warps, tiles.stages)
 
 
 def _triple(prefix: str, values: tuple[int, ...]) -> dict[str, int]:
@@ -206,20 +251,23 @@ def grad_input_direct_launch(p: ConvProblem, tiles: TileConfig, base: str) -> La
 
 def default_grad_weight_tiles(p: ConvProblem) -> TileConfig:
     """Rows (K) as tall as K up to 128, 128 columns (taps x C); f32 with 64 columns and 4 warps, which
-    took CK's 3D f32 grad_weight from 39.0 to 22.2 ms on an H100 (results/*tune4*)."""
-    k = p.out_channels
+    took CK's 3D f32 grad_weight from 39.0 to 22.2 ms on an H100 (results/*tune4*); few-channel groups
+    packed (default_pack)."""
+    pack = default_pack(p)
+    _, _, k = _packed(p, pack)
     block_m = 128 if k > 64 else 64 if k > 32 else 32 if k > 16 else 16
     if p.dtype == "f32":
-        return TileConfig(block_m, 64, 32, warps=4, stages=3)
-    return TileConfig(block_m, 128, 64, warps=8 if block_m >= 128 else 4, stages=3 if block_m >= 128 else 4)
+        return TileConfig(block_m, 64, 32, warps=4, stages=3, pack=pack)
+    return TileConfig(block_m, 128, 64, warps=8 if block_m >= 128 else 4, stages=3 if block_m >= 128 else 4,
+                      pack=pack)
 
 
 def grad_weight_split(p: ConvProblem, tiles: TileConfig) -> tuple[int, int]:
     """(S, CHUNK): the reduction over L = N * prod(O) is cut into S chunks of CHUNK steps (a multiple of
     the tile's reduction step, the last chunk shorter).  Without a forced S, enough chunks that tiles x S
     fills the GPU about twice, each chunk at least 8 reduction steps, at most 64 chunks."""
-    tiles_out = p.groups * -(-p.out_channels // tiles.block_m) * \
-        -(-(p.in_channels * math.prod(p.filter)) // tiles.block_n)
+    groups, c, k = _packed(p, tiles.pack)
+    tiles_out = groups * -(-k // tiles.block_m) * -(-(c * math.prod(p.filter)) // tiles.block_n)
     return _reduction_chunks(p, tiles, tiles.block_k, tiles_out, waves=2, max_parts=64, min_steps=8)
 
 
@@ -269,22 +317,24 @@ def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str) -
 
 
 def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str) -> tuple[Launch, tuple[int, ...]]:
-    """The launch and the shape of its f32 partials [S, G, K, F0, F1, F2, C] (filter padded to 3D)."""
+    """The launch and the shape of its f32 partials [S, G, K, F0, F1, F2, C] (filter padded to 3D; packed
+    groups store their diagonal blocks there, so the shape is the same)."""
     tiles.check_matrix()
     parts, chunk = grad_weight_split(p, tiles)
-    x_str = activation_strides(p, p.input, p.in_channels)
-    dy_str = activation_strides(p, p.output, p.out_channels)
+    groups, c, k = _packed(p, tiles.pack)
+    x_str = _pack_strides(activation_strides(p, p.input, p.in_channels), tiles.pack)
+    dy_str = _pack_strides(activation_strides(p, p.output, p.out_channels), tiles.pack)
     f3 = _pad3(p.filter, 1)
     consts = dict(
-        C=p.in_channels, K=p.out_channels, N=p.batch,
+        C=c, K=k, N=p.batch,
         **_geometry(p),
         **_named("X", x_str, "NGC"),
         **_named("DY", dy_str),
-        CHUNK=chunk, G=p.groups, PRECISION=_precision(p),
+        CHUNK=chunk, G=groups, PRECISION=_precision(p), PACK=tiles.pack,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_k, NUM_STAGES=tiles.stages,
     )
-    cols = p.in_channels * math.prod(p.filter)
-    grid = (-(-p.out_channels // tiles.block_m) * -(-cols // tiles.block_n), p.groups, parts)
+    cols = c * math.prod(p.filter)
+    grid = (-(-k // tiles.block_m) * -(-cols // tiles.block_n), groups, parts)
     elem = operand_element(p)
     launch = Launch("grad_weight_partials", f"{base}_partials", (elem, elem, "fp32"), tuple(consts.items()),
                     grid, tiles.warps, tiles.stages)
@@ -372,8 +422,8 @@ def unsupported_reason(p: ConvProblem, backend: str, arch: str) -> Optional[str]
         return "batch = ?: the kernels are specialised to every size"
     if p.epilogue.kind == "bilinear":
         return "the bilinear epilogue's tensor is added by the linalg form"
-    if not p.depthwise and gather.applies(p):
-        return "few channels per group: the memory-bound gather form is used"
+    if not p.depthwise and gather.applies(p) and default_pack(p) == 1:
+        return "few channels per group in a layout whose groups cannot be packed: the gather form is used"
     sizes = (p.x_shape, p.y_shape, p.w_shape)
     if any(math.prod(s) > MAX_ELEMENTS for s in sizes):
         return "a tensor has 2^31 elements or more"
@@ -394,7 +444,8 @@ def plan_launches(p: ConvProblem, tiles: Optional[TileConfig]
     """(tiles, launches, f32 partials' shape for grad_weight) of one kernel, symbols named after it;
     tiles None: the defaults of the kernel it uses."""
     base = re.sub(r"\W", "_", p.name)
-    if p.op == "grad_weight" and p.depthwise:
+    packed = tiles is not None and tiles.pack > 1  # depthwise too, as packed GEMMs, where tiles ask for it
+    if p.op == "grad_weight" and p.depthwise and not packed:
         tiles = tiles or depthwise_grad_weight_tiles(p)
         launch, partials = grad_weight_depthwise_launch(p, tiles, base)
         return tiles, (launch,), partials
@@ -402,11 +453,11 @@ def plan_launches(p: ConvProblem, tiles: Optional[TileConfig]
         tiles = tiles or default_grad_weight_tiles(p)
         launch, partials = grad_weight_launch(p, tiles, base)
         return tiles, (launch,), partials
-    if direct_grad_input(p):
+    if direct_grad_input(p) and not packed:
         tiles = tiles or direct_grad_input_tiles(p)
         return tiles, (grad_input_direct_launch(p, tiles, base),), ()
     tiles = tiles or default_grad_input_tiles(p)
-    return tiles, tuple(grad_input_launches(p, tiles, base)), ()
+    return tiles, (grad_input_launch(p, tiles, base),), ()
 
 
 def direct_grad_input(p: ConvProblem) -> bool:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-# t<M>x<N>x<K>w<warps>s<stages>[k<split>][g<group>]: no "-", which separates the parts of a Knobs label
-TILE_LABEL = re.compile(r"t(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:k(\d+))?(?:g(\d+))?")
+# t<M>x<N>x<K>w<warps>s<stages>[k<split>][g<group>][p<pack>]: no "-", which separates the parts of a Knobs label
+TILE_LABEL = re.compile(r"t(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:k(\d+))?(?:g(\d+))?(?:p(\d+))?")
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class TileConfig:
     stages: int
     group_m: int = 8  # grad_input: row tiles that share weight columns in L2
     split: int = 0  # grad_weight: reduction chunks S (0: from the shape)
+    pack: int = 1  # grouped GEMMs: consecutive groups per GEMM (block-diagonal weight; launch.default_pack)
 
     def __post_init__(self) -> None:
         for key in ("block_m", "block_n", "block_k"):
@@ -29,6 +30,8 @@ class TileConfig:
             raise ValueError(f"tiles: warps must be 1, 2, 4, 8 or 16, got {self.warps}")
         if self.stages < 1 or self.group_m < 1 or self.split < 0:
             raise ValueError(f"tiles: stages and group_m must be positive and split >= 0, got {self}")
+        if self.pack < 1 or self.pack & (self.pack - 1):
+            raise ValueError(f"tiles: pack must be a power of two, got {self.pack}")
 
     def check_matrix(self) -> None:
         """The GEMM kernels' tiles feed the matrix instructions: every block at least 16."""
@@ -39,12 +42,15 @@ class TileConfig:
     def label(self) -> str:
         s = f"t{self.block_m}x{self.block_n}x{self.block_k}w{self.warps}s{self.stages}"
         s += f"k{self.split}" if self.split else ""
-        return s + (f"g{self.group_m}" if self.group_m != 8 else "")
+        s += f"g{self.group_m}" if self.group_m != 8 else ""
+        return s + (f"p{self.pack}" if self.pack != 1 else "")
 
 
 def parse_tiles(label: str) -> TileConfig:
     match = TILE_LABEL.fullmatch(label)
     if not match:
-        raise ValueError(f"tiles: expected t<M>x<N>x<K>w<warps>s<stages>[k<split>][g<group>], got {label!r}")
-    m, n, k, w, s, split, group = match.groups()
-    return TileConfig(int(m), int(n), int(k), int(w), int(s), group_m=int(group or 8), split=int(split or 0))
+        raise ValueError(f"tiles: expected t<M>x<N>x<K>w<warps>s<stages>[k<split>][g<group>][p<pack>], "
+                         f"got {label!r}")
+    m, n, k, w, s, split, group, pack = match.groups()
+    return TileConfig(int(m), int(n), int(k), int(w), int(s), group_m=int(group or 8), split=int(split or 0),
+                      pack=int(pack or 1))

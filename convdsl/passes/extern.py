@@ -83,16 +83,10 @@ def dispatch(launch: Launch, binary: Binary, inputs: list[ir.Value], result_type
     return op.result
 
 
-def grad_input(launches: tuple[Launch, ...], binaries: dict[str, Binary], p: ConvProblem,
-               dy: ir.Value, w: ir.Value) -> ir.Value:
-    """dX: one dispatch per stride phase, each writing its residue class of dX in place."""
+def grad_input(launch: Launch, binary: Binary, p: ConvProblem, dy: ir.Value, w: ir.Value) -> ir.Value:
+    """dX: one dispatch whose programs cover every stride phase (kernels/launch.grad_input_launch)."""
     result_type = tensor_type(list(p.x_shape), element_type(p.result_dtype))
-    dx: Optional[ir.Value] = None
-    for launch in launches:
-        # the first phase's dispatch makes dX, the others write their residue classes into it
-        dx = dispatch(launch, binaries[launch.name], [dy, w], result_type, into=dx)
-    assert dx is not None, "a grad_input has at least one stride phase"
-    return dx
+    return dispatch(launch, binary, [dy, w], result_type)
 
 
 def grad_weight(launch: Launch, binary: Binary, partials_shape: tuple[int, ...], p: ConvProblem,

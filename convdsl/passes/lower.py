@@ -96,12 +96,12 @@ def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, 
     if p.fp8_compute:
         # the operands rounded to their fp8 grids once, stored in f16 (kernels/launch.operand_element)
         args = [_round_operand(plan, args[0], 0), _round_operand(plan, args[1], 1)]
+    (launch,) = ext.launches  # every kernel is one launch (grad_input: all its stride phases)
     if p.op == "grad_weight":
-        launch = ext.launches[0]
         return extern.grad_weight(launch, binaries[launch.name], ext.partials_shape, p, args[0], args[1],
                                   lambda total: _epilogue(p, total, None))
-    # grad_input / transposed: the kernels apply a scale epilogue and store in the result type
-    return extern.grad_input(ext.launches, binaries, p, args[0], args[1])
+    # grad_input / transposed: the kernel applies a scale epilogue and stores in the result type
+    return extern.grad_input(launch, binaries[launch.name], p, args[0], args[1])
 
 
 def _emit_planned(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:

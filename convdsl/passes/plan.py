@@ -193,22 +193,30 @@ def _describe_extern(plan: KernelPlan) -> list[str]:
     p, ext = plan.problem, plan.extern
     assert ext is not None
     lines = [f"  GEMM core: Triton kernels in IREE external dispatches, tiles {ext.tiles.label()}"]
+    if ext.tiles.pack > 1 and ext.launches[0].kernel in ("grad_input_phases", "grad_weight_partials"):
+        pack = ext.tiles.pack
+        lines.append(f"  packed groups: {pack} groups per GEMM (C={pack * p.in_channels}, K={pack * p.out_channels},"
+                     f" block-diagonal weight: {pack}x the useful products in matrix-instruction tiles)")
     for launch in ext.launches:
         c = dict(launch.constants)
+        lines_of_phases: list[str] = []
         products = PRODUCTS.get(c.get("PRECISION", ""), "f32 FMA")
         detail = f"grid {list(launch.grid)}, {launch.warps} warps, {products} products"
         if launch.kernel == "grad_input_direct":
             what = (f"direct sums of {math.prod(p.filter)} taps x K={p.out_channels} per dX element"
                     " (few channels per group: bound by memory)")
-        elif launch.kernel == "grad_input_phase":
-            q = [c[f"Q{i}"] for i in range(3)][3 - p.dims:]
-            j = [c[f"J{i}"] for i in range(3)][3 - p.dims:]
-            r = [c[f"R{i}"] for i in range(3)][3 - p.dims:]
-            what = f"residue {r}: positions {q}, taps {j}" + (" (no tap: stores zeros)" if 0 in j else "")
+        elif launch.kernel == "grad_input_phases":
+            what = f"{c['PHASES']} stride phase(s) in one launch, heaviest first"
+            for ph in range(c["PHASES"]):
+                q, j, r = ([c[f"{x}{i}"][ph] for i in range(3)][3 - p.dims:] for x in ("Q", "J", "R"))
+                lines_of_phases.append(f"      residue {r}: positions {q}, taps {j}, programs "
+                                       f"[{c['FIRST'][ph]}, {c['FIRST'][ph + 1]})"
+                                       + (" (no tap: stores zeros)" if 0 in j else ""))
         else:
             what = (f"f32 partials {list(ext.partials_shape)}: split-K S={launch.grid[2]} chunks of {c['CHUNK']}"
                     " reduction steps, summed in chunk order by one linalg reduction")
         lines.append(f"    {launch.name}: {what}; {detail}")
+        lines += lines_of_phases
     if p.fp8_compute:
         lines.append(f"  compute: operands rounded to {p.compute[0]} (first argument) and {p.compute[1]} (second)"
                      " by one linalg pass each, stored in f16 (exact), products summed in f32")

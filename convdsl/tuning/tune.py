@@ -86,12 +86,46 @@ EXTERN_TILES: tuple[TileConfig, ...] = (
 )
 
 
+def packed_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
+    """Few channels per group (ResNeXt, depthwise): packed GEMMs of PACK groups (kernels/launch.default_pack;
+    depthwise from 16 groups) and twice that, small tiles around the packed C and K, and the forms they
+    compete with: the linalg gather form where it applies (extern off); the depthwise kernels are the
+    candidates' baseline (tune's "convdsl")."""
+    from ..kernels.launch import default_pack, packable
+    from ..passes import gather
+
+    small = min(p.in_channels, p.out_channels)
+    first = 16 // small if p.depthwise else default_pack(p)
+    out: list[Knobs] = []
+    if gather.applies(p):
+        out.append(Knobs(extern=False))
+    if first < 2 or not packable(p):
+        return tuple(out)
+    at_least = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731 - the matrix instructions' 16
+    for pack in (first, 2 * first):
+        if p.groups % pack:
+            continue
+        c, k = at_least(pack * p.in_channels), at_least(pack * p.out_channels)
+        if p.op == "grad_weight":
+            cols = pack * p.in_channels * math.prod(p.filter)
+            tiles = [TileConfig(k, n, r, 4, st, pack=pack) for n, r, st in
+                     ((32, 128, 4), (64, 64, 4), (128, 64, 4), (256, 32, 3)) if n <= 2 * cols]
+        else:
+            tiles = [TileConfig(m, c, min(k, 64), w, st, pack=pack) for m, w, st in
+                     ((64, 4, 4), (128, 4, 4), (128, 4, 2), (256, 8, 3))]
+        out += [Knobs(tiles=t.label()) for t in tiles]
+    return tuple(dict.fromkeys(out))
+
+
 def extern_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
     """Tile sets for a kernel whose GEMM core is a Triton kernel: columns no wider than twice what the
     problem has (C for grad_input, taps x C for grad_weight), rows of grad_weight no taller than twice K;
-    for grad_weight also the default tiles with half and twice the automatic split-K."""
+    for grad_weight also the default tiles with half and twice the automatic split-K.  Few channels per
+    group: packed_candidates."""
     from ..kernels.launch import default_grad_weight_tiles, grad_weight_split
 
+    if p.groups > 1 and min(p.in_channels, p.out_channels) < 16:
+        return packed_candidates(p)
     wide = p.dtype == "f32"
     cols = p.in_channels * (math.prod(p.filter) if p.op == "grad_weight" else 1)
     out = []
