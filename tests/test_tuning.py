@@ -177,3 +177,18 @@ def test_extern_kernels_get_tile_candidates():
     f32 = candidates_for(DGRAD.with_(dtype="f32"), hopper)
     assert all(parse_tiles(k.tiles).block_k <= 32 and parse_tiles(k.tiles).stages <= 3 for k in f32)
     assert candidates_for(DGRAD, CUDA.__class__("cpu", "host")) == candidates_for(DGRAD)  # IREE's knobs elsewhere
+
+
+def test_few_channel_kernels_get_their_own_candidates():
+    from convdsl.kernels.tiles import parse_tiles
+    from convdsl.tuning.tune import DEPTHWISE_TILES, candidates_for
+
+    hopper = Target("cuda", "sm_90")
+    grouped = DGRAD.with_(groups=32, in_channels=4, out_channels=4)
+    for op in ("grad_input", "grad_weight"):
+        knobs = candidates_for(grouped.with_(op=op), hopper)
+        packs = {parse_tiles(k.tiles).pack for k in knobs if k.tiles}
+        assert packs == {8, 16}  # the default pack (8 groups of 4 channels reach 32) and twice that
+        assert Knobs(extern=False) in knobs  # the gather form they replaced, where it applies
+    depthwise = candidates_for(DGRAD.with_(groups=64, in_channels=1, out_channels=1, op="grad_weight"), hopper)
+    assert [parse_tiles(k.tiles) for k in depthwise if k.tiles] == list(DEPTHWISE_TILES["grad_weight"])

@@ -264,51 +264,47 @@ def default_grad_weight_tiles(p: ConvProblem) -> TileConfig:
 
 def grad_weight_split(p: ConvProblem, tiles: TileConfig) -> tuple[int, int]:
     """(S, CHUNK): the reduction over L = N * prod(O) is cut into S chunks of CHUNK steps (a multiple of
-    the tile's reduction step, the last chunk shorter).  Without a forced S, enough chunks that tiles x S
-    fills the GPU about twice, each chunk at least 8 reduction steps, at most 64 chunks."""
+    the tile's reduction step, the last chunk shorter).  S is forced (tiles.split, then the problem's split_k)
+    or enough chunks that tiles x S fills the GPU about twice, each chunk at least 8 reduction steps, at most
+    64 chunks.  CHUNK = ceil(steps / S) steps; S is then recomputed so that no chunk is empty."""
     groups, c, k = _packed(p, tiles.pack)
     tiles_out = groups * -(-k // tiles.block_m) * -(-(c * math.prod(p.filter)) // tiles.block_n)
-    return _reduction_chunks(p, tiles, tiles.block_k, tiles_out, waves=2, max_parts=64, min_steps=8)
-
-
-def _reduction_chunks(p: ConvProblem, tiles: TileConfig, step: int, programs: int, waves: int, max_parts: int,
-                      min_steps: int) -> tuple[int, int]:
-    """(S, CHUNK) for a reduction over L = N * prod(O) in steps of `step`: S forced (tiles.split, then the
-    problem's split_k) or enough that programs x S fills the GPU `waves` times, at most max_parts chunks of
-    at least min_steps steps.  CHUNK = ceil(steps / S) steps; S is then recomputed so no chunk is empty."""
     length = p.batch * math.prod(p.output)
-    steps = -(-length // step)
-    parts = tiles.split or p.split_k or max(1, min(max_parts, -(-waves * SM_COUNT // programs), steps // min_steps))
+    steps = -(-length // tiles.block_k)
+    parts = tiles.split or p.split_k or max(1, min(64, -(-2 * SM_COUNT // tiles_out), steps // 8))
     parts = max(1, min(parts, steps))
-    chunk = -(-steps // parts) * step
+    chunk = -(-steps // parts) * tiles.block_k
     return -(-length // chunk), chunk
 
 
 def depthwise_grad_weight_tiles(p: ConvProblem) -> TileConfig:
-    """grad_weight_depthwise: block_m positions x block_n channels per step, every tap at once (block_m x
-    taps (padded to a power of two) x block_n f32 partial sums in registers).  The winners on an H100
-    (results/*v17*): 64 positions x 16 channels for 3x3 filters (MobileNetV2: 0.34 -> 0.20 ms), one position
-    x 64 channels with 8 warps for 7x7 (ConvNeXt: 0.33 -> 0.24 ms)."""
-    taps = 1 << (math.prod(p.filter) - 1).bit_length()
-    if taps <= 16:
-        return TileConfig(64, 16, 1, warps=4, stages=1)
-    return TileConfig(1, 64, 1, warps=8, stages=1)
+    """grad_weight_depthwise: block_m positions along the innermost dimension x block_n channels per step, one
+    f32 accumulator tile per tap.  The winners on an H100 (results/*dwB*, *dwC*): 8 positions x 32 channels
+    with one warp for 3x3 filters (MobileNetV2: 0.111 ms), 4 x 32 with 4 warps for 7x7 (ConvNeXt: 0.247 ms;
+    its 49 accumulator tiles need the smaller share per thread)."""
+    if math.prod(p.filter) <= 16:
+        return TileConfig(8, 32, 1, warps=1, stages=1)
+    return TileConfig(4, 32, 1, warps=4, stages=1)
 
 
 def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str) -> tuple[Launch, tuple[int, ...]]:
-    """Depthwise grad_weight: f32 partials [S, G, 1, taps, 1] of S chunks of positions, as grad_weight_launch."""
+    """Depthwise grad_weight row by row: f32 partials [S, G, 1, taps, 1] of S chunks of dY rows (n, o0, o1),
+    enough chunks for 16 waves of single-warp programs (bound by memory and instructions: many programs in
+    flight, and a short last wave), summed like grad_weight_launch's."""
     blocks = -(-p.groups // tiles.block_n)
-    # memory-bound: more chunks than the GEMMs (4 waves, up to 256) to keep enough loads in flight
-    parts, chunk = _reduction_chunks(p, tiles, tiles.block_m, blocks, waves=4, max_parts=256, min_steps=16)
+    out3 = _pad3(p.output, 1)
+    rows = p.batch * out3[0] * out3[1]
+    parts = max(1, min(rows, 16 * SM_COUNT // blocks))
+    rows_per = -(-rows // parts)
+    parts = -(-rows // rows_per)  # no chunk empty
     x_str = activation_strides(p, p.input, p.in_channels)
     dy_str = activation_strides(p, p.output, p.out_channels)
-    taps = math.prod(p.filter)
     consts = dict(
         G=p.groups, N=p.batch,
         **_geometry(p),
         XN=x_str[0], XG=x_str[1], X0=x_str[3], X1=x_str[4], X2=x_str[5],
         DYN=dy_str[0], DYG=dy_str[1], DY0=dy_str[3], DY1=dy_str[4], DY2=dy_str[5],
-        CHUNK=chunk, T_PAD=1 << (taps - 1).bit_length(), BLOCK_R=tiles.block_m, BLOCK_CH=tiles.block_n,
+        ROWS_PER=rows_per, BLOCK_W=tiles.block_m, BLOCK_CH=tiles.block_n,
     )
     elem = operand_element(p)
     launch = Launch("grad_weight_depthwise", f"{base}_depthwise", (elem, elem, "fp32"), tuple(consts.items()),

@@ -212,6 +212,10 @@ def _describe_extern(plan: KernelPlan) -> list[str]:
                 lines_of_phases.append(f"      residue {r}: positions {q}, taps {j}, programs "
                                        f"[{c['FIRST'][ph]}, {c['FIRST'][ph + 1]})"
                                        + (" (no tap: stores zeros)" if 0 in j else ""))
+        elif launch.kernel == "grad_weight_depthwise":
+            what = (f"f32 partials {list(ext.partials_shape)}: S={launch.grid[1]} chunks of {c['ROWS_PER']} dY rows,"
+                    f" one accumulator tile per tap ({math.prod(p.filter)}), summed in chunk order by one linalg"
+                    " reduction")
         else:
             what = (f"f32 partials {list(ext.partials_shape)}: split-K S={launch.grid[2]} chunks of {c['CHUNK']}"
                     " reduction steps, summed in chunk order by one linalg reduction")

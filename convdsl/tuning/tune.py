@@ -86,20 +86,30 @@ EXTERN_TILES: tuple[TileConfig, ...] = (
 )
 
 
-def packed_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
-    """Few channels per group (ResNeXt, depthwise): packed GEMMs of PACK groups (kernels/launch.default_pack;
-    depthwise from 16 groups) and twice that, small tiles around the packed C and K, and the forms they
-    compete with: the linalg gather form where it applies (extern off); the depthwise kernels are the
-    candidates' baseline (tune's "convdsl")."""
-    from ..kernels.launch import default_pack, packable
+# Depthwise kernels' tiles (kernels/igemm.py grad_weight_depthwise: positions x channels, one accumulator per
+# tap; grad_input_direct: positions x channels), around the H100 winners (results/*dwB*, *dwC*, *dwD*)
+DEPTHWISE_TILES = {
+    "grad_weight": (TileConfig(8, 32, 1, 1, 1), TileConfig(16, 16, 1, 1, 1), TileConfig(16, 32, 1, 1, 1),
+                    TileConfig(4, 32, 1, 4, 1), TileConfig(8, 32, 1, 4, 1), TileConfig(2, 32, 1, 1, 1),
+                    TileConfig(32, 16, 1, 2, 1)),
+    "grad_input": (TileConfig(64, 64, 1, 4, 1), TileConfig(128, 32, 1, 4, 1), TileConfig(16, 64, 1, 2, 1),
+                   TileConfig(32, 32, 1, 1, 1)),
+}
+
+
+def few_channel_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
+    """Few channels per group.  Depthwise: the depthwise kernels' tiles.  Grouped (ResNeXt): packed GEMMs of
+    PACK groups (kernels/launch.default_pack) and twice that, small tiles around the packed C and K.  Both:
+    the linalg gather form where it applies (extern off), which they replaced."""
+    from ..kernels.launch import default_pack
     from ..passes import gather
 
-    small = min(p.in_channels, p.out_channels)
-    first = 16 // small if p.depthwise else default_pack(p)
-    out: list[Knobs] = []
-    if gather.applies(p):
-        out.append(Knobs(extern=False))
-    if first < 2 or not packable(p):
+    out: list[Knobs] = [Knobs(extern=False)] if gather.applies(p) else []
+    if p.depthwise:
+        op = "grad_weight" if p.op == "grad_weight" else "grad_input"
+        return tuple(out + [Knobs(tiles=t.label()) for t in DEPTHWISE_TILES[op]])
+    first = default_pack(p)
+    if first < 2:
         return tuple(out)
     at_least = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731 - the matrix instructions' 16
     for pack in (first, 2 * first):
@@ -121,11 +131,11 @@ def extern_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
     """Tile sets for a kernel whose GEMM core is a Triton kernel: columns no wider than twice what the
     problem has (C for grad_input, taps x C for grad_weight), rows of grad_weight no taller than twice K;
     for grad_weight also the default tiles with half and twice the automatic split-K.  Few channels per
-    group: packed_candidates."""
+    group: few_channel_candidates."""
     from ..kernels.launch import default_grad_weight_tiles, grad_weight_split
 
-    if p.groups > 1 and min(p.in_channels, p.out_channels) < 16:
-        return packed_candidates(p)
+    if p.groups > 1 and min(p.in_channels, p.out_channels) < 32:
+        return few_channel_candidates(p)
     wide = p.dtype == "f32"
     cols = p.in_channels * (math.prod(p.filter) if p.op == "grad_weight" else 1)
     out = []
