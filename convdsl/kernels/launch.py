@@ -265,16 +265,41 @@ def default_grad_weight_tiles(p: ConvProblem) -> TileConfig:
 def grad_weight_split(p: ConvProblem, tiles: TileConfig) -> tuple[int, int]:
     """(S, CHUNK): the reduction over L = N * prod(O) is cut into S chunks of CHUNK steps (a multiple of
     the tile's reduction step, the last chunk shorter).  S is forced (tiles.split, then the problem's split_k)
-    or enough chunks that tiles x S fills the GPU about twice, each chunk at least 8 reduction steps, at most
-    64 chunks.  CHUNK = ceil(steps / S) steps; S is then recomputed so that no chunk is empty."""
+    or the fewest chunks whose programs fill the GPU's resident slots best (last_wave_fill), at most 256
+    chunks of at least 8 reduction steps (each chunk adds a weight-sized f32 partial to write and sum).  CHUNK = ceil(steps / S) steps; S is then recomputed so that no
+    chunk is empty."""
     groups, c, k = _packed(p, tiles.pack)
     tiles_out = groups * -(-k // tiles.block_m) * -(-(c * math.prod(p.filter)) // tiles.block_n)
     length = p.batch * math.prod(p.output)
     steps = -(-length // tiles.block_k)
-    parts = tiles.split or p.split_k or max(1, min(64, -(-2 * SM_COUNT // tiles_out), steps // 8))
+    parts = tiles.split or p.split_k
+    if not parts:
+        slots = SM_COUNT * resident_programs(tiles, 4 if p.dtype == "f32" else 2)
+        most = max(1, min(256, steps // 8))
+        fill = [(last_wave_fill(tiles_out * s, slots), s) for s in range(1, most + 1)]
+        best = max(f for f, _ in fill)
+        parts = min(s for f, s in fill if f >= best - 0.02)  # the fewest chunks (longest) that fill as well
     parts = max(1, min(parts, steps))
     chunk = -(-steps // parts) * tiles.block_k
     return -(-length // chunk), chunk
+
+
+# Hopper: 228 KiB of shared memory per SM, 1 KiB of it reserved per resident block; 64 warps per SM
+SHARED_PER_SM, SHARED_RESERVED, WARPS_PER_SM = 228 * 1024, 1024, 64
+
+
+def resident_programs(tiles: TileConfig, element_bytes: int) -> int:
+    """Programs of a GEMM kernel resident on one SM at once, as its pipeline's shared memory (stages x (A + B)
+    tiles; as ncu reported for these kernels) and its warps allow (registers are not known before compiling)."""
+    shared = tiles.stages * (tiles.block_m + tiles.block_n) * tiles.block_k * element_bytes
+    return max(1, min(SHARED_PER_SM // (shared + SHARED_RESERVED), WARPS_PER_SM // tiles.warps))
+
+
+def last_wave_fill(programs: int, slots: int) -> float:
+    """The share of the resident slots the programs keep busy over their waves: 1.0 when they come in whole
+    waves.  Measured (ncu, H100): CK's NGCHW grad_weight ran 280 programs on 264 slots, a second wave of 16."""
+    waves = -(-programs // slots)
+    return programs / (waves * slots)
 
 
 def depthwise_grad_weight_tiles(p: ConvProblem) -> TileConfig:
