@@ -23,7 +23,11 @@ from convdsl.kernels.launch import (
     activation_strides,
     default_pack,
     grad_input_launch,
+    SM_COUNT,
+    fullest_split,
     grad_weight_split,
+    last_wave_fill,
+    resident_programs,
     plan_launches,
     unsupported_reason,
     weight_strides,
@@ -206,6 +210,36 @@ def test_split_k_chunks_cover_the_reduction_once(p, forced):
     length = p.batch * math.prod(p.output)
     assert chunk % tiles.block_k == 0 and parts >= 1
     assert (parts - 1) * chunk < length <= parts * chunk  # every chunk non-empty, the last one may be short
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 1500), st.integers(1, 256))
+def test_the_automatic_split_is_the_fewest_chunks_that_fill_the_slots_as_well_as_any(tiles_out, slots, most):
+    parts = fullest_split(tiles_out, slots, most)
+    fills = [last_wave_fill(tiles_out * s, slots) for s in range(1, most + 1)]
+    assert 1 <= parts <= most
+    assert fills[parts - 1] >= max(fills) - 0.02  # as busy as the best, within the margin
+    assert all(f < max(fills) - 0.02 for f in fills[: parts - 1])  # and no fewer chunks are
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_grad_weight_split_uses_the_fullest_split_of_the_tiles_resident_slots(p):
+    p = p.with_(op="grad_weight", dtype="f16")
+    tiles = TileConfig(16, 16, 16, 4, 2)
+    steps = -(-p.batch * math.prod(p.output) // 16)
+    tiles_out = p.groups * -(-p.out_channels // 16) * -(-(p.in_channels * math.prod(p.filter)) // 16)
+    chosen = fullest_split(tiles_out, SM_COUNT * resident_programs(tiles, 2), max(1, min(256, steps // 8)))
+    parts, _ = grad_weight_split(p, tiles)
+    assert parts <= min(chosen, steps)  # recomputed so that no chunk is empty: never more chunks
+    assert resident_programs(TileConfig(128, 128, 64, 8, 4), 2) == 1  # 128 KiB of shared memory: one per SM
+    assert resident_programs(TileConfig(64, 64, 64, 4, 4), 2) == 3  # 64 KiB: three (ncu: 18.75% occupancy)
+
+
+def test_last_wave_fill_counts_the_idle_slots_of_the_last_wave():
+    assert last_wave_fill(264, 264) == 1.0 and last_wave_fill(528, 264) == 1.0
+    assert last_wave_fill(280, 264) == pytest.approx(280 / 528)  # CK's NGCHW wgrad before: a wave of 16
+    assert last_wave_fill(130 * 3, 396) == pytest.approx(390 / 396)
 
 
 def test_strides_address_every_element_once():

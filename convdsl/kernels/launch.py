@@ -275,10 +275,7 @@ def grad_weight_split(p: ConvProblem, tiles: TileConfig) -> tuple[int, int]:
     parts = tiles.split or p.split_k
     if not parts:
         slots = SM_COUNT * resident_programs(tiles, 4 if p.dtype == "f32" else 2)
-        most = max(1, min(256, steps // 8))
-        fill = [(last_wave_fill(tiles_out * s, slots), s) for s in range(1, most + 1)]
-        best = max(f for f, _ in fill)
-        parts = min(s for f, s in fill if f >= best - 0.02)  # the fewest chunks (longest) that fill as well
+        parts = fullest_split(tiles_out, slots, max(1, min(256, steps // 8)))
     parts = max(1, min(parts, steps))
     chunk = -(-steps // parts) * tiles.block_k
     return -(-length // chunk), chunk
@@ -293,6 +290,14 @@ def resident_programs(tiles: TileConfig, element_bytes: int) -> int:
     tiles; as ncu reported for these kernels) and its warps allow (registers are not known before compiling)."""
     shared = tiles.stages * (tiles.block_m + tiles.block_n) * tiles.block_k * element_bytes
     return max(1, min(SHARED_PER_SM // (shared + SHARED_RESERVED), WARPS_PER_SM // tiles.warps))
+
+
+def fullest_split(tiles_out: int, slots: int, most: int) -> int:
+    """The fewest chunks S <= most (the longest chunks) whose tiles_out x S programs keep the slots within 2% as
+    busy as the best S does."""
+    fill = {s: last_wave_fill(tiles_out * s, slots) for s in range(1, most + 1)}
+    best = max(fill.values())
+    return min(s for s, f in fill.items() if f >= best - 0.02)
 
 
 def last_wave_fill(programs: int, slots: int) -> float:
