@@ -83,6 +83,9 @@ EXTERN_TILES: tuple[TileConfig, ...] = (
     TileConfig(128, 64, 64, 4, 5), TileConfig(64, 64, 64, 4, 4), TileConfig(64, 128, 64, 4, 4),
     TileConfig(128, 256, 64, 8, 3), TileConfig(256, 128, 64, 8, 3), TileConfig(128, 128, 32, 8, 5),
     TileConfig(128, 64, 32, 4, 6),
+    # taller tiles for narrow C: more rows per shared-memory read of the weight tile (ncu on CK 15's dgrad,
+    # 128x64 tiles: shared memory and L1 88% busy, the tensor pipe 50%)
+    TileConfig(256, 64, 64, 8, 3), TileConfig(256, 64, 32, 8, 4),
 )
 
 
@@ -91,7 +94,8 @@ EXTERN_TILES: tuple[TileConfig, ...] = (
 DEPTHWISE_TILES = {
     "grad_weight": (TileConfig(8, 32, 1, 1, 1), TileConfig(16, 16, 1, 1, 1), TileConfig(16, 32, 1, 1, 1),
                     TileConfig(4, 32, 1, 4, 1), TileConfig(8, 32, 1, 4, 1), TileConfig(2, 32, 1, 1, 1),
-                    TileConfig(32, 16, 1, 2, 1)),
+                    TileConfig(32, 16, 1, 2, 1), TileConfig(4, 64, 1, 8, 1), TileConfig(2, 64, 1, 4, 1),
+                    TileConfig(4, 16, 1, 2, 1)),
     "grad_input": (TileConfig(64, 64, 1, 4, 1), TileConfig(128, 32, 1, 4, 1), TileConfig(16, 64, 1, 2, 1),
                    TileConfig(32, 32, 1, 1, 1)),
 }
