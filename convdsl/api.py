@@ -29,7 +29,7 @@ import numpy as np
 
 from . import cache
 from .compiler import ArgumentError, CompiledModule, Kernel, resolve_target
-from .problem import BF16X3, BF16X3_COMPUTE, DYNAMIC_BATCH_NOMINAL, COMPUTE_TYPES, DTYPES, LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue, ProblemError
+from .problem import F32_COMPUTES, DYNAMIC_BATCH_NOMINAL, COMPUTE_TYPES, DTYPES, LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue, ProblemError
 from .targets import Target
 
 __all__ = [
@@ -143,18 +143,19 @@ def _dtype_name(value: Any, key: str, op: str) -> str:
 def _compute(value: Any, op: str) -> Optional[tuple[str, str]]:
     if value is None:
         return None
-    if isinstance(value, str):  # "fp8" for both operands, "bf8,fp8" for (A, B), or "bf16x3" (f32 only)
+    if isinstance(value, str):  # "fp8" for both operands, "bf8,fp8" for (A, B), or "bf16x3" / "tf32" (f32 only)
         parts = [s.strip() for s in value.split(",")]
         value = parts * 2 if len(parts) == 1 else parts
     value = tuple(value)
-    if BF16X3 in value:
-        if value != BF16X3_COMPUTE:
-            raise ProblemError(f"{op}: compute: expected \"{BF16X3}\" for both operands, not mixed with "
+    mode = next((v for v in value if v in F32_COMPUTES), None)
+    if mode is not None:
+        if value != (mode, mode):
+            raise ProblemError(f"{op}: compute: expected \"{mode}\" for both operands, not mixed with "
                                f"{', '.join(COMPUTE_TYPES)}, got {value!r}")
-        return BF16X3_COMPUTE  # ConvProblem checks the dtype (f32 only)
+        return value  # type: ignore[return-value]  # ConvProblem checks the dtype (f32 only)
     if len(value) != 2 or any(v not in COMPUTE_TYPES for v in value):
         raise ProblemError(f"{op}: compute: expected (A, B) from {', '.join(COMPUTE_TYPES)}, one of them for "
-                           f"both, or \"{BF16X3}\", got {value!r}")
+                           f"both, or one of {', '.join(repr(m) for m in F32_COMPUTES)}, got {value!r}")
     return value  # type: ignore[return-value]
 
 

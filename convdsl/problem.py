@@ -21,6 +21,13 @@ COMPUTE_TYPES = ("fp8", "bf8")  # fp8 = e4m3, bf8 = e5m2, as in CK
 # `compute` stays a 2-tuple of names everywhere (spec, cache key, describe).
 BF16X3 = "bf16x3"
 BF16X3_COMPUTE = (BF16X3, BF16X3)
+# compute = "tf32": f32 operands may be rounded to TF32 (10-bit mantissa) for one-pass matrix products, as
+# cuDNN and PyTorch allow by default for convolutions (torch.backends.cudnn.allow_tf32).  A permission, like
+# PyTorch's: the CUDA kernels take it (Triton's tf32 dot); forms with no TF32 path compute in f32.
+TF32 = "tf32"
+TF32_COMPUTE = (TF32, TF32)
+# the compute modes of f32 kernels, each stored as the pair (mode, mode), and what they do to the operands
+F32_COMPUTES = {BF16X3: "splits f32 operands into bf16 pairs", TF32: "rounds f32 operands to TF32"}
 EPILOGUES = ("none", "scale", "bilinear")
 
 DYNAMIC_BATCH_NOMINAL = 2  # the batch `convdsl run` uses for `batch = ?` unless --batch says otherwise
@@ -135,37 +142,46 @@ class ConvProblem:
 
     def _check_compute(self) -> None:
         compute = self.compute
-        if compute == BF16X3 or (isinstance(compute, list) and compute == list(BF16X3_COMPUTE)):
-            compute = BF16X3_COMPUTE
+        if (isinstance(compute, str) and compute in F32_COMPUTES) or (
+                isinstance(compute, list) and len(compute) == 2 and compute[0] == compute[1]
+                and compute[0] in F32_COMPUTES):
+            compute = (compute, compute) if isinstance(compute, str) else tuple(compute)
             object.__setattr__(self, "compute", compute)  # one canonical value: equal problems hash alike
         elif isinstance(compute, list):
             compute = tuple(compute)
             object.__setattr__(self, "compute", compute)
-        if isinstance(compute, tuple) and BF16X3 in compute:
-            if compute != BF16X3_COMPUTE:
+        modes = [c for c in compute if c in F32_COMPUTES] if isinstance(compute, tuple) else []
+        if modes:
+            if len(compute) != 2 or compute[0] != compute[1]:
                 raise ProblemError(
-                    f"compute: expected \"{BF16X3}\" for both operands (it splits A and B alike), not mixed with "
-                    f"{', '.join(COMPUTE_TYPES)}, got {list(compute)}"
+                    f"compute: expected \"{modes[0]}\" for both operands (it treats A and B alike), not mixed with "
+                    f"{', '.join(c for c in (*COMPUTE_TYPES, *F32_COMPUTES) if c != modes[0])}, got {list(compute)}"
                 )
             if self.dtype != "f32":
                 raise ProblemError(
-                    f"compute: {BF16X3} splits f32 operands into bf16 pairs: expected dtype f32, got dtype {self.dtype}"
+                    f"compute: {modes[0]} {F32_COMPUTES[modes[0]]}: expected dtype f32, got dtype {self.dtype}"
                 )
             return
         if not isinstance(compute, tuple) or len(compute) != 2 or any(c not in COMPUTE_TYPES for c in compute):
             raise ProblemError(
-                f"compute: expected [A, B] from {', '.join(COMPUTE_TYPES)} or \"{BF16X3}\", got {compute!r}"
+                f"compute: expected [A, B] from {', '.join(COMPUTE_TYPES)}, \"{BF16X3}\" or \"{TF32}\", "
+                f"got {compute!r}"
             )
 
     @property
     def fp8_compute(self) -> bool:
         """Operands rounded to 8-bit compute types (compute = [A, B] of fp8/bf8)."""
-        return self.compute is not None and self.compute != BF16X3_COMPUTE
+        return self.compute is not None and self.compute[0] in COMPUTE_TYPES
 
     @property
     def bf16x3(self) -> bool:
         """f32 computed as three bf16 products per product (compute = "bf16x3")."""
         return self.compute == BF16X3_COMPUTE
+
+    @property
+    def tf32(self) -> bool:
+        """f32 products allowed in one-pass TF32 (compute = "tf32")."""
+        return self.compute == TF32_COMPUTE
 
     # --- derived sizes -------------------------------------------------------------------------
     @property
@@ -275,7 +291,8 @@ class ConvProblem:
             f"in={sp} filter={fl} stride={list(self.stride)} dil={list(self.dilation)} "
             f"pad={list(self.pad_lo)}/{list(self.pad_hi)} {self.layout}/{self.weight_layout} {self.dtype}"
             + (f"->{self.out_dtype}" if self.out_dtype else "")
-            + (f" compute={BF16X3}" if self.bf16x3 else f" compute={list(self.compute)}" if self.compute else "")
+            + (f" compute={self.compute[0]}" if self.compute and self.compute[0] in F32_COMPUTES
+               else f" compute={list(self.compute)}" if self.compute else "")
             + (f" split_k={self.split_k}" if self.split_k else "")
             + (f" epilogue={self.epilogue}" if self.epilogue.kind != "none" else "")
             + (" batch=?" if self.dynamic_batch else "")

@@ -31,6 +31,9 @@ COMPUTE_TOLERANCE = 1e-1
 # compute = "bf16x3": the plain f32 convolution, computed from bf16 hi/lo pairs (three bf16 products per
 # product, lo*lo dropped): ~2^-16 per product; measured 3e-6 .. 4.2e-6 on llvm-cpu (tests/test_bf16x3.py)
 BF16X3_TOLERANCE = 1e-4
+# compute = "tf32": operands rounded to 11 significant bits (unit roundoff 2^-11 = 4.9e-4 per operand), f32
+# sums; the norm-wise error of a sum of such products stays near 1e-3 (random signs), so 5e-3 holds
+TF32_TOLERANCE = 5e-3
 
 # einsum letters for the spatial axes; up to 3 dims.
 _SPATIAL = "DHW"
@@ -53,6 +56,8 @@ def tolerance(problem: ConvProblem) -> float:
     """The norm-wise relative error a kernel's result may have against `reference`."""
     if problem.bf16x3:
         return max(BF16X3_TOLERANCE, TOLERANCE[problem.result_dtype])
+    if problem.tf32:
+        return max(TF32_TOLERANCE, TOLERANCE[problem.result_dtype])
     if problem.compute is not None:
         return COMPUTE_TOLERANCE
     return max(TOLERANCE[problem.dtype], TOLERANCE[problem.result_dtype])
@@ -179,7 +184,8 @@ def reference(problem: ConvProblem, *args: np.ndarray) -> np.ndarray:
     forward(x, w) -> y; grad_input(dy, w) -> dx; grad_weight(x, dy) -> dw; transposed(x, w) -> y, where
     transposed is grad_input's arithmetic with x (of y_shape) in dy's place.  A bilinear epilogue takes D
     (result shape) last.  With fp8 `problem.compute`, operand A (first) and B (second) are first rounded to
-    their 8-bit compute types; compute = "bf16x3" approximates f32, so its reference is the plain f32 one.  The epilogue is applied in float64 and the output is not rounded.
+    their 8-bit compute types; compute = "bf16x3" and "tf32" approximate f32, so their reference is the plain f32
+    one (tolerance() allows for them).  The epilogue is applied in float64 and the output is not rounded.
     """
     p = problem
     expected = p.arg_shapes

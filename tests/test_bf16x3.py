@@ -224,9 +224,9 @@ def test_problem_canonical_form_round_trips():
     [
         (dict(dtype="f16"), r'compute: bf16x3 splits f32 operands into bf16 pairs: expected dtype f32, got dtype f16'),
         (dict(dtype="bf16"), r"expected dtype f32, got dtype bf16"),
-        (dict(compute=("bf16x3", "fp8")), r'compute: expected "bf16x3" for both operands \(it splits A and B '
-                                          r"alike\), not mixed with fp8, bf8, got \['bf16x3', 'fp8'\]"),
-        (dict(compute="bf16x2"), r'compute: expected \[A, B\] from fp8, bf8 or "bf16x3", got \'bf16x2\''),
+        (dict(compute=("bf16x3", "fp8")), r'compute: expected "bf16x3" for both operands \(it treats A and B '
+                                          r"alike\), not mixed with fp8, bf8, tf32, got \['bf16x3', 'fp8'\]"),
+        (dict(compute="bf16x2"), r'compute: expected \[A, B\] from fp8, bf8, "bf16x3" or "tf32", got \'bf16x2\''),
     ],
 )
 def test_problem_errors(changes, message):
@@ -258,12 +258,13 @@ def _error(text: str) -> ConvSyntaxError:
         ('dtype = f16; compute = "bf16x3"', "", "4:26",
          "expected dtype f32 for compute = bf16x3 (it splits f32 operands into bf16 pairs), got dtype f16"),
         ("dtype = bf16", '{ compute = "bf16x3" }', "6:35", "expected dtype f32 for compute = bf16x3"),
-        ("compute = [bf16x3, fp8]", "", "4:13", "expected bf16x3 for both operands or for neither (it splits A and "
+        ("compute = [bf16x3, fp8]", "", "4:13", "expected bf16x3 for both operands or for neither (it treats A and "
                                                  "B alike), got [bf16x3, fp8]"),
         ("compute = [fp8, bf16x3]", "", "4:13", "got [fp8, bf16x3]"),
-        ('compute = "bf16x4"', "", "4:13", 'expected bf16x3 or a list of 2 compute types [A, B] for compute, '
+        ('compute = "bf16x4"', "", "4:13", 'expected bf16x3, tf32 or a list of 2 compute types [A, B] for compute, '
                                            "got \"bf16x4\"; did you mean 'bf16x3'?"),
-        ("compute = bf16", "", "4:13", "expected bf16x3 or a list of 2 compute types [A, B] for compute, got 'bf16'"),
+        ("compute = bf16", "", "4:13", "expected bf16x3, tf32 or a list of 2 compute types [A, B] for compute, "
+                                       "got 'bf16'"),
         ('dtype = "f32"', "", "4:11", 'expected a dtype (f32, f16 or bf16) for dtype, got "f32"'),
     ],
 )
@@ -295,9 +296,9 @@ def test_api_compute_bf16x3():
         convdsl.conv(x.astype(np.float16), w.astype(np.float16), padding=1, compute="bf16x3")
     with pytest.raises(ProblemError, match=r'conv: compute: expected "bf16x3" for both operands'):
         convdsl.conv(x, w, padding=1, compute=("bf16x3", "fp8"))
-    with pytest.raises(ProblemError, match=r'conv: compute: expected \(A, B\) from fp8, bf8, one of them for both, '
-                                           r'or "bf16x3", got \(\'tf32\', \'tf32\'\)'):
-        convdsl.conv(x, w, padding=1, compute="tf32")
+    with pytest.raises(ProblemError, match=r"conv: compute: expected \(A, B\) from fp8, bf8, one of them for both, "
+                                           r"or one of 'bf16x3', 'tf32', got \('bf16x2', 'bf16x2'\)"):
+        convdsl.conv(x, w, padding=1, compute="bf16x2")
 
 
 # --- random problems -------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ order), so a file can list its kernels at the top.  The returned list follows th
 Conv keys: dims, batch, in_channels, out_channels, input, filter (required); groups (1), stride (1),
 dilation (1), padding (0), layout (NHWGC), weight_layout (GKYXC), dtype (f32), and the kernel
 defaults out_dtype and compute.  Kernel options: split_k (grad_weight only), out_dtype, epilogue,
-compute; a kernel's value wins over its conv's default.  compute is [A, B] of fp8 / bf8, or bf16x3
-(also written "bf16x3", the one quoted value of the language; f32 only): f32 as three bf16 products.
+compute; a kernel's value wins over its conv's default.  compute is [A, B] of fp8 / bf8, or one of the
+f32 modes (f32 only; also written quoted, the one quoted value of the language): bf16x3, f32 as three bf16
+products; tf32, one-pass TF32 products allowed (cuDNN's and PyTorch's default for convolutions).
 
 `input` and `filter` always take a list, one size per spatial dim, even for dims = 1: a bare number
 there is more likely a slip than a square image.  Layouts are named in their 2D form (NHWGC means
@@ -44,8 +45,7 @@ from lark.lark import PostLex
 from lark.lexer import PatternStr
 
 from convdsl.problem import (
-    BF16X3,
-    BF16X3_COMPUTE,
+    F32_COMPUTES,
     DYNAMIC_BATCH_NOMINAL,
     COMPUTE_TYPES,
     DTYPES,
@@ -254,7 +254,7 @@ def _char_words(char: str) -> str:
 
 
 def _expected_words(names: Sequence[str]) -> str:
-    # STRING: only compute takes a quoted word (`compute = "bf16x3"`); listing it everywhere would mislead
+    # STRING: only compute takes a quoted word (`compute = "tf32"`); listing it everywhere would mislead
     ranked = sorted({_terminal_word(n) for n in names if n not in ("WS", "COMMENT", "STRING")})
     return _one_of([words for _, words in ranked])
 
@@ -506,37 +506,40 @@ def _dtype(src: _Source, e: _Entry) -> str:
 
 
 def _compute(src: _Source, e: _Entry) -> tuple[str, str]:
-    """compute = [A, B] of fp8 kinds, or bf16x3 (bare or quoted; also [bf16x3, bf16x3]).
+    """compute = [A, B] of fp8 kinds, or an f32 mode (bf16x3, tf32: bare or quoted; also [mode, mode]).
 
-    Whether bf16x3 fits the dtype is checked once the dtype is known (_check_bf16x3)."""
+    Whether an f32 mode fits the dtype is checked once the dtype is known (_check_f32_compute)."""
     v = e.value
-    if v.kind in ("name", "string") and v.name == BF16X3:
-        return BF16X3_COMPUTE
+    modes = list(F32_COMPUTES)
+    if v.kind in ("name", "string") and v.name in F32_COMPUTES:
+        return v.name, v.name
     if v.kind != "list" or len(v.items) != 2:
         got = f"a list of {len(v.items)}" if v.kind == "list" else _describe(v)
         if v.kind in ("name", "string"):
-            raise src.error(v.span, f"expected {BF16X3} or a list of 2 compute types [A, B] for compute, "
-                                    f"got {_describe(v)}{_did_you_mean(v.name, [BF16X3])}")
+            raise src.error(v.span, f"expected {', '.join(modes)} or a list of 2 compute types [A, B] for compute, "
+                                    f"got {_describe(v)}{_did_you_mean(v.name, modes)}")
         raise src.error(v.span, f"expected a list of 2 compute types [A, B] for compute, got {got}")
     out = []
     for item in v.items:
-        if item.kind != "name" or item.name not in (*COMPUTE_TYPES, BF16X3):
+        if item.kind != "name" or item.name not in (*COMPUTE_TYPES, *F32_COMPUTES):
             hint = _did_you_mean(item.name, COMPUTE_TYPES) if item.kind == "name" else ""
             raise src.error(item.span, f"expected {_one_of(COMPUTE_TYPES)} in compute, got {_describe(item)}{hint}")
         out.append(item.name)
-    if BF16X3 in out:
-        if tuple(out) != BF16X3_COMPUTE:
-            raise src.error(v.span, f"expected {BF16X3} for both operands or for neither (it splits A and B "
+    mode = next((c for c in out if c in F32_COMPUTES), None)
+    if mode is not None:
+        if out[0] != out[1]:
+            raise src.error(v.span, f"expected {mode} for both operands or for neither (it treats A and B "
                                     f"alike), got [{', '.join(out)}]")
-        return BF16X3_COMPUTE
+        return mode, mode
     return out[0], out[1]
 
 
-def _check_bf16x3(src: _Source, e: _Entry, dtype: str, notes: Sequence[str]) -> None:
-    """compute = bf16x3 splits f32 operands: refuse it, at the compute value, on any other dtype."""
+def _check_f32_compute(src: _Source, e: _Entry, dtype: str, notes: Sequence[str]) -> None:
+    """compute = bf16x3 or tf32 acts on f32 operands: refuse it, at the compute value, on any other dtype."""
+    mode = _compute(src, e)[0]
     if dtype != "f32":
-        raise src.error(e.value.span, f"expected dtype f32 for compute = {BF16X3} (it splits f32 operands into "
-                                      f"bf16 pairs), got dtype {dtype}", notes)
+        raise src.error(e.value.span, f"expected dtype f32 for compute = {mode} (it {F32_COMPUTES[mode]}), "
+                                      f"got dtype {dtype}", notes)
 
 
 def _split_k(src: _Source, e: _Entry) -> Optional[int]:
@@ -656,10 +659,10 @@ def _conv(src: _Source, node: Tree, batch: Optional[int]) -> _Conv:
             compute = _compute(src, e)
         else:  # pragma: no cover - _collect admits only CONV_KEYS
             raise AssertionError(key)
-    if compute == BF16X3_COMPUTE:
+    if compute is not None and compute[0] in F32_COMPUTES:
         dtype_entry = seen.get("dtype")
         notes = [src.note(dtype_entry.value.span, "dtype set here")] if dtype_entry is not None else []
-        _check_bf16x3(src, seen["compute"], fields["dtype"], notes)
+        _check_f32_compute(src, seen["compute"], fields["dtype"], notes)
     if batch is not None:
         fields["batch"] = batch
     try:
@@ -707,8 +710,9 @@ def _kernel(src: _Source, node: Tree, convs: dict[str, _Conv]) -> tuple[ConvProb
             compute = _compute(src, e)
         elif key == "epilogue":
             epilogue = _epilogue(src, e)
-    if "compute" in seen and compute == BF16X3_COMPUTE:
-        _check_bf16x3(src, seen["compute"], conv.fields["dtype"], [src.note(conv.span, f"conv {conv.name} declared here")])
+    if "compute" in seen and compute is not None and compute[0] in F32_COMPUTES:
+        _check_f32_compute(src, seen["compute"], conv.fields["dtype"],
+                           [src.note(conv.span, f"conv {conv.name} declared here")])
     if out_dtype == conv.fields["dtype"]:
         out_dtype = None  # "same as dtype", so equal sources give equal problems
     try:

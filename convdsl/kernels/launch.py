@@ -87,10 +87,17 @@ def weight_strides(p: ConvProblem) -> tuple[int, ...]:
 
 def _precision(p: ConvProblem) -> str:
     # f32: three-pass TF32 on the tensor cores (about f32's accuracy; error measured against the f64
-    # reference in the GPU tests); compute = "bf16x3": three bf16 products, as the linalg form does
+    # reference in the GPU tests); compute = "bf16x3": three bf16 products, as the linalg form does;
+    # compute = "tf32": one-pass TF32 (cuDNN's default for f32 convolutions) for grad_input, a third of the
+    # products.  Measured on an H100 (results/*tf32*): CK 15's 3D dgrad 11.45 -> 7.45 ms (error 6.9e-4), but
+    # CK's 3D grad_weight 19.7 -> 30.9 ms: with one-pass TF32 Triton copies both operands, stored MN-major,
+    # with 4-byte cp.async instead of 16-byte ones (144 against 36 per tile step, seen in the PTX), so
+    # grad_weight keeps three passes: the permission is not used where it does not pay
     if p.dtype != "f32":
         return "ieee"  # 16-bit operands: exact products, f32 accumulation
-    return "bf16x3" if p.bf16x3 else "tf32x3"
+    if p.bf16x3:
+        return "bf16x3"
+    return "tf32" if p.tf32 and p.op != "grad_weight" else "tf32x3"
 
 
 def operand_element(p: ConvProblem) -> str:

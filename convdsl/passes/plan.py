@@ -90,6 +90,8 @@ class KernelPlan:
             return "\n".join(lines)
         if p.bf16x3:
             lines.append(f"  compute: bf16x3 not applied: the {self.form} form is bound by memory; f32 on FMA units")
+        if p.tf32:
+            lines.append("  compute: tf32 allowed, not used: IREE's lowering of this form has no TF32 path; f32 products")
         if self.phases:
             live = [ph for ph in self.phases if not ph.empty]
             lines.append(
@@ -186,7 +188,7 @@ def weight_k_inner(problem: ConvProblem, target: Target) -> bool:
 
 
 # Triton's dot precisions as explain names them
-PRODUCTS = {"ieee": "exact 16-bit", "tf32x3": "3-pass TF32", "bf16x3": "3-pass bf16"}
+PRODUCTS = {"ieee": "exact 16-bit", "tf32x3": "3-pass TF32", "bf16x3": "3-pass bf16", "tf32": "1-pass TF32"}
 
 
 def _describe_extern(plan: KernelPlan) -> list[str]:
@@ -221,6 +223,8 @@ def _describe_extern(plan: KernelPlan) -> list[str]:
                     " reduction steps, summed in chunk order by one linalg reduction")
         lines.append(f"    {launch.name}: {what}; {detail}")
         lines += lines_of_phases
+    if p.tf32 and any(dict(la.constants).get("PRECISION") == "tf32x3" for la in ext.launches):
+        lines.append("  compute: tf32 allowed, not used: one pass measured slower for grad_weight (kernels/launch.py)")
     if p.fp8_compute:
         lines.append(f"  compute: operands rounded to {p.compute[0]} (first argument) and {p.compute[1]} (second)"
                      " by one linalg pass each, stored in f16 (exact), products summed in f32")

@@ -62,7 +62,7 @@ def heuristic(p: ConvProblem, target: Target) -> Knobs:
     on an H100 (results/*tune3*) moved the large grad_input GEMMs with 128+ dX channels to n4-m2.
     Depthwise kernels have no matrix-unit config, so knobs do not apply.
     """
-    sixteen_bit = p.dtype in ("f16", "bf16") or p.compute is not None
+    sixteen_bit = p.dtype in ("f16", "bf16") or p.fp8_compute or p.bf16x3  # tf32: f32 on the linalg form
     if target.backend == "cpu" or p.depthwise or not sixteen_bit:
         return Knobs()
     if p.op == "grad_weight":
