@@ -13,8 +13,6 @@ scratch), filled here with two zero constants so that the parameter counts match
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 from iree.compiler import ir
 from iree.compiler.dialects import arith, flow, hal
@@ -68,18 +66,13 @@ def _layout(pointers: int) -> ir.Attribute:
     return ir.Attribute.parse(f"#hal.pipeline.layout<constants = {TRITON_TRAILING_PARAMS}, bindings = [{bindings}]>")
 
 
-def dispatch(launch: Launch, binary: Binary, inputs: list[ir.Value], result_type: ir.Type,
-             into: Optional[ir.Value] = None) -> ir.Value:
-    """flow.dispatch of one launch: `inputs` are its read-only bindings, the result its last binding;
-    with `into`, the kernel writes into that tensor in place (tied), leaving the rest of it as it was."""
+def dispatch(launch: Launch, binary: Binary, inputs: list[ir.Value], result_type: ir.Type) -> ir.Value:
+    """flow.dispatch of one launch: `inputs` are its read-only bindings, the result its last binding.  The
+    result is a fresh tensor written whole by the kernel, so IREE can place it in the caller's buffer."""
     i32 = ir.IntegerType.get_signless(32)
     unused = [arith.ConstantOp(i32, 0).result for _ in range(TRITON_TRAILING_PARAMS)]
     entry = ir.SymbolRefAttr.get([executable_symbol(launch), binary.name])
-    args = [*inputs, *([into] if into is not None else []), *unused]
-    tied = None
-    if into is not None:
-        tied = ir.ArrayAttr.get([ir.IntegerAttr.get(ir.IndexType.get(), len(inputs))])
-    op = flow.DispatchOp([result_type], [], ir.ArrayAttr.get([entry]), args, [], [], tied_operands=tied)
+    op = flow.DispatchOp([result_type], [], ir.ArrayAttr.get([entry]), [*inputs, *unused], [], [])
     return op.result
 
 

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ExternPlan:
-    """The Triton launches of a kernel: one per stride phase (grad_input) or one producing f32 split-K
-    partials [S, G, K, taps, C] (grad_weight), all with the same tiles."""
+    """The Triton launch of a kernel (a tuple of one: grad_input covers all its stride phases in one launch,
+    grad_weight produces f32 split-K partials [S, G, K, taps, C]) and its tiles."""
 
     tiles: TileConfig
     launches: tuple[Launch, ...]
