@@ -65,98 +65,71 @@ def grad_input_phases(
     g = tl.program_id(1)
     for p in tl.static_range(PHASES):
         if (pid >= FIRST[p]) & (pid < FIRST[p + 1]):
-            _phase_tile(dy, w, dx, pid - FIRST[p], g, C, K, N, O0, O1, O2, Q0[p], Q1[p], Q2[p], J0[p], J1[p], J2[p],
-                        R0[p], R1[p], R2[p], S0, S1, S2, OFF0[p], OFF1[p], OFF2[p], OSTEP0[p], OSTEP1[p], OSTEP2[p],
-                        Y00[p], Y01[p], Y02[p], TSTEP0[p], TSTEP1[p], TSTEP2[p],
-                        DYN, DYG, DYK, DY0, DY1, DY2, WG, WK, WC, W0, W1, W2, DXN, DXG, DXC, DX0, DX1, DX2,
-                        ALPHA, PRECISION, PACK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES)
+            # phase p's tile (local counts from its first program): a GEMM per (packed) group g with rows
+            # m = (n, q0, q1, q2), columns c, reduction (j0, j1, j2, k); PACK > 1: C and K count the PACK
+            # groups' channels, column c of sub-group c // (C / PACK) meets only the reductions k of the same
+            # sub-group (the weight's other blocks are zero)
+            local = pid - FIRST[p]
+            M: tl.constexpr = N * Q0[p] * Q1[p] * Q2[p]
+            TILES_M: tl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
+            TILES_N: tl.constexpr = (C + BLOCK_N - 1) // BLOCK_N
+            K_STEPS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+            # grouped tile order: GROUP_M row tiles share their W columns in L2
+            width = GROUP_M * TILES_N
+            first_m = (local // width) * GROUP_M
+            rows_here = tl.minimum(TILES_M - first_m, GROUP_M)
+            tile_m = first_m + (local % width) % rows_here
+            tile_n = (local % width) // rows_here
 
+            m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            c = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            kk = tl.arange(0, BLOCK_K)
+            m_ok = m < M
+            q2 = m % Q2[p]
+            q1 = (m // Q2[p]) % Q1[p]
+            q0 = (m // (Q2[p] * Q1[p])) % Q0[p]
+            n = m // (Q2[p] * Q1[p] * Q0[p])
+            c_ok = c < C
+            dy_row = dy + g * DYG + n * DYN
+            if PACK > 1:
+                C_SUB: tl.constexpr = C // PACK
+                K_SUB: tl.constexpr = K // PACK
+                c_sub = c // C_SUB
+                w_col = w + (g * PACK + c_sub) * WG + (c % C_SUB) * WC
+            else:
+                w_col = w + g * WG + c * WC
 
-@triton.jit
-def _phase_tile(
-    dy, w, dx, pid, g,
-    C: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr,
-    Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr,
-    J0: tl.constexpr, J1: tl.constexpr, J2: tl.constexpr,
-    R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
-    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-    OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr,
-    OSTEP0: tl.constexpr, OSTEP1: tl.constexpr, OSTEP2: tl.constexpr,
-    Y00: tl.constexpr, Y01: tl.constexpr, Y02: tl.constexpr,
-    TSTEP0: tl.constexpr, TSTEP1: tl.constexpr, TSTEP2: tl.constexpr,
-    DYN: tl.constexpr, DYG: tl.constexpr, DYK: tl.constexpr, DY0: tl.constexpr, DY1: tl.constexpr,
-    DY2: tl.constexpr,
-    WG: tl.constexpr, WK: tl.constexpr, WC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
-    DXN: tl.constexpr, DXG: tl.constexpr, DXC: tl.constexpr, DX0: tl.constexpr, DX1: tl.constexpr,
-    DX2: tl.constexpr,
-    ALPHA: tl.constexpr, PRECISION: tl.constexpr, PACK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
-    # one phase's tile (pid counts from the phase's first program): a GEMM per (packed) group g with rows
-    # m = (n, q0, q1, q2), columns c, reduction (j0, j1, j2, k); PACK > 1: C and K count the PACK groups'
-    # channels, column c of sub-group c // (C / PACK) meets only the reductions k of the same sub-group (the
-    # weight's other blocks are zero)
-    M: tl.constexpr = N * Q0 * Q1 * Q2
-    TILES_M: tl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
-    TILES_N: tl.constexpr = (C + BLOCK_N - 1) // BLOCK_N
-    K_STEPS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-    # grouped tile order: GROUP_M row tiles share their W columns in L2
-    width = GROUP_M * TILES_N
-    first_m = (pid // width) * GROUP_M
-    rows_here = tl.minimum(TILES_M - first_m, GROUP_M)
-    tile_m = first_m + (pid % width) % rows_here
-    tile_n = (pid % width) // rows_here
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for step in tl.range(0, J0[p] * J1[p] * J2[p] * K_STEPS, num_stages=NUM_STAGES):
+                j = step // K_STEPS
+                k = (step % K_STEPS) * BLOCK_K + kk
+                j2 = j % J2[p]
+                j1 = (j // J2[p]) % J1[p]
+                j0 = j // (J2[p] * J1[p])
+                o0 = q0 + (OFF0[p] - j0 * OSTEP0[p])
+                o1 = q1 + (OFF1[p] - j1 * OSTEP1[p])
+                o2 = q2 + (OFF2[p] - j2 * OSTEP2[p])
+                row_ok = m_ok & (o0 >= 0) & (o0 < O0) & (o1 >= 0) & (o1 < O1) & (o2 >= 0) & (o2 < O2)
+                k_ok = k < K
+                a_ptrs = dy_row[:, None] + (o0 * DY0 + o1 * DY1 + o2 * DY2)[:, None] + (k * DYK)[None, :]
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                tap = ((Y00[p] + j0 * TSTEP0[p]) * W0 + (Y01[p] + j1 * TSTEP1[p]) * W1
+                   + (Y02[p] + j2 * TSTEP2[p]) * W2)
+                if PACK > 1:
+                    b_ptrs = w_col[None, :] + (tap + (k % K_SUB) * WK)[:, None]
+                    diagonal = (k // K_SUB)[:, None] == c_sub[None, :]
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :] & diagonal, other=0.0)
+                else:
+                    b_ptrs = w_col[None, :] + (tap + k * WK)[:, None]
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
 
-    m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    c = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    kk = tl.arange(0, BLOCK_K)
-    m_ok = m < M
-    q2 = m % Q2
-    q1 = (m // Q2) % Q1
-    q0 = (m // (Q2 * Q1)) % Q0
-    n = m // (Q2 * Q1 * Q0)
-    c_ok = c < C
-    dy_row = dy + g * DYG + n * DYN
-    if PACK > 1:
-        C_SUB: tl.constexpr = C // PACK
-        K_SUB: tl.constexpr = K // PACK
-        c_sub = c // C_SUB
-        w_col = w + (g * PACK + c_sub) * WG + (c % C_SUB) * WC
-    else:
-        w_col = w + g * WG + c * WC
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in tl.range(0, J0 * J1 * J2 * K_STEPS, num_stages=NUM_STAGES):
-        j = step // K_STEPS
-        k = (step % K_STEPS) * BLOCK_K + kk
-        j2 = j % J2
-        j1 = (j // J2) % J1
-        j0 = j // (J2 * J1)
-        o0 = q0 + (OFF0 - j0 * OSTEP0)
-        o1 = q1 + (OFF1 - j1 * OSTEP1)
-        o2 = q2 + (OFF2 - j2 * OSTEP2)
-        row_ok = m_ok & (o0 >= 0) & (o0 < O0) & (o1 >= 0) & (o1 < O1) & (o2 >= 0) & (o2 < O2)
-        k_ok = k < K
-        a_ptrs = dy_row[:, None] + (o0 * DY0 + o1 * DY1 + o2 * DY2)[:, None] + (k * DYK)[None, :]
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        tap = (Y00 + j0 * TSTEP0) * W0 + (Y01 + j1 * TSTEP1) * W1 + (Y02 + j2 * TSTEP2) * W2
-        if PACK > 1:
-            b_ptrs = w_col[None, :] + (tap + (k % K_SUB) * WK)[:, None]
-            diagonal = (k // K_SUB)[:, None] == c_sub[None, :]
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :] & diagonal, other=0.0)
-        else:
-            b_ptrs = w_col[None, :] + (tap + k * WK)[:, None]
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-
-    out = acc * ALPHA
-    i0 = R0 + S0 * q0
-    i1 = R1 + S1 * q1
-    i2 = R2 + S2 * q2
-    dx_ptrs = (dx + g * DXG + (n * DXN + i0 * DX0 + i1 * DX1 + i2 * DX2)[:, None] + (c * DXC)[None, :])
-    tl.store(dx_ptrs, out.to(dx.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
+            out = acc * ALPHA
+            i0 = R0[p] + S0 * q0
+            i1 = R1[p] + S1 * q1
+            i2 = R2[p] + S2 * q2
+            dx_ptrs = dx + g * DXG + (n * DXN + i0 * DX0 + i1 * DX1 + i2 * DX2)[:, None] + (c * DXC)[None, :]
+            tl.store(dx_ptrs, out.to(dx.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
