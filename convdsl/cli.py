@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser, default_target: str) -> None:
         p.add_argument("file", help="a .conv file")
         p.add_argument("--target", default=default_target, choices=("auto", *BACKENDS))
-        p.add_argument("--arch", default=None, help="sm_80, sm_89, gfx942, ... (default per target)")
+        p.add_argument("--arch", default=None, help="sm_80, sm_89, sm_90, gfx942, ... (default per target: sm_80 "
+                       "for cuda; with --target auto, the CUDA device's own)")
         p.add_argument("--batch", type=int, default=None, help="override every conv's batch size")
 
     c = sub.add_parser("compile", help="compile a .conv file to OUT.vmfb (+ OUT.json manifest)")

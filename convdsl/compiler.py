@@ -17,7 +17,7 @@ from .abi import INTO_SUFFIX
 from .backends.iree import LoadedModule, iree_version
 from .cache import compile_cached
 from .problem import ConvProblem, problem_to_spec
-from .targets import Target
+from .targets import Target, native_cuda_arch
 
 
 class ArgumentError(TypeError):
@@ -25,11 +25,15 @@ class ArgumentError(TypeError):
 
 
 def resolve_target(target: Union[str, Target] = "cpu", arch: Optional[str] = None) -> Target:
-    """'auto' picks CUDA when a CUDA device is present, else the CPU."""
+    """'auto' picks CUDA when a CUDA device is present, for that device's arch unless `arch` names one
+    (targets.native_cuda_arch: sm_90 on H100/H200, for wgmma cubins and the tiles tuned there), else the CPU.
+    An explicit 'cuda' keeps the portable default arch (sm_80 PTX, which runs on any recent NVIDIA GPU)."""
     if isinstance(target, Target):
         return target
     if target == "auto":
         target = "cuda" if cuda_available() else "cpu"
+        if target == "cuda" and arch is None:
+            arch = native_cuda_arch()
     return Target.parse(target, arch)
 
 

@@ -28,6 +28,35 @@ class TargetError(ValueError):
     pass
 
 
+def native_cuda_arch(device: int = 0) -> Optional[str]:
+    """The arch to compile for the CUDA device present (None: no driver or no device), from its compute
+    capability: 9.x (H100, H200) -> sm_90 (wgmma cubins), 8.9 -> sm_89, other 8.x -> sm_80.  Others get None,
+    so the portable default applies: sm_80 PTX, which the driver JIT-compiles (also for chips newer than
+    Hopper, which cannot run sm_90a cubins).  Read from libcuda itself: no runtime library is needed."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        handle, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(handle), device) != 0:
+            return None
+        # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76
+        if cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, handle) != 0 or \
+                cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, handle) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return arch_for_capability(major.value, minor.value)
+
+
+def arch_for_capability(major: int, minor: int) -> Optional[str]:
+    if major == 9:
+        return "sm_90"
+    if major == 8:
+        return "sm_89" if minor >= 9 else "sm_80"
+    return None
+
+
 @dataclass(frozen=True)
 class Target:
     backend: str = "cpu"
