@@ -190,12 +190,12 @@ def test_the_phases_of_the_launch_write_every_dx_position_once(p):
     assert c["PHASES"] == len(grad_input_phases(p)) and c["FIRST"][0] == 0 and c["FIRST"][-1] == grid_x
     seen = []
     for ph in range(c["PHASES"]):
-        q = [c[f"Q{i}"][ph] for i in range(3)]
-        per_dim = [[c[f"R{i}"][ph] + c[f"S{i}"] * j for j in range(q[i])] for i in range(3)]
+        q = [c["Q"][i][ph] for i in range(3)]
+        per_dim = [[c["R"][i][ph] + c["S"][i] * j for j in range(q[i])] for i in range(3)]
         seen.extend((a, b, d) for a in per_dim[0] for b in per_dim[1] for d in per_dim[2])
         rows = p.batch * math.prod(q)
         assert c["FIRST"][ph + 1] - c["FIRST"][ph] == -(-rows // tiles.block_m) * -(-c["C"] // tiles.block_n)
-    taps = [math.prod(c[f"J{i}"][ph] for i in range(3)) for ph in range(c["PHASES"])]
+    taps = [math.prod(c["J"][i][ph] for i in range(3)) for ph in range(c["PHASES"])]
     assert taps == sorted(taps, reverse=True)
     padded = (1,) * (3 - p.dims) + p.input
     assert sorted(seen) == sorted((a, b, d) for a in range(padded[0]) for b in range(padded[1])

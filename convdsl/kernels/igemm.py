@@ -34,26 +34,16 @@ import triton.language as tl
 @triton.jit
 def grad_input_phases(
     dy, w, dx,
-    # sizes: channels, batch, dY spatial O
-    C: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr,
-    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-    # the stride phases, one tuple entry each: phase p owns programs [FIRST[p], FIRST[p + 1]) (heaviest first);
-    # its positions Q and taps J; dX position i = R + S*q; dY position o = q + OFF - j*OSTEP; tap y = Y0 + j*TSTEP
+    # sizes: channels, batch; dY spatial O and stride S per dimension (3 each)
+    C: tl.constexpr, K: tl.constexpr, N: tl.constexpr, O: tl.constexpr, S: tl.constexpr,
+    # the stride phases: phase p owns programs [FIRST[p], FIRST[p + 1]) (heaviest first); per dimension d and
+    # phase p (Q[d][p] ...): positions Q and taps J; dX position i = R + S*q; dY position o = q + OFF - j*OSTEP;
+    # tap y = Y0 + j*TSTEP
     PHASES: tl.constexpr, FIRST: tl.constexpr,
-    Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr,
-    J0: tl.constexpr, J1: tl.constexpr, J2: tl.constexpr,
-    R0: tl.constexpr, R1: tl.constexpr, R2: tl.constexpr,
-    OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr,
-    OSTEP0: tl.constexpr, OSTEP1: tl.constexpr, OSTEP2: tl.constexpr,
-    Y00: tl.constexpr, Y01: tl.constexpr, Y02: tl.constexpr,
-    TSTEP0: tl.constexpr, TSTEP1: tl.constexpr, TSTEP2: tl.constexpr,
+    Q: tl.constexpr, J: tl.constexpr, R: tl.constexpr, OFF: tl.constexpr, OSTEP: tl.constexpr, Y0: tl.constexpr,
+    TSTEP: tl.constexpr,
     # element strides: dY (n, g, k, o0, o1, o2), W (g, k, c, y0, y1, y2), dX (n, g, c, i0, i1, i2)
-    DYN: tl.constexpr, DYG: tl.constexpr, DYK: tl.constexpr, DY0: tl.constexpr, DY1: tl.constexpr,
-    DY2: tl.constexpr,
-    WG: tl.constexpr, WK: tl.constexpr, WC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
-    DXN: tl.constexpr, DXG: tl.constexpr, DXC: tl.constexpr, DX0: tl.constexpr, DX1: tl.constexpr,
-    DX2: tl.constexpr,
+    DY: tl.constexpr, W: tl.constexpr, DX: tl.constexpr,
     ALPHA: tl.constexpr, PRECISION: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr,
@@ -70,7 +60,7 @@ def grad_input_phases(
             # groups' channels, column c of sub-group c // (C / PACK) meets only the reductions k of the same
             # sub-group (the weight's other blocks are zero)
             local = pid - FIRST[p]
-            M: tl.constexpr = N * Q0[p] * Q1[p] * Q2[p]
+            M: tl.constexpr = N * Q[0][p] * Q[1][p] * Q[2][p]
             TILES_M: tl.constexpr = (M + BLOCK_M - 1) // BLOCK_M
             TILES_N: tl.constexpr = (C + BLOCK_N - 1) // BLOCK_N
             K_STEPS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
@@ -85,68 +75,63 @@ def grad_input_phases(
             c = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
             kk = tl.arange(0, BLOCK_K)
             m_ok = m < M
-            q2 = m % Q2[p]
-            q1 = (m // Q2[p]) % Q1[p]
-            q0 = (m // (Q2[p] * Q1[p])) % Q0[p]
-            n = m // (Q2[p] * Q1[p] * Q0[p])
+            q2 = m % Q[2][p]
+            q1 = (m // Q[2][p]) % Q[1][p]
+            q0 = (m // (Q[2][p] * Q[1][p])) % Q[0][p]
+            n = m // (Q[2][p] * Q[1][p] * Q[0][p])
             c_ok = c < C
-            dy_row = dy + g * DYG + n * DYN
+            dy_row = dy + g * DY[1] + n * DY[0]
             if PACK > 1:
                 C_SUB: tl.constexpr = C // PACK
                 K_SUB: tl.constexpr = K // PACK
                 c_sub = c // C_SUB
-                w_col = w + (g * PACK + c_sub) * WG + (c % C_SUB) * WC
+                w_col = w + (g * PACK + c_sub) * W[0] + (c % C_SUB) * W[2]
             else:
-                w_col = w + g * WG + c * WC
+                w_col = w + g * W[0] + c * W[2]
 
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for step in tl.range(0, J0[p] * J1[p] * J2[p] * K_STEPS, num_stages=NUM_STAGES):
+            for step in tl.range(0, J[0][p] * J[1][p] * J[2][p] * K_STEPS, num_stages=NUM_STAGES):
                 j = step // K_STEPS
                 k = (step % K_STEPS) * BLOCK_K + kk
-                j2 = j % J2[p]
-                j1 = (j // J2[p]) % J1[p]
-                j0 = j // (J2[p] * J1[p])
-                o0 = q0 + (OFF0[p] - j0 * OSTEP0[p])
-                o1 = q1 + (OFF1[p] - j1 * OSTEP1[p])
-                o2 = q2 + (OFF2[p] - j2 * OSTEP2[p])
-                row_ok = m_ok & (o0 >= 0) & (o0 < O0) & (o1 >= 0) & (o1 < O1) & (o2 >= 0) & (o2 < O2)
+                j2 = j % J[2][p]
+                j1 = (j // J[2][p]) % J[1][p]
+                j0 = j // (J[2][p] * J[1][p])
+                o0 = q0 + (OFF[0][p] - j0 * OSTEP[0][p])
+                o1 = q1 + (OFF[1][p] - j1 * OSTEP[1][p])
+                o2 = q2 + (OFF[2][p] - j2 * OSTEP[2][p])
+                row_ok = m_ok & (o0 >= 0) & (o0 < O[0]) & (o1 >= 0) & (o1 < O[1]) & (o2 >= 0) & (o2 < O[2])
                 k_ok = k < K
-                a_ptrs = dy_row[:, None] + (o0 * DY0 + o1 * DY1 + o2 * DY2)[:, None] + (k * DYK)[None, :]
+                a_ptrs = dy_row[:, None] + (o0 * DY[3] + o1 * DY[4] + o2 * DY[5])[:, None] + (k * DY[2])[None, :]
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                tap = ((Y00[p] + j0 * TSTEP0[p]) * W0 + (Y01[p] + j1 * TSTEP1[p]) * W1
-                   + (Y02[p] + j2 * TSTEP2[p]) * W2)
+                tap = ((Y0[0][p] + j0 * TSTEP[0][p]) * W[3] + (Y0[1][p] + j1 * TSTEP[1][p]) * W[4]
+                   + (Y0[2][p] + j2 * TSTEP[2][p]) * W[5])
                 if PACK > 1:
-                    b_ptrs = w_col[None, :] + (tap + (k % K_SUB) * WK)[:, None]
+                    b_ptrs = w_col[None, :] + (tap + (k % K_SUB) * W[1])[:, None]
                     diagonal = (k // K_SUB)[:, None] == c_sub[None, :]
                     b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :] & diagonal, other=0.0)
                 else:
-                    b_ptrs = w_col[None, :] + (tap + k * WK)[:, None]
+                    b_ptrs = w_col[None, :] + (tap + k * W[1])[:, None]
                     b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
                 acc = tl.dot(a, b, acc, input_precision=PRECISION)
 
             out = acc * ALPHA
-            i0 = R0[p] + S0 * q0
-            i1 = R1[p] + S1 * q1
-            i2 = R2[p] + S2 * q2
-            dx_ptrs = dx + g * DXG + (n * DXN + i0 * DX0 + i1 * DX1 + i2 * DX2)[:, None] + (c * DXC)[None, :]
+            i0 = R[0][p] + S[0] * q0
+            i1 = R[1][p] + S[1] * q1
+            i2 = R[2][p] + S[2] * q2
+            dx_ptrs = (dx + g * DX[1] + (n * DX[0] + i0 * DX[3] + i1 * DX[4] + i2 * DX[5])[:, None]
+                       + (c * DX[2])[None, :])
             tl.store(dx_ptrs, out.to(dx.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
 def grad_weight_partials(
     x, dy, partials,
-    # sizes: channels, batch, X spatial I, dY spatial O, filter F
+    # sizes: channels, batch
     C: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-    I0: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr,
-    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr,
-    F0: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr,
-    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
-    LO0: tl.constexpr, LO1: tl.constexpr, LO2: tl.constexpr,
+    # sizes per spatial dimension, padded to 3 (I: X, O: dY, F: filter; S stride, D dilation, LO low padding)
+    I: tl.constexpr, O: tl.constexpr, F: tl.constexpr, S: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
     # element strides: X (n, g, c, i0, i1, i2), dY (n, g, k, o0, o1, o2)
-    XN: tl.constexpr, XG: tl.constexpr, XC: tl.constexpr, X0: tl.constexpr, X1: tl.constexpr, X2: tl.constexpr,
-    DYN: tl.constexpr, DYG: tl.constexpr, DYK: tl.constexpr, DY0: tl.constexpr, DY1: tl.constexpr,
-    DY2: tl.constexpr,
+    X: tl.constexpr, DY: tl.constexpr,
     # split-K: chunk s covers reduction steps [s*CHUNK, min((s+1)*CHUNK, L)), CHUNK a multiple of BLOCK_R
     CHUNK: tl.constexpr, G: tl.constexpr,
     PRECISION: tl.constexpr, PACK: tl.constexpr,
@@ -155,8 +140,8 @@ def grad_weight_partials(
     # GEMM per (packed) group g: rows k, columns (f0, f1, f2, c) (c fastest), reduction (n, o0, o1, o2);
     # partials[s, g, k, f0, f1, f2, c] in f32.  PACK > 1: G, K and C count packed groups and their channels;
     # only the diagonal blocks (row and column of one sub-group) are stored, at their group's place
-    L: tl.constexpr = N * O0 * O1 * O2
-    T: tl.constexpr = F0 * F1 * F2
+    L: tl.constexpr = N * O[0] * O[1] * O[2]
+    T: tl.constexpr = F[0] * F[1] * F[2]
     COLS: tl.constexpr = T * C
     TILES_N: tl.constexpr = (COLS + BLOCK_N - 1) // BLOCK_N
     pid = tl.program_id(0)
@@ -171,15 +156,15 @@ def grad_weight_partials(
     col_ok = col < COLS
     c = col % C
     f = col // C
-    f2 = f % F2
-    f1 = (f // F2) % F1
-    f0 = f // (F2 * F1)
+    f2 = f % F[2]
+    f1 = (f // F[2]) % F[1]
+    f0 = f // (F[2] * F[1])
     # X position of column (f, c) at output position o: o*S + f*D - LO
-    shift0 = f0 * D0 - LO0
-    shift1 = f1 * D1 - LO1
-    shift2 = f2 * D2 - LO2
-    x_col = x + g * XG + c * XC + shift0 * X0 + shift1 * X1 + shift2 * X2
-    dy_row = dy + g * DYG + k * DYK
+    shift0 = f0 * D[0] - LO[0]
+    shift1 = f1 * D[1] - LO[1]
+    shift2 = f2 * D[2] - LO[2]
+    x_col = x + g * X[1] + c * X[2] + shift0 * X[3] + shift1 * X[4] + shift2 * X[5]
+    dy_row = dy + g * DY[1] + k * DY[2]
     rr = tl.arange(0, BLOCK_R)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -187,17 +172,17 @@ def grad_weight_partials(
     for r0 in tl.range(start, tl.minimum(start + CHUNK, L), BLOCK_R, num_stages=NUM_STAGES):
         r = r0 + rr
         r_ok = r < L
-        o2 = r % O2
-        o1 = (r // O2) % O1
-        o0 = (r // (O2 * O1)) % O0
-        n = r // (O2 * O1 * O0)
-        a_ptrs = dy_row[:, None] + (n * DYN + o0 * DY0 + o1 * DY1 + o2 * DY2)[None, :]
+        o2 = r % O[2]
+        o1 = (r // O[2]) % O[1]
+        o0 = (r // (O[2] * O[1])) % O[0]
+        n = r // (O[2] * O[1] * O[0])
+        a_ptrs = dy_row[:, None] + (n * DY[0] + o0 * DY[3] + o1 * DY[4] + o2 * DY[5])[None, :]
         a = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        i0 = (o0 * S0)[:, None] + shift0[None, :]
-        i1 = (o1 * S1)[:, None] + shift1[None, :]
-        i2 = (o2 * S2)[:, None] + shift2[None, :]
-        in_x = (i0 >= 0) & (i0 < I0) & (i1 >= 0) & (i1 < I1) & (i2 >= 0) & (i2 < I2)
-        b_ptrs = x_col[None, :] + (n * XN + o0 * (S0 * X0) + o1 * (S1 * X1) + o2 * (S2 * X2))[:, None]
+        i0 = (o0 * S[0])[:, None] + shift0[None, :]
+        i1 = (o1 * S[1])[:, None] + shift1[None, :]
+        i2 = (o2 * S[2])[:, None] + shift2[None, :]
+        in_x = (i0 >= 0) & (i0 < I[0]) & (i1 >= 0) & (i1 < I[1]) & (i2 >= 0) & (i2 < I[2])
+        b_ptrs = x_col[None, :] + (n * X[0] + o0 * (S[0] * X[3]) + o1 * (S[1] * X[4]) + o2 * (S[2] * X[5]))[:, None]
         b = tl.load(b_ptrs, mask=in_x & r_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
 
@@ -220,51 +205,44 @@ def grad_input_direct(
     # few channels per group (depthwise, ResNeXt-like): no GEMM worth the matrix units; each dX element
     # sums its taps x K products directly, reading dY through the caches (bound by memory, not math)
     G: tl.constexpr, C: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
-    I0: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr,
-    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr,
-    F0: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr,
-    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
-    LO0: tl.constexpr, LO1: tl.constexpr, LO2: tl.constexpr,
-    DYN: tl.constexpr, DYG: tl.constexpr, DYK: tl.constexpr, DY0: tl.constexpr, DY1: tl.constexpr,
-    DY2: tl.constexpr,
-    WG: tl.constexpr, WK: tl.constexpr, WC: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
-    DXN: tl.constexpr, DXG: tl.constexpr, DXC: tl.constexpr, DX0: tl.constexpr, DX1: tl.constexpr,
-    DX2: tl.constexpr,
+    # sizes per spatial dimension, padded to 3 (I: X, O: dY, F: filter; S stride, D dilation, LO low padding)
+    I: tl.constexpr, O: tl.constexpr, F: tl.constexpr, S: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
+    # element strides: dY (n, g, k, o0, o1, o2), W (g, k, c, y0, y1, y2), dX (n, g, c, i0, i1, i2)
+    DY: tl.constexpr, W: tl.constexpr, DX: tl.constexpr,
     ALPHA: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_CH: tl.constexpr,
 ):
     # rows: dX positions (n, i0, i1, i2); columns: channels (g, c), c fastest
-    P: tl.constexpr = N * I0 * I1 * I2
+    P: tl.constexpr = N * I[0] * I[1] * I[2]
     pos = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     ch = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
     p_ok = pos < P
     ch_ok = ch < G * C
     g = ch // C
     c = ch % C
-    i2 = pos % I2
-    i1 = (pos // I2) % I1
-    i0 = (pos // (I2 * I1)) % I0
-    n = pos // (I2 * I1 * I0)
+    i2 = pos % I[2]
+    i1 = (pos // I[2]) % I[1]
+    i0 = (pos // (I[2] * I[1])) % I[0]
+    n = pos // (I[2] * I[1] * I[0])
     acc = tl.zeros((BLOCK_P, BLOCK_CH), dtype=tl.float32)
-    for t0 in tl.static_range(F0):
+    for t0 in tl.static_range(F[0]):
         # dY position o with o*S = i + LO - t*D: the tap reaches i only where S divides it
-        a0 = i0 + (LO0 - t0 * D0)
-        ok0 = (a0 >= 0) & (a0 % S0 == 0) & (a0 < O0 * S0)
-        for t1 in tl.static_range(F1):
-            a1 = i1 + (LO1 - t1 * D1)
-            ok1 = ok0 & (a1 >= 0) & (a1 % S1 == 0) & (a1 < O1 * S1)
-            for t2 in tl.static_range(F2):
-                a2 = i2 + (LO2 - t2 * D2)
-                ok = p_ok & ok1 & (a2 >= 0) & (a2 % S2 == 0) & (a2 < O2 * S2)
-                row = n * DYN + (a0 // S0) * DY0 + (a1 // S1) * DY1 + (a2 // S2) * DY2
-                tap = t0 * W0 + t1 * W1 + t2 * W2
+        a0 = i0 + (LO[0] - t0 * D[0])
+        ok0 = (a0 >= 0) & (a0 % S[0] == 0) & (a0 < O[0] * S[0])
+        for t1 in tl.static_range(F[1]):
+            a1 = i1 + (LO[1] - t1 * D[1])
+            ok1 = ok0 & (a1 >= 0) & (a1 % S[1] == 0) & (a1 < O[1] * S[1])
+            for t2 in tl.static_range(F[2]):
+                a2 = i2 + (LO[2] - t2 * D[2])
+                ok = p_ok & ok1 & (a2 >= 0) & (a2 % S[2] == 0) & (a2 < O[2] * S[2])
+                row = n * DY[0] + (a0 // S[0]) * DY[3] + (a1 // S[1]) * DY[4] + (a2 // S[2]) * DY[5]
+                tap = t0 * W[3] + t1 * W[4] + t2 * W[5]
                 for k in tl.static_range(K):
-                    v = tl.load(dy + row[:, None] + (g * DYG + k * DYK)[None, :],
+                    v = tl.load(dy + row[:, None] + (g * DY[1] + k * DY[2])[None, :],
                                 mask=ok[:, None] & ch_ok[None, :], other=0.0)
-                    wk = tl.load(w + g * WG + k * WK + c * WC + tap, mask=ch_ok, other=0.0)
+                    wk = tl.load(w + g * W[0] + k * W[1] + c * W[2] + tap, mask=ch_ok, other=0.0)
                     acc += v.to(tl.float32) * wk.to(tl.float32)[None, :]
     out = acc * ALPHA
-    dx_ptrs = dx + (n * DXN + i0 * DX0 + i1 * DX1 + i2 * DX2)[:, None] + (g * DXG + c * DXC)[None, :]
+    dx_ptrs = dx + (n * DX[0] + i0 * DX[3] + i1 * DX[4] + i2 * DX[5])[:, None] + (g * DX[1] + c * DX[2])[None, :]
     tl.store(dx_ptrs, out.to(dx.dtype.element_ty), mask=p_ok[:, None] & ch_ok[None, :])
 
 
@@ -279,18 +257,14 @@ def grad_weight_depthwise(
     # 0.190 -> 0.111 ms against all taps of a block of positions in one register tensor (taps padded to a
     # power of two, 255 registers and spills); ConvNeXt's 7x7 0.264 -> 0.247 ms.
     G: tl.constexpr, N: tl.constexpr,
-    I0: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr,
-    O0: tl.constexpr, O1: tl.constexpr, O2: tl.constexpr,
-    F0: tl.constexpr, F1: tl.constexpr, F2: tl.constexpr,
-    S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr,
-    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
-    LO0: tl.constexpr, LO1: tl.constexpr, LO2: tl.constexpr,
-    XN: tl.constexpr, XG: tl.constexpr, X0: tl.constexpr, X1: tl.constexpr, X2: tl.constexpr,
-    DYN: tl.constexpr, DYG: tl.constexpr, DY0: tl.constexpr, DY1: tl.constexpr, DY2: tl.constexpr,
+    # sizes per spatial dimension, padded to 3 (I: X, O: dY, F: filter; S stride, D dilation, LO low padding)
+    I: tl.constexpr, O: tl.constexpr, F: tl.constexpr, S: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
+    # element strides: X (n, g, c, i0, i1, i2), dY (n, g, k, o0, o1, o2) (the channel strides unused: C = K = 1)
+    X: tl.constexpr, DY: tl.constexpr,
     ROWS_PER: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CH: tl.constexpr,
 ):
-    ROWS: tl.constexpr = N * O0 * O1
-    T: tl.constexpr = F0 * F1 * F2
+    ROWS: tl.constexpr = N * O[0] * O[1]
+    T: tl.constexpr = F[0] * F[1] * F[2]
     ch = tl.program_id(0) * BLOCK_CH + tl.arange(0, BLOCK_CH)
     s = tl.program_id(1)
     ch_ok = ch < G
@@ -299,32 +273,32 @@ def grad_weight_depthwise(
     for t in tl.static_range(T):
         accs = accs + (tl.zeros((BLOCK_W, BLOCK_CH), dtype=tl.float32),)
     for row in range(s * ROWS_PER, tl.minimum((s + 1) * ROWS_PER, ROWS)):
-        o1 = row % O1
-        o0 = (row // O1) % O0
-        n = row // (O1 * O0)
-        for w0 in range(0, O2, BLOCK_W):
+        o1 = row % O[1]
+        o0 = (row // O[1]) % O[0]
+        n = row // (O[1] * O[0])
+        for w0 in range(0, O[2], BLOCK_W):
             o2 = w0 + wv
-            w_ok = o2 < O2
-            dyv = tl.load(dy + (n * DYN + o0 * DY0 + o1 * DY1) + (o2 * DY2)[:, None] + (ch * DYG)[None, :],
+            w_ok = o2 < O[2]
+            dyv = tl.load(dy + (n * DY[0] + o0 * DY[3] + o1 * DY[4]) + (o2 * DY[5])[:, None] + (ch * DY[1])[None, :],
                           mask=w_ok[:, None] & ch_ok[None, :], other=0.0).to(tl.float32)
-            # X offsets of the tile at tap shift 0 (o2*S2, channels); each tap adds a scalar
-            x_tile = (o2 * (S2 * X2))[:, None] + (ch * XG)[None, :]
+            # X offsets of the tile at tap shift 0 (o2*S[2], channels); each tap adds a scalar
+            x_tile = (o2 * (S[2] * X[5]))[:, None] + (ch * X[1])[None, :]
             new = ()
-            for f0 in tl.static_range(F0):
-                i0 = o0 * S0 + (f0 * D0 - LO0)
-                for f1 in tl.static_range(F1):
-                    i1 = o1 * S1 + (f1 * D1 - LO1)
+            for f0 in tl.static_range(F[0]):
+                i0 = o0 * S[0] + (f0 * D[0] - LO[0])
+                for f1 in tl.static_range(F[1]):
+                    i1 = o1 * S[1] + (f1 * D[1] - LO[1])
                     # a vector over the tile's positions (Triton's interpreter makes a scalar's bool an int32)
                     i01 = wv * 0 + i0
                     i11 = wv * 0 + i1
-                    row_ok = w_ok & (i01 >= 0) & (i01 < I0) & (i11 >= 0) & (i11 < I1)
-                    base = x + (n * XN + i0 * X0 + i1 * X1)
-                    for f2 in tl.static_range(F2):
-                        i2 = o2 * S2 + (f2 * D2 - LO2)
-                        ok = row_ok & (i2 >= 0) & (i2 < I2)
-                        xv = tl.load(base + (f2 * D2 - LO2) * X2 + x_tile, mask=ok[:, None] & ch_ok[None, :],
+                    row_ok = w_ok & (i01 >= 0) & (i01 < I[0]) & (i11 >= 0) & (i11 < I[1])
+                    base = x + (n * X[0] + i0 * X[3] + i1 * X[4])
+                    for f2 in tl.static_range(F[2]):
+                        i2 = o2 * S[2] + (f2 * D[2] - LO[2])
+                        ok = row_ok & (i2 >= 0) & (i2 < I[2])
+                        xv = tl.load(base + (f2 * D[2] - LO[2]) * X[5] + x_tile, mask=ok[:, None] & ch_ok[None, :],
                                      other=0.0)
-                        new = new + (accs[(f0 * F1 + f1) * F2 + f2] + xv.to(tl.float32) * dyv,)
+                        new = new + (accs[(f0 * F[1] + f1) * F[2] + f2] + xv.to(tl.float32) * dyv,)
             accs = new
     for t in tl.static_range(T):
         tl.store(partials + (s * G + ch) * T + t, tl.sum(accs[t], axis=0), mask=ch_ok)

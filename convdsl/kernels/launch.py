@@ -180,17 +180,14 @@ def grad_input_launch(p: ConvProblem, tiles: TileConfig, base: str) -> Launch:
     for ph in phases:
         rows = p.batch * math.prod(ph.sizes)
         first.append(first[-1] + -(-rows // tiles.block_m) * -(-c // tiles.block_n))
-    per_phase = {f"{name}{i}": tuple(pd[i][key] for pd in padded)
+    # per dimension d, a tuple over the phases: Q[d][p] ...
+    per_phase = {name: tuple(tuple(pd[d][key] for pd in padded) for d in range(3))
                  for name, key in (("Q", "Q"), ("J", "J"), ("R", "r"), ("OFF", "off"), ("OSTEP", "o_step"),
-                                   ("Y0", "y0"), ("TSTEP", "tap_step"))
-                 for i in range(3)}
+                                   ("Y0", "y0"), ("TSTEP", "tap_step"))}
     consts = dict(
-        C=c, K=k, N=p.batch,
-        **_triple("O", _pad3(p.output, 1)), **_triple("S", _pad3(p.stride, 1)),
+        C=c, K=k, N=p.batch, O=_pad3(p.output, 1), S=_pad3(p.stride, 1),
         PHASES=len(phases), FIRST=tuple(first), **per_phase,
-        **_named("DY", dy_str),
-        **_named("W", w_str, "GKC"),
-        **_named("DX", dx_str, "NGC"),
+        DY=dy_str, W=w_str, DX=dx_str,
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
         PRECISION=_precision(p), PACK=tiles.pack,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
@@ -201,22 +198,11 @@ def grad_input_launch(p: ConvProblem, tiles: TileConfig, base: str) -> Launch:
                   tuple(consts.items()), (first[-1], groups, 1), tiles.warps, tiles.stages)
 
 
-def _triple(prefix: str, values: tuple[int, ...]) -> dict[str, int]:
-    return {f"{prefix}{i}": v for i, v in enumerate(values)}
-
-
-def _geometry(p: ConvProblem) -> dict[str, int]:
-    """I, O, F (sizes of X, dY, filter), S, D, LO (stride, dilation, low padding) per dimension, padded to 3D."""
-    return {**_triple("I", _pad3(p.input, 1)), **_triple("O", _pad3(p.output, 1)), **_triple("F", _pad3(p.filter, 1)),
-            **_triple("S", _pad3(p.stride, 1)), **_triple("D", _pad3(p.dilation, 1)),
-            **_triple("LO", _pad3(p.pad_lo, 0))}
-
-
-def _named(prefix: str, strides: tuple[int, ...], axes: str = "NGK") -> dict[str, int]:
-    """Kernel constants for one tensor's strides: prefix + axis letter (N, G, channel) and prefix + 0, 1, 2.
-    The channel letter is K for dY's (DYK), C otherwise: pass axes "NGC" or "GKC" (the weight)."""
-    names = [prefix + a for a in axes] + [f"{prefix}{i}" for i in range(3)]
-    return dict(zip(names, strides))
+def _geometry(p: ConvProblem) -> dict[str, tuple[int, int, int]]:
+    """I, O, F (sizes of X, dY, filter), S, D, LO (stride, dilation, low padding), each per dimension padded to
+    3D: the kernels' compile-time triples."""
+    return dict(I=_pad3(p.input, 1), O=_pad3(p.output, 1), F=_pad3(p.filter, 1), S=_pad3(p.stride, 1),
+                D=_pad3(p.dilation, 1), LO=_pad3(p.pad_lo, 0))
 
 
 def _pad_phase(ph: Phase) -> list[dict[str, int]]:
@@ -241,9 +227,7 @@ def grad_input_direct_launch(p: ConvProblem, tiles: TileConfig, base: str) -> La
     consts = dict(
         G=p.groups, C=p.in_channels, K=p.out_channels, N=p.batch,
         **_geometry(p),
-        **_named("DY", dy_str),
-        **_named("W", w_str, "GKC"),
-        **_named("DX", dx_str, "NGC"),
+        DY=dy_str, W=w_str, DX=dx_str,
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
         BLOCK_P=tiles.block_m, BLOCK_CH=tiles.block_n,
     )
@@ -273,8 +257,8 @@ def grad_weight_split(p: ConvProblem, tiles: TileConfig) -> tuple[int, int]:
     """(S, CHUNK): the reduction over L = N * prod(O) is cut into S chunks of CHUNK steps (a multiple of
     the tile's reduction step, the last chunk shorter).  S is forced (tiles.split, then the problem's split_k)
     or the fewest chunks whose programs fill the GPU's resident slots best (last_wave_fill), at most 256
-    chunks of at least 8 reduction steps (each chunk adds a weight-sized f32 partial to write and sum).  CHUNK = ceil(steps / S) steps; S is then recomputed so that no
-    chunk is empty."""
+    chunks of at least 8 reduction steps (each chunk adds a weight-sized f32 partial to write and sum).
+    CHUNK = ceil(steps / S) steps; S is then recomputed so that no chunk is empty."""
     groups, c, k = _packed(p, tiles.pack)
     tiles_out = groups * -(-k // tiles.block_m) * -(-(c * math.prod(p.filter)) // tiles.block_n)
     length = p.batch * math.prod(p.output)
@@ -339,8 +323,7 @@ def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str) -
     consts = dict(
         G=p.groups, N=p.batch,
         **_geometry(p),
-        XN=x_str[0], XG=x_str[1], X0=x_str[3], X1=x_str[4], X2=x_str[5],
-        DYN=dy_str[0], DYG=dy_str[1], DY0=dy_str[3], DY1=dy_str[4], DY2=dy_str[5],
+        X=x_str, DY=dy_str,
         ROWS_PER=rows_per, BLOCK_W=tiles.block_m, BLOCK_CH=tiles.block_n,
     )
     elem = operand_element(p)
@@ -361,8 +344,7 @@ def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str) -> tuple[La
     consts = dict(
         C=c, K=k, N=p.batch,
         **_geometry(p),
-        **_named("X", x_str, "NGC"),
-        **_named("DY", dy_str),
+        X=x_str, DY=dy_str,
         CHUNK=chunk, G=groups, PRECISION=_precision(p), PACK=tiles.pack,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_k, NUM_STAGES=tiles.stages,
     )

@@ -210,7 +210,7 @@ def _describe_extern(plan: KernelPlan) -> list[str]:
         elif launch.kernel == "grad_input_phases":
             what = f"{c['PHASES']} stride phase(s) in one launch, heaviest first"
             for ph in range(c["PHASES"]):
-                q, j, r = ([c[f"{x}{i}"][ph] for i in range(3)][3 - p.dims:] for x in ("Q", "J", "R"))
+                q, j, r = ([c[x][i][ph] for i in range(3)][3 - p.dims:] for x in ("Q", "J", "R"))
                 lines_of_phases.append(f"      residue {r}: positions {q}, taps {j}, programs "
                                        f"[{c['FIRST'][ph]}, {c['FIRST'][ph + 1]})"
                                        + (" (no tap: stores zeros)" if 0 in j else ""))
