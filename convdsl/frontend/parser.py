@@ -534,9 +534,9 @@ def _compute(src: _Source, e: _Entry) -> tuple[str, str]:
     return out[0], out[1]
 
 
-def _check_f32_compute(src: _Source, e: _Entry, dtype: str, notes: Sequence[str]) -> None:
-    """compute = bf16x3 or tf32 acts on f32 operands: refuse it, at the compute value, on any other dtype."""
-    mode = _compute(src, e)[0]
+def _check_f32_compute(src: _Source, e: _Entry, mode: str, dtype: str, notes: Sequence[str]) -> None:
+    """compute = bf16x3 or tf32 (`mode`) acts on f32 operands: refuse it, at the compute value, on any other
+    dtype."""
     if dtype != "f32":
         raise src.error(e.value.span, f"expected dtype f32 for compute = {mode} (it {F32_COMPUTES[mode]}), "
                                       f"got dtype {dtype}", notes)
@@ -662,7 +662,7 @@ def _conv(src: _Source, node: Tree, batch: Optional[int]) -> _Conv:
     if compute is not None and compute[0] in F32_COMPUTES:
         dtype_entry = seen.get("dtype")
         notes = [src.note(dtype_entry.value.span, "dtype set here")] if dtype_entry is not None else []
-        _check_f32_compute(src, seen["compute"], fields["dtype"], notes)
+        _check_f32_compute(src, seen["compute"], compute[0], fields["dtype"], notes)
     if batch is not None:
         fields["batch"] = batch
     try:
@@ -711,7 +711,7 @@ def _kernel(src: _Source, node: Tree, convs: dict[str, _Conv]) -> tuple[ConvProb
         elif key == "epilogue":
             epilogue = _epilogue(src, e)
     if "compute" in seen and compute is not None and compute[0] in F32_COMPUTES:
-        _check_f32_compute(src, seen["compute"], conv.fields["dtype"],
+        _check_f32_compute(src, seen["compute"], compute[0], conv.fields["dtype"],
                            [src.note(conv.span, f"conv {conv.name} declared here")])
     if out_dtype == conv.fields["dtype"]:
         out_dtype = None  # "same as dtype", so equal sources give equal problems
