@@ -15,7 +15,7 @@ from typing import Optional
 
 from ..algebra import Phase, grad_input_phases
 from ..problem import ConvProblem
-from .tiles import TileConfig
+from .tiles import TileConfig, matrix_block
 
 # Kernel parameters Triton appends after the declared ones (global and profile scratch pointers).
 # IREE passes bindings, then 32-bit constants; the two extra slots are filled with constants that the
@@ -155,9 +155,9 @@ def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
     few-channel groups packed (default_pack)."""
     pack = default_pack(p)
     _, c, k = _packed(p, pack)
-    block_n = 16 if c <= 16 else 32 if c <= 32 else 64 if c <= 64 else 128 if c <= 128 else 256
+    block_n = matrix_block(c, 256)
     wide = p.dtype == "f32"
-    block_k = max(16, min(32 if wide else 64, 1 << (k - 1).bit_length()))
+    block_k = matrix_block(k, 32 if wide else 64)
     return TileConfig(128, block_n, block_k, warps=8 if block_n >= 128 else 4,
                       stages=3 if wide or block_n >= 128 else 4, pack=pack)
 
@@ -246,7 +246,7 @@ def default_grad_weight_tiles(p: ConvProblem) -> TileConfig:
     packed (default_pack)."""
     pack = default_pack(p)
     _, _, k = _packed(p, pack)
-    block_m = 128 if k > 64 else 64 if k > 32 else 32 if k > 16 else 16
+    block_m = matrix_block(k, 128)
     if p.dtype == "f32":
         return TileConfig(block_m, 64, 32, warps=4, stages=3, pack=pack)
     return TileConfig(block_m, 128, 64, warps=8 if block_m >= 128 else 4, stages=3 if block_m >= 128 else 4,

@@ -8,6 +8,15 @@ from dataclasses import dataclass
 TILE_LABEL = re.compile(r"t(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:k(\d+))?(?:g(\d+))?(?:p(\d+))?")
 
 
+# the matrix instructions' smallest block
+MATRIX_BLOCK = 16
+
+
+def matrix_block(n: int, largest: int) -> int:
+    """A GEMM block for an extent of n: the power of two that covers it, at least MATRIX_BLOCK, at most largest."""
+    return max(MATRIX_BLOCK, min(largest, 1 << (max(n, 1) - 1).bit_length()))
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """Tiles of one launch: rows (M) x columns (N) x reduction step, warps, pipeline stages."""
@@ -35,7 +44,7 @@ class TileConfig:
 
     def check_matrix(self) -> None:
         """The GEMM kernels' tiles feed the matrix instructions: every block at least 16."""
-        if min(self.block_m, self.block_n, self.block_k) < 16:
+        if min(self.block_m, self.block_n, self.block_k) < MATRIX_BLOCK:
             raise ValueError(f"tiles: a GEMM core's blocks must be at least 16 (the matrix instructions' size), "
                              f"got {self.label()}")
 

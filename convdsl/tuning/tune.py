@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..kernels.tiles import TileConfig
+from ..kernels.tiles import TileConfig, matrix_block
 from ..passes.plan import plan_kernel
 from ..problem import ConvProblem, problem_from_spec
 from ..targets import Target
@@ -115,11 +115,10 @@ def few_channel_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
     first = default_pack(p)
     if first < 2:
         return tuple(out)
-    at_least = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731 - the matrix instructions' 16
     for pack in (first, 2 * first):
         if p.groups % pack:
             continue
-        c, k = at_least(pack * p.in_channels), at_least(pack * p.out_channels)
+        c, k = matrix_block(pack * p.in_channels, 1 << 30), matrix_block(pack * p.out_channels, 1 << 30)
         if p.op == "grad_weight":
             cols = pack * p.in_channels * math.prod(p.filter)
             tiles = [TileConfig(k, n, r, 4, st, pack=pack) for n, r, st in
