@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 # t<M>x<N>x<K>w<warps>s<stages>[k<split>][g<group>][p<pack>]: no "-", which separates the parts of a Knobs label
 TILE_LABEL = re.compile(r"t(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:k(\d+))?(?:g(\d+))?(?:p(\d+))?")
@@ -12,9 +13,11 @@ TILE_LABEL = re.compile(r"t(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:k(\d+))?(?:g(\d+))?(?
 MATRIX_BLOCK = 16
 
 
-def matrix_block(n: int, largest: int) -> int:
-    """A GEMM block for an extent of n: the power of two that covers it, at least MATRIX_BLOCK, at most largest."""
-    return max(MATRIX_BLOCK, min(largest, 1 << (max(n, 1) - 1).bit_length()))
+def matrix_block(n: int, largest: Optional[int] = None) -> int:
+    """A GEMM block for an extent of n: the power of two that covers it, at least MATRIX_BLOCK, at most
+    `largest` (if given)."""
+    block = max(MATRIX_BLOCK, 1 << (max(n, 1) - 1).bit_length())
+    return block if largest is None else min(block, largest)
 
 
 @dataclass(frozen=True)

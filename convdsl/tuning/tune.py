@@ -118,7 +118,7 @@ def few_channel_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
     for pack in (first, 2 * first):
         if p.groups % pack:
             continue
-        c, k = matrix_block(pack * p.in_channels, 1 << 30), matrix_block(pack * p.out_channels, 1 << 30)
+        c, k = matrix_block(pack * p.in_channels), matrix_block(pack * p.out_channels)
         if p.op == "grad_weight":
             cols = pack * p.in_channels * math.prod(p.filter)
             tiles = [TileConfig(k, n, r, 4, st, pack=pack) for n, r, st in
