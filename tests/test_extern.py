@@ -24,11 +24,13 @@ from convdsl.kernels.launch import (
     default_pack,
     grad_input_launch,
     SM_COUNT,
+    depthwise_chunk,
     fullest_split,
     grad_weight_split,
     last_wave_fill,
     resident_programs,
     plan_launches,
+    tap_rows,
     unsupported_reason,
     weight_strides,
 )
@@ -101,6 +103,57 @@ NAMED = [
 
 def test_interpreted_kernels_match_the_reference():
     _check(NAMED, _interpret(NAMED))
+
+
+# the depthwise window kernels with small chunks (t4: rows cut into uneven chunks, a masked tail; dgrad's chunks
+# rounded up to the stride), filters past TAPS_PER_THREAD_MOST (tap rows across threads, padded), 1D and 3D,
+# transposed and scaled, and a forced split of a chunk per dY row
+def _dw(**kw) -> ConvProblem:
+    return _p(**{**dict(groups=20, in_channels=1, out_channels=1, input=(5, 13), filter=(3, 3), stride=(1, 2),
+                        dilation=(1, 2), pad_lo=(1, 2), pad_hi=(1, 1)), **kw})
+
+
+WINDOWS = [
+    _dw(op="grad_weight", name="dw-w-chunks"),
+    _dw(op="grad_weight", filter=(5, 5), stride=(1, 1), dilation=(1, 1), pad_lo=(2, 2), pad_hi=(2, 2),
+        name="dw-w-tap-rows"),
+    _dw(op="grad_weight", dims=3, input=(5, 4, 9), filter=(2, 3, 3), stride=(2, 1, 2), dilation=(1, 1, 2),
+        pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="dw-w-3d-tap-rows"),
+    _dw(op="grad_weight", dims=1, input=(23,), filter=(7,), stride=(2,), dilation=(1,), pad_lo=(3,), pad_hi=(3,),
+        layout="NGCHW", weight_layout="GKCYX", name="dw-w-1d"),
+    _dw(stride=(2, 3), name="dw-dgrad-chunks"),
+    _dw(dims=3, input=(5, 4, 9), filter=(2, 3, 3), stride=(2, 1, 2), dilation=(1, 1, 2), pad_lo=(1, 1, 2),
+        pad_hi=(0, 1, 1), name="dw-dgrad-3d"),
+    _dw(op="transposed", dims=1, input=(23,), filter=(7,), stride=(2,), dilation=(1,), pad_lo=(3,), pad_hi=(3,),
+        epilogue=Epilogue("scale", 0.5), name="dw-transposed-1d"),
+]
+
+
+def test_interpreted_depthwise_windows_match_the_reference():
+    _check(WINDOWS, _interpret(WINDOWS, tiles="t4x16x1w4s1"))
+    split = [_dw(op="grad_weight", dims=3, input=(5, 4, 9), filter=(2, 3, 3), stride=(1, 1, 2), dilation=(1, 1, 2),
+                 pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="dw-w-split")]
+    _, (launch,), partials = plan_launches(split[0], parse_tiles("t4x16x1w1s1k40"))
+    assert launch.grid[1] == partials[0] == 40 and dict(launch.constants)["ROWS_PER"] == 1  # a chunk per row
+    _check(split, _interpret(split, tiles="t4x16x1w1s1k40"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 64))
+def test_depthwise_chunks_are_the_fewest_and_as_even_as_they_come(extent, most):
+    width = depthwise_chunk(extent, most)
+    chunks = -(-extent // width)
+    assert width <= most and chunks == -(-extent // most)
+    assert (chunks - 1) * width < extent <= chunks * width and chunks * width - extent < chunks
+
+
+def test_tap_rows_go_across_threads_for_large_filters():
+    dw = _dw(op="grad_weight")
+    assert tap_rows(dw) == 1 and tap_rows(dw.with_(filter=(7, 7))) == 8
+    assert tap_rows(dw.with_(dims=3, input=(5, 4, 9), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
+                             pad_lo=(1, 1, 1), pad_hi=(1, 1, 1))) == 16
+    assert tap_rows(dw.with_(dims=1, input=(40,), filter=(31,), stride=(1,), dilation=(1,), pad_lo=(15,),
+                             pad_hi=(15,))) == 1  # one row of 31 taps: nothing to spread
 
 
 def _grouped(**kw) -> ConvProblem:

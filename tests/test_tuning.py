@@ -190,5 +190,14 @@ def test_few_channel_kernels_get_their_own_candidates():
         packs = {parse_tiles(k.tiles).pack for k in knobs if k.tiles}
         assert packs == {8, 16}  # the default pack (8 groups of 4 channels reach 32) and twice that
         assert Knobs(extern=False) in knobs  # the gather form they replaced, where it applies
-    depthwise = candidates_for(DGRAD.with_(groups=64, in_channels=1, out_channels=1, op="grad_weight"), hopper)
-    assert [parse_tiles(k.tiles) for k in depthwise if k.tiles] == list(DEPTHWISE_TILES["grad_weight"])
+    dw = DGRAD.with_(groups=64, in_channels=1, out_channels=1, op="grad_weight", filter=(3, 3))
+    tiles = [parse_tiles(k.tiles) for k in candidates_for(dw, hopper) if k.tiles]
+    # a 3x3 keeps every tap in a thread (TAP_ROWS 1): one warp for 32 channels, one or two for 64
+    assert {(t.block_n, t.warps) for t in tiles} == {(32, 1), (64, 1), (64, 2)}
+    assert set(tiles) < set(DEPTHWISE_TILES["grad_weight"])
+    # a 7x7 spreads its 7 tap rows (8 with padding) over threads: 256 or 512 elements, 4 to 16 warps
+    tiles = [parse_tiles(k.tiles) for k in candidates_for(dw.with_(filter=(7, 7), pad_lo=(3, 3), pad_hi=(3, 3)), hopper)
+             if k.tiles]
+    assert {(t.block_n, t.warps) for t in tiles} == {(32, 4), (32, 8), (64, 8), (64, 16)}
+    dgrad = candidates_for(dw.with_(op="grad_input"), hopper)
+    assert [parse_tiles(k.tiles) for k in dgrad if k.tiles] == list(DEPTHWISE_TILES["grad_input"])

@@ -202,103 +202,128 @@ def grad_weight_partials(
 @triton.jit
 def grad_input_direct(
     dy, w, dx,
-    # few channels per group (depthwise, ResNeXt-like): no GEMM worth the matrix units; each dX element
-    # sums its taps x K products directly, reading dY through the caches (bound by memory, not math)
-    G: tl.constexpr, C: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+    # depthwise (C = K = 1 per group) grad_input, a sliding window in registers: no GEMM worth the matrix units.
+    # Each thread owns channels (a vector of BLOCK_CH over the program's warps) and a program one row
+    # (n, i0, i1) of dX, cut into chunks of BLOCK_W positions (unrolled; a multiple of S[2], so every chunk
+    # starts on the same stride phase).  Per tap row (f0, f1) the SPAN dY positions the chunk reaches are
+    # loaded once and reused by every tap x position (the taps' weights stay in registers), where a tile per
+    # tap loaded every product's dY value.
+    G: tl.constexpr, N: tl.constexpr,
     # sizes per spatial dimension, padded to 3 (I: X, O: dY, F: filter; S stride, D dilation, LO low padding)
     I: tl.constexpr, O: tl.constexpr, F: tl.constexpr, S: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
     # element strides: dY (n, g, k, o0, o1, o2), W (g, k, c, y0, y1, y2), dX (n, g, c, i0, i1, i2)
     DY: tl.constexpr, W: tl.constexpr, DX: tl.constexpr,
-    ALPHA: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_CH: tl.constexpr,
+    ALPHA: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CH: tl.constexpr,
 ):
-    # rows: dX positions (n, i0, i1, i2); columns: channels (g, c), c fastest
-    P: tl.constexpr = N * I[0] * I[1] * I[2]
-    pos = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    # dX position i2 = w0 + iw takes tap f2 from dY position o2 = (i2 + LO - f2 D) / S where S divides it; with
+    # w0 a multiple of S that is o2 = w0 / S + e for e = (iw + LO - f2 D) / S, and e spans [E_LO, E_HI]
+    E_LO: tl.constexpr = (LO[2] - (F[2] - 1) * D[2]) // S[2]
+    E_HI: tl.constexpr = (BLOCK_W - 1 + LO[2]) // S[2]
+    row = tl.program_id(0)
     ch = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
-    p_ok = pos < P
-    ch_ok = ch < G * C
-    g = ch // C
-    c = ch % C
-    i2 = pos % I[2]
-    i1 = (pos // I[2]) % I[1]
-    i0 = (pos // (I[2] * I[1])) % I[0]
-    n = pos // (I[2] * I[1] * I[0])
-    acc = tl.zeros((BLOCK_P, BLOCK_CH), dtype=tl.float32)
-    for t0 in tl.static_range(F[0]):
-        # dY position o with o*S = i + LO - t*D: the tap reaches i only where S divides it
-        a0 = i0 + (LO[0] - t0 * D[0])
-        ok0 = (a0 >= 0) & (a0 % S[0] == 0) & (a0 < O[0] * S[0])
-        for t1 in tl.static_range(F[1]):
-            a1 = i1 + (LO[1] - t1 * D[1])
-            ok1 = ok0 & (a1 >= 0) & (a1 % S[1] == 0) & (a1 < O[1] * S[1])
-            for t2 in tl.static_range(F[2]):
-                a2 = i2 + (LO[2] - t2 * D[2])
-                ok = p_ok & ok1 & (a2 >= 0) & (a2 % S[2] == 0) & (a2 < O[2] * S[2])
-                row = n * DY[0] + (a0 // S[0]) * DY[3] + (a1 // S[1]) * DY[4] + (a2 // S[2]) * DY[5]
-                tap = t0 * W[3] + t1 * W[4] + t2 * W[5]
-                for k in tl.static_range(K):
-                    v = tl.load(dy + row[:, None] + (g * DY[1] + k * DY[2])[None, :],
-                                mask=ok[:, None] & ch_ok[None, :], other=0.0)
-                    wk = tl.load(w + g * W[0] + k * W[1] + c * W[2] + tap, mask=ch_ok, other=0.0)
-                    acc += v.to(tl.float32) * wk.to(tl.float32)[None, :]
-    out = acc * ALPHA
-    dx_ptrs = dx + (n * DX[0] + i0 * DX[3] + i1 * DX[4] + i2 * DX[5])[:, None] + (g * DX[1] + c * DX[2])[None, :]
-    tl.store(dx_ptrs, out.to(dx.dtype.element_ty), mask=p_ok[:, None] & ch_ok[None, :])
+    ch_ok = ch < G
+    zero = ch * 0  # scalar conditions as vectors (Triton's interpreter makes a scalar's bool an int32)
+    i1 = row % I[1]
+    i0 = (row // I[1]) % I[0]
+    n = row // (I[1] * I[0])
+    taps = ()
+    for t in tl.static_range(F[0] * F[1] * F[2]):
+        tap = (t // (F[1] * F[2])) * W[3] + ((t // F[2]) % F[1]) * W[4] + (t % F[2]) * W[5]
+        taps = taps + (tl.load(w + ch * W[0] + tap, mask=ch_ok, other=0.0).to(tl.float32),)
+    for w0 in range(0, I[2], BLOCK_W):
+        accs = ()
+        for iw in tl.static_range(BLOCK_W):
+            accs = accs + (tl.zeros((BLOCK_CH,), dtype=tl.float32),)
+        for f0 in tl.static_range(F[0]):
+            # the dY row o = (i + LO - f D) / S, where S divides it (a runtime condition)
+            a0 = i0 + (LO[0] - f0 * D[0])
+            ok0 = (zero + a0 >= 0) & (zero + a0 % S[0] == 0) & (zero + a0 < O[0] * S[0])
+            for f1 in tl.static_range(F[1]):
+                a1 = i1 + (LO[1] - f1 * D[1])
+                row_ok = ch_ok & ok0 & (zero + a1 >= 0) & (zero + a1 % S[1] == 0) & (zero + a1 < O[1] * S[1])
+                base = dy + (n * DY[0] + (a0 // S[0]) * DY[3] + (a1 // S[1]) * DY[4]) + ch * DY[1]
+                dys = ()
+                for e in tl.static_range(E_HI - E_LO + 1):
+                    o2 = w0 // S[2] + (e + E_LO)
+                    dys = dys + (tl.load(base + o2 * DY[5], mask=row_ok & (zero + o2 >= 0) & (zero + o2 < O[2]),
+                                         other=0.0).to(tl.float32),)
+                new = ()
+                for iw in tl.static_range(BLOCK_W):
+                    acc = accs[iw]
+                    for f2 in tl.static_range(F[2]):
+                        if (iw + LO[2] - f2 * D[2]) % S[2] == 0:
+                            acc += dys[(iw + LO[2] - f2 * D[2]) // S[2] - E_LO] * taps[(f0 * F[1] + f1) * F[2] + f2]
+                    new = new + (acc,)
+                accs = new
+        for iw in tl.static_range(BLOCK_W):
+            i2 = w0 + iw
+            tl.store(dx + (n * DX[0] + i0 * DX[3] + i1 * DX[4] + i2 * DX[5]) + ch * DX[1],
+                     (accs[iw] * ALPHA).to(dx.dtype.element_ty), mask=ch_ok & (zero + i2 < I[2]))
 
 
 @triton.jit
 def grad_weight_depthwise(
     x, dy, partials,
-    # depthwise (C = K = 1 per group) grad_weight, row by row: a program sweeps rows (n, o0, o1) of dY in tiles
-    # of BLOCK_W positions along o2 and BLOCK_CH channels, and keeps one f32 accumulator tile per tap (a tuple,
-    # every tap exact, none padded); X is read through the caches at each tap's shift, dY once.  Each tap's
-    # tile is summed over its positions once, at the end, into partials[s, g, f0, f1, f2] (the grad_weight
-    # partials [S, G, K, taps, C] with K = C = 1).  Measured on an H100 (results/*dwB*, *dwC*): MobileNetV2
-    # 0.190 -> 0.111 ms against all taps of a block of positions in one register tensor (taps padded to a
-    # power of two, 255 registers and spills); ConvNeXt's 7x7 0.264 -> 0.247 ms.
+    # depthwise (C = K = 1 per group) grad_weight with a sliding window in registers.  A program's tensors are
+    # [TAP_ROWS, BLOCK_CH]: tap rows (f0, f1) across threads x channels.  It sweeps ROWS_PER rows (n, o0, o1) of
+    # dY, each cut into chunks of BLOCK_W positions (unrolled).  Per chunk the chunk's dY values are loaded
+    # once; per group of TAP_ROWS tap rows (GROUPS of them, unrolled) the SPAN X positions of each tap row are
+    # loaded once and every one of its F[2] taps x BLOCK_W positions reuses them.  The F[2] x GROUPS f32
+    # accumulators are stored at the end into partials[s, g, f0, f1, f2] (the grad_weight partials
+    # [S, G, K, taps, C] with K = C = 1).  TAP_ROWS = 1 keeps every tap in a thread (fewest loads: MobileNetV2's
+    # 3x3); more keeps a thread's registers at F[2] x GROUPS + BLOCK_W + SPAN (ConvNeXt's 7x7 with every tap a
+    # thread's: 254 registers, 8 warps per SM, 0.122 ms; a tap row per warp: 76 registers, 0.097 ms).
     G: tl.constexpr, N: tl.constexpr,
     # sizes per spatial dimension, padded to 3 (I: X, O: dY, F: filter; S stride, D dilation, LO low padding)
     I: tl.constexpr, O: tl.constexpr, F: tl.constexpr, S: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
     # element strides: X (n, g, c, i0, i1, i2), dY (n, g, k, o0, o1, o2) (the channel strides unused: C = K = 1)
     X: tl.constexpr, DY: tl.constexpr,
-    ROWS_PER: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CH: tl.constexpr,
+    ROWS_PER: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CH: tl.constexpr, TAP_ROWS: tl.constexpr,
 ):
     ROWS: tl.constexpr = N * O[0] * O[1]
-    T: tl.constexpr = F[0] * F[1] * F[2]
+    GROUPS: tl.constexpr = (F[0] * F[1] + TAP_ROWS - 1) // TAP_ROWS
+    # a chunk of dY positions w0 + [0, BLOCK_W) reads X at (w0 + ow) * S[2] + f2 * D[2] - LO[2], that is at
+    # w0 * S[2] - LO[2] + j for j = ow * S[2] + f2 * D[2] < SPAN
+    SPAN: tl.constexpr = (BLOCK_W - 1) * S[2] + (F[2] - 1) * D[2] + 1
     ch = tl.program_id(0) * BLOCK_CH + tl.arange(0, BLOCK_CH)
     s = tl.program_id(1)
-    ch_ok = ch < G
-    wv = tl.arange(0, BLOCK_W)
+    tr = tl.arange(0, TAP_ROWS)
+    ch_ok = (ch < G)[None, :]
+    # dY offsets of a position, the same for every tap row (the loads of one warp's copies meet in L1)
+    dy_tile = tr[:, None] * 0 + (ch * DY[1])[None, :]
     accs = ()
-    for t in tl.static_range(T):
-        accs = accs + (tl.zeros((BLOCK_W, BLOCK_CH), dtype=tl.float32),)
+    for a in tl.static_range(GROUPS * F[2]):
+        accs = accs + (tl.zeros((TAP_ROWS, BLOCK_CH), dtype=tl.float32),)
     for row in range(s * ROWS_PER, tl.minimum((s + 1) * ROWS_PER, ROWS)):
         o1 = row % O[1]
         o0 = (row // O[1]) % O[0]
         n = row // (O[1] * O[0])
         for w0 in range(0, O[2], BLOCK_W):
-            o2 = w0 + wv
-            w_ok = o2 < O[2]
-            dyv = tl.load(dy + (n * DY[0] + o0 * DY[3] + o1 * DY[4]) + (o2 * DY[5])[:, None] + (ch * DY[1])[None, :],
-                          mask=w_ok[:, None] & ch_ok[None, :], other=0.0).to(tl.float32)
-            # X offsets of the tile at tap shift 0 (o2*S[2], channels); each tap adds a scalar
-            x_tile = (o2 * (S[2] * X[5]))[:, None] + (ch * X[1])[None, :]
+            dys = ()
+            for ow in tl.static_range(BLOCK_W):
+                # positions past the row's end load zeros: their products vanish
+                dys = dys + (tl.load(dy + (n * DY[0] + o0 * DY[3] + o1 * DY[4] + (w0 + ow) * DY[5]) + dy_tile,
+                                     mask=ch_ok & (dy_tile * 0 + (w0 + ow) < O[2]), other=0.0).to(tl.float32),)
             new = ()
-            for f0 in tl.static_range(F[0]):
-                i0 = o0 * S[0] + (f0 * D[0] - LO[0])
-                for f1 in tl.static_range(F[1]):
-                    i1 = o1 * S[1] + (f1 * D[1] - LO[1])
-                    # a vector over the tile's positions (Triton's interpreter makes a scalar's bool an int32)
-                    i01 = wv * 0 + i0
-                    i11 = wv * 0 + i1
-                    row_ok = w_ok & (i01 >= 0) & (i01 < I[0]) & (i11 >= 0) & (i11 < I[1])
-                    base = x + (n * X[0] + i0 * X[3] + i1 * X[4])
-                    for f2 in tl.static_range(F[2]):
-                        i2 = o2 * S[2] + (f2 * D[2] - LO[2])
-                        ok = row_ok & (i2 >= 0) & (i2 < I[2])
-                        xv = tl.load(base + (f2 * D[2] - LO[2]) * X[5] + x_tile, mask=ok[:, None] & ch_ok[None, :],
-                                     other=0.0)
-                        new = new + (accs[(f0 * F[1] + f1) * F[2] + f2] + xv.to(tl.float32) * dyv,)
+            for grp in tl.static_range(GROUPS):
+                f01 = grp * TAP_ROWS + tr
+                i0 = o0 * S[0] + ((f01 // F[1]) * D[0] - LO[0])
+                i1 = o1 * S[1] + ((f01 % F[1]) * D[1] - LO[1])
+                row_ok = ch_ok & ((f01 < F[0] * F[1]) & (i0 >= 0) & (i0 < I[0]) & (i1 >= 0) & (i1 < I[1]))[:, None]
+                x_tile = (n * X[0] + i0 * X[3] + i1 * X[4])[:, None] + (ch * X[1])[None, :]
+                xs = ()
+                for j in tl.static_range(SPAN):
+                    i2 = x_tile * 0 + (w0 * S[2] + (j - LO[2]))
+                    xs = xs + (tl.load(x + x_tile + i2 * X[5], mask=row_ok & (i2 >= 0) & (i2 < I[2]),
+                                       other=0.0).to(tl.float32),)
+                for f2 in tl.static_range(F[2]):
+                    acc = accs[grp * F[2] + f2]
+                    for ow in tl.static_range(BLOCK_W):
+                        acc += xs[ow * S[2] + f2 * D[2]] * dys[ow]
+                    new = new + (acc,)
             accs = new
-    for t in tl.static_range(T):
-        tl.store(partials + (s * G + ch) * T + t, tl.sum(accs[t], axis=0), mask=ch_ok)
+    for grp in tl.static_range(GROUPS):
+        f01 = grp * TAP_ROWS + tr
+        out = partials + ((s * G + ch) * (F[0] * F[1] * F[2]))[None, :] + (f01 * F[2])[:, None]
+        for f2 in tl.static_range(F[2]):
+            tl.store(out + f2, accs[grp * F[2] + f2], mask=ch_ok & (f01 < F[0] * F[1])[:, None])

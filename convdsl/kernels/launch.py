@@ -214,25 +214,28 @@ def _pad_phase(ph: Phase) -> list[dict[str, int]]:
 
 
 def direct_grad_input_tiles(p: ConvProblem) -> TileConfig:
-    """grad_input_direct: 64 positions x up to 64 channels per block (block_k unused)."""
-    channels = p.groups * p.in_channels
-    return TileConfig(64, 64 if channels >= 64 else 32 if channels >= 32 else 16, 1, warps=4, stages=1)
+    """grad_input_direct: chunks of at most block_m positions along the innermost dimension x block_n channels
+    over the warps (block_k unused).  On an H100 (results/*dwE*, *dwF*) MobileNetV2's depthwise dgrad took
+    0.105 ms with 16 x 64 and one warp (two channels per thread), 0.123 with 32 x 32, 0.112 before the
+    window (a tile of positions x channels, every tap's dY value loaded)."""
+    return TileConfig(16, 64, 1, warps=1, stages=1)
 
 
 def grad_input_direct_launch(p: ConvProblem, tiles: TileConfig, base: str) -> Launch:
-    """Few channels per group: one launch, every dX element summing its taps x K products."""
+    """Depthwise: one launch, a program per dX row (n, i0, i1) and block of channels; the row's chunks are a
+    multiple of the stride along it (every chunk starts on stride phase 0)."""
     dy_str = activation_strides(p, p.output, p.out_channels)
     dx_str = activation_strides(p, p.input, p.in_channels)
     w_str = weight_strides(p)
+    in3, stride = _pad3(p.input, 1), _pad3(p.stride, 1)[2]
     consts = dict(
-        G=p.groups, C=p.in_channels, K=p.out_channels, N=p.batch,
+        G=p.groups, N=p.batch,
         **_geometry(p),
         DY=dy_str, W=w_str, DX=dx_str,
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
-        BLOCK_P=tiles.block_m, BLOCK_CH=tiles.block_n,
+        BLOCK_W=-(-depthwise_chunk(in3[2], tiles.block_m) // stride) * stride, BLOCK_CH=tiles.block_n,
     )
-    positions = p.batch * math.prod(p.input)
-    grid = (-(-positions // tiles.block_m), -(-(p.groups * p.in_channels) // tiles.block_n), 1)
+    grid = (p.batch * in3[0] * in3[1], -(-p.groups // tiles.block_n), 1)
     elem = operand_element(p)
     return Launch("grad_input_direct", f"{base}_direct", (elem, elem, ELEMENT[p.result_dtype]), tuple(consts.items()),
                   grid, tiles.warps, tiles.stages)
@@ -298,24 +301,46 @@ def last_wave_fill(programs: int, slots: int) -> float:
     return programs / (waves * slots)
 
 
+# grad_weight_depthwise's filters with more taps than this spread their tap rows across threads (a thread
+# holding every tap of ConvNeXt's 7x7 needed 254 registers)
+TAPS_PER_THREAD_MOST = 16
+
+
+def tap_rows(p: ConvProblem) -> int:
+    """grad_weight_depthwise's TAP_ROWS: 1 (every tap in each thread) for small filters, else the filter's rows
+    (f0, f1) padded to a power of two (one thread per tap row and channel).  Measured on an H100 (results/*dwF*):
+    MobileNetV2's 3x3 0.114 ms with every tap a thread's against 0.118-0.142 ms with rows across threads;
+    ConvNeXt's 7x7 0.122 against 0.097."""
+    f = _pad3(p.filter, 1)
+    if f[0] * f[1] * f[2] <= TAPS_PER_THREAD_MOST:
+        return 1
+    return 1 << (f[0] * f[1] - 1).bit_length()
+
+
 def depthwise_grad_weight_tiles(p: ConvProblem) -> TileConfig:
-    """grad_weight_depthwise: block_m positions along the innermost dimension x block_n channels per step, one
-    f32 accumulator tile per tap.  The winners on an H100 (results/*dwB*, *dwC*): 8 positions x 32 channels
-    with one warp for 3x3 filters (MobileNetV2: 0.111 ms), 4 x 32 with 4 warps for 7x7 (ConvNeXt: 0.247 ms;
-    its 49 accumulator tiles need the smaller share per thread)."""
-    if math.prod(p.filter) <= 16:
-        return TileConfig(8, 32, 1, warps=1, stages=1)
-    return TileConfig(4, 32, 1, warps=4, stages=1)
+    """grad_weight_depthwise: chunks of at most block_m positions along the innermost dimension (unrolled, cut
+    evenly: depthwise_chunk) x block_n channels, one element of the [TAP_ROWS, block_n] tensors per thread.
+    On an H100 (results/*dwE*, *dwF*): MobileNetV2's 3x3 0.106-0.114 ms with chunks of 8, 0.113 with 32;
+    ConvNeXt's 7x7 (tap rows across warps) 0.097 with 32 (a whole row of 28), 0.146-0.182 with 8 or 16."""
+    rows = tap_rows(p)
+    return TileConfig(8 if rows == 1 else 32, 32, 1, warps=min(16, rows), stages=1)
+
+
+def depthwise_chunk(extent: int, most: int) -> int:
+    """BLOCK_W: the row of `extent` positions cut into the fewest chunks of at most `most`, as even as they
+    come (28 positions at most 16: two chunks of 14, not 16 + 12 with four positions masked)."""
+    chunks = -(-extent // most)
+    return -(-extent // chunks)
 
 
 def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str) -> tuple[Launch, tuple[int, ...]]:
-    """Depthwise grad_weight row by row: f32 partials [S, G, 1, taps, 1] of S chunks of dY rows (n, o0, o1),
-    enough chunks for 16 waves of single-warp programs (bound by memory and instructions: many programs in
-    flight, and a short last wave), summed like grad_weight_launch's."""
+    """Depthwise grad_weight row by row: f32 partials [S, G, 1, taps, 1] of S chunks of dY rows (n, o0, o1)
+    (tiles.split, else programs for 16 warps per SM: bound by memory and latency, many loads in flight, and
+    the partials few enough for one linalg sum), summed like grad_weight_launch's."""
     blocks = -(-p.groups // tiles.block_n)
     out3 = _pad3(p.output, 1)
     rows = p.batch * out3[0] * out3[1]
-    parts = max(1, min(rows, 16 * SM_COUNT // blocks))
+    parts = max(1, min(rows, tiles.split or 16 * SM_COUNT // (blocks * tiles.warps)))
     rows_per = -(-rows // parts)
     parts = -(-rows // rows_per)  # no chunk empty
     x_str = activation_strides(p, p.input, p.in_channels)
@@ -324,7 +349,8 @@ def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str) -
         G=p.groups, N=p.batch,
         **_geometry(p),
         X=x_str, DY=dy_str,
-        ROWS_PER=rows_per, BLOCK_W=tiles.block_m, BLOCK_CH=tiles.block_n,
+        ROWS_PER=rows_per, BLOCK_W=depthwise_chunk(out3[2], tiles.block_m), BLOCK_CH=tiles.block_n,
+        TAP_ROWS=tap_rows(p),
     )
     elem = operand_element(p)
     launch = Launch("grad_weight_depthwise", f"{base}_depthwise", (elem, elem, "fp32"), tuple(consts.items()),

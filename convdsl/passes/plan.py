@@ -205,8 +205,8 @@ def _describe_extern(plan: KernelPlan) -> list[str]:
         products = PRODUCTS.get(c.get("PRECISION", ""), "f32 FMA")
         detail = f"grid {list(launch.grid)}, {launch.warps} warps, {products} products"
         if launch.kernel == "grad_input_direct":
-            what = (f"direct sums of {math.prod(p.filter)} taps x K={p.out_channels} per dX element"
-                    " (few channels per group: bound by memory)")
+            what = (f"direct sums of {math.prod(p.filter)} taps per dX element, a dY window of rows of"
+                    f" {c['BLOCK_W']} positions in registers (depthwise: bound by memory)")
         elif launch.kernel == "grad_input_phases":
             what = f"{c['PHASES']} stride phase(s) in one launch, heaviest first"
             for ph in range(c["PHASES"]):
@@ -215,9 +215,10 @@ def _describe_extern(plan: KernelPlan) -> list[str]:
                                        f"[{c['FIRST'][ph]}, {c['FIRST'][ph + 1]})"
                                        + (" (no tap: stores zeros)" if 0 in j else ""))
         elif launch.kernel == "grad_weight_depthwise":
-            what = (f"f32 partials {list(ext.partials_shape)}: S={launch.grid[1]} chunks of {c['ROWS_PER']} dY rows,"
-                    f" one accumulator tile per tap ({math.prod(p.filter)}), summed in chunk order by one linalg"
-                    " reduction")
+            across = f"{c['TAP_ROWS']} tap rows across threads" if c["TAP_ROWS"] > 1 else "every tap in each thread"
+            what = (f"f32 partials {list(ext.partials_shape)}: S={launch.grid[1]} chunks of {c['ROWS_PER']} dY rows"
+                    f" in windows of {c['BLOCK_W']} positions, one accumulator per tap ({math.prod(p.filter)},"
+                    f" {across}), summed in chunk order by one linalg reduction")
         else:
             what = (f"f32 partials {list(ext.partials_shape)}: split-K S={launch.grid[2]} chunks of {c['CHUNK']}"
                     " reduction steps, summed in chunk order by one linalg reduction")

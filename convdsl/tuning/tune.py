@@ -89,16 +89,26 @@ EXTERN_TILES: tuple[TileConfig, ...] = (
 )
 
 
-# Depthwise kernels' tiles (kernels/igemm.py grad_weight_depthwise: positions x channels, one accumulator per
-# tap; grad_input_direct: positions x channels), around the H100 winners (results/*dwB*, *dwC*, *dwD*)
+# Depthwise kernels' tiles (kernels/igemm.py grad_weight_depthwise: positions per window chunk x channels, warps
+# over [TAP_ROWS, channels]; grad_input_direct: positions per chunk x channels), around the H100 winners
+# (results/*dwE*, *dwF*)
 DEPTHWISE_TILES = {
-    "grad_weight": (TileConfig(8, 32, 1, 1, 1), TileConfig(16, 16, 1, 1, 1), TileConfig(16, 32, 1, 1, 1),
-                    TileConfig(4, 32, 1, 4, 1), TileConfig(8, 32, 1, 4, 1), TileConfig(2, 32, 1, 1, 1),
-                    TileConfig(32, 16, 1, 2, 1), TileConfig(4, 64, 1, 8, 1), TileConfig(2, 64, 1, 4, 1),
-                    TileConfig(4, 16, 1, 2, 1)),
-    "grad_input": (TileConfig(64, 64, 1, 4, 1), TileConfig(128, 32, 1, 4, 1), TileConfig(16, 64, 1, 2, 1),
-                   TileConfig(32, 32, 1, 1, 1)),
+    "grad_weight": tuple(TileConfig(m, n, 1, w, 1) for m in (8, 16, 32) for n in (32, 64) for w in (1, 2, 4, 8, 16)),
+    "grad_input": (TileConfig(16, 64, 1, 1, 1), TileConfig(32, 64, 1, 1, 1), TileConfig(32, 64, 1, 2, 1),
+                   TileConfig(32, 32, 1, 1, 1), TileConfig(16, 32, 1, 1, 1), TileConfig(8, 64, 1, 1, 1),
+                   TileConfig(16, 128, 1, 2, 1), TileConfig(32, 128, 1, 4, 1)),
 }
+
+
+def depthwise_tiles(p: ConvProblem) -> tuple[TileConfig, ...]:
+    """DEPTHWISE_TILES for p's op; grad_weight's only where every warp has elements of its own: warps x 32 at
+    most TAP_ROWS x channels, at least half of that (two elements per thread)."""
+    from ..kernels.launch import tap_rows
+
+    if p.op != "grad_weight":
+        return DEPTHWISE_TILES["grad_input"]
+    rows = tap_rows(p)
+    return tuple(t for t in DEPTHWISE_TILES["grad_weight"] if rows * t.block_n // 64 <= t.warps and 32 * t.warps <= rows * t.block_n)
 
 
 def few_channel_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
@@ -110,8 +120,7 @@ def few_channel_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
 
     out: list[Knobs] = [Knobs(extern=False)] if gather.applies(p) else []
     if p.depthwise:
-        op = "grad_weight" if p.op == "grad_weight" else "grad_input"
-        return tuple(out + [Knobs(tiles=t.label()) for t in DEPTHWISE_TILES[op]])
+        return tuple(out + [Knobs(tiles=t.label()) for t in depthwise_tiles(p)])
     first = default_pack(p)
     if first < 2:
         return tuple(out)
