@@ -21,6 +21,7 @@ from convdsl.algebra import grad_input_phases
 from convdsl.backends.iree import compile_mlir
 from convdsl.kernels.launch import (
     activation_strides,
+    compile_launch,
     default_pack,
     grad_input_launch,
     SM_COUNT,
@@ -145,6 +146,17 @@ def test_depthwise_chunks_are_the_fewest_and_as_even_as_they_come(extent, most):
     chunks = -(-extent // width)
     assert width <= most and chunks == -(-extent // most)
     assert (chunks - 1) * width < extent <= chunks * width and chunks * width - extent < chunks
+
+
+def test_wide_depthwise_filters_compile_to_bounded_code():
+    # RepLKNet's 31x31 depthwise: grad_input_direct loops over tap rows and cuts chunks shorter for wide filters
+    # (unrolled whole, a 13x13 filter took 5 minutes to compile to 592 KB); grad_weight spreads tap rows across
+    # threads
+    for op in ("grad_input", "grad_weight"):
+        p = _dw(op=op, dtype="f16", batch=8, input=(32, 32), filter=(31, 31), stride=(1, 1), dilation=(1, 1),
+                pad_lo=(15, 15), pad_hi=(15, 15))
+        _, (launch,), _ = plan_launches(p, None)
+        assert len(compile_launch(launch, "sm_90").data) < 300_000, op
 
 
 def test_tap_rows_go_across_threads_for_large_filters():

@@ -206,8 +206,8 @@ def grad_input_direct(
     # Each thread owns channels (a vector of BLOCK_CH over the program's warps) and a program one row
     # (n, i0, i1) of dX, cut into chunks of BLOCK_W positions (unrolled; a multiple of S[2], so every chunk
     # starts on the same stride phase).  Per tap row (f0, f1) the SPAN dY positions the chunk reaches are
-    # loaded once and reused by every tap x position (the taps' weights stay in registers), where a tile per
-    # tap loaded every product's dY value.
+    # loaded once and reused by every tap x position of the row, where a tile per tap loaded every product's
+    # dY value.
     G: tl.constexpr, N: tl.constexpr,
     # sizes per spatial dimension, padded to 3 (I: X, O: dY, F: filter; S stride, D dilation, LO low padding)
     I: tl.constexpr, O: tl.constexpr, F: tl.constexpr, S: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
@@ -226,35 +226,38 @@ def grad_input_direct(
     i1 = row % I[1]
     i0 = (row // I[1]) % I[0]
     n = row // (I[1] * I[0])
-    taps = ()
-    for t in tl.static_range(F[0] * F[1] * F[2]):
-        tap = (t // (F[1] * F[2])) * W[3] + ((t // F[2]) % F[1]) * W[4] + (t % F[2]) * W[5]
-        taps = taps + (tl.load(w + ch * W[0] + tap, mask=ch_ok, other=0.0).to(tl.float32),)
     for w0 in range(0, I[2], BLOCK_W):
         accs = ()
         for iw in tl.static_range(BLOCK_W):
             accs = accs + (tl.zeros((BLOCK_CH,), dtype=tl.float32),)
-        for f0 in tl.static_range(F[0]):
+        # tap rows (f0, f1) in a loop, not unrolled: the unrolled code grows as BLOCK_W x F[2] per row (a 13x13
+        # filter unrolled whole took 5 minutes to compile, a 31x31 one did not finish)
+        for f01 in range(F[0] * F[1]):
+            f0 = f01 // F[1]
+            f1 = f01 % F[1]
             # the dY row o = (i + LO - f D) / S, where S divides it (a runtime condition)
             a0 = i0 + (LO[0] - f0 * D[0])
-            ok0 = (zero + a0 >= 0) & (zero + a0 % S[0] == 0) & (zero + a0 < O[0] * S[0])
-            for f1 in tl.static_range(F[1]):
-                a1 = i1 + (LO[1] - f1 * D[1])
-                row_ok = ch_ok & ok0 & (zero + a1 >= 0) & (zero + a1 % S[1] == 0) & (zero + a1 < O[1] * S[1])
-                base = dy + (n * DY[0] + (a0 // S[0]) * DY[3] + (a1 // S[1]) * DY[4]) + ch * DY[1]
-                dys = ()
-                for e in tl.static_range(E_HI - E_LO + 1):
-                    o2 = w0 // S[2] + (e + E_LO)
-                    dys = dys + (tl.load(base + o2 * DY[5], mask=row_ok & (zero + o2 >= 0) & (zero + o2 < O[2]),
-                                         other=0.0).to(tl.float32),)
-                new = ()
-                for iw in tl.static_range(BLOCK_W):
-                    acc = accs[iw]
-                    for f2 in tl.static_range(F[2]):
-                        if (iw + LO[2] - f2 * D[2]) % S[2] == 0:
-                            acc += dys[(iw + LO[2] - f2 * D[2]) // S[2] - E_LO] * taps[(f0 * F[1] + f1) * F[2] + f2]
-                    new = new + (acc,)
-                accs = new
+            a1 = i1 + (LO[1] - f1 * D[1])
+            row_ok = (ch_ok & (zero + a0 >= 0) & (zero + a0 % S[0] == 0) & (zero + a0 < O[0] * S[0])
+                      & (zero + a1 >= 0) & (zero + a1 % S[1] == 0) & (zero + a1 < O[1] * S[1]))
+            base = dy + (n * DY[0] + (a0 // S[0]) * DY[3] + (a1 // S[1]) * DY[4]) + ch * DY[1]
+            taps = ()  # the row's weights (through L1: every chunk of every dX row reads them)
+            for f2 in tl.static_range(F[2]):
+                taps = taps + (tl.load(w + ch * W[0] + f0 * W[3] + f1 * W[4] + f2 * W[5], mask=ch_ok,
+                                       other=0.0).to(tl.float32),)
+            dys = ()
+            for e in tl.static_range(E_HI - E_LO + 1):
+                o2 = w0 // S[2] + (e + E_LO)
+                dys = dys + (tl.load(base + o2 * DY[5], mask=row_ok & (zero + o2 >= 0) & (zero + o2 < O[2]),
+                                     other=0.0).to(tl.float32),)
+            new = ()
+            for iw in tl.static_range(BLOCK_W):
+                acc = accs[iw]
+                for f2 in tl.static_range(F[2]):
+                    if (iw + LO[2] - f2 * D[2]) % S[2] == 0:
+                        acc += dys[(iw + LO[2] - f2 * D[2]) // S[2] - E_LO] * taps[f2]
+                new = new + (acc,)
+            accs = new
         for iw in tl.static_range(BLOCK_W):
             i2 = w0 + iw
             tl.store(dx + (n * DX[0] + i0 * DX[3] + i1 * DX[4] + i2 * DX[5]) + ch * DX[1],

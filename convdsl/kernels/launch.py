@@ -215,10 +215,16 @@ def _pad_phase(ph: Phase) -> list[dict[str, int]]:
 
 def direct_grad_input_tiles(p: ConvProblem) -> TileConfig:
     """grad_input_direct: chunks of at most block_m positions along the innermost dimension x block_n channels
-    over the warps (block_k unused).  On an H100 (results/*dwE*, *dwF*) MobileNetV2's depthwise dgrad took
-    0.105 ms with 16 x 64 and one warp (two channels per thread), 0.123 with 32 x 32, 0.112 before the
-    window (a tile of positions x channels, every tap's dY value loaded)."""
-    return TileConfig(16, 64, 1, warps=1, stages=1)
+    over the warps (block_k unused), two channels per thread.  On an H100 (results/*dg1*, *dg2*) MobileNetV2's
+    depthwise dgrad took 0.093-0.094 ms with 32 x 128 and two warps, 0.102-0.104 with 16 x 64 and one warp;
+    0.112-0.118 before the window (a tile of positions x channels, every tap's dY value loaded)."""
+    block_n = 128 if p.groups >= 128 else 64 if p.groups >= 64 else 32
+    return TileConfig(32, block_n, 1, warps=max(1, block_n // 64), stages=1)
+
+
+# grad_input_direct unrolls BLOCK_W x F[2] products per filter row and channel: chunks are cut shorter for wide
+# filters so that this stays bounded (a 31x31 filter: chunks of 4 positions)
+UNROLLED_PRODUCTS = 128
 
 
 def grad_input_direct_launch(p: ConvProblem, tiles: TileConfig, base: str) -> Launch:
@@ -227,13 +233,14 @@ def grad_input_direct_launch(p: ConvProblem, tiles: TileConfig, base: str) -> La
     dy_str = activation_strides(p, p.output, p.out_channels)
     dx_str = activation_strides(p, p.input, p.in_channels)
     w_str = weight_strides(p)
-    in3, stride = _pad3(p.input, 1), _pad3(p.stride, 1)[2]
+    in3, stride, f2 = _pad3(p.input, 1), _pad3(p.stride, 1)[2], _pad3(p.filter, 1)[2]
     consts = dict(
         G=p.groups, N=p.batch,
         **_geometry(p),
         DY=dy_str, W=w_str, DX=dx_str,
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
-        BLOCK_W=-(-depthwise_chunk(in3[2], tiles.block_m) // stride) * stride, BLOCK_CH=tiles.block_n,
+        BLOCK_W=-(-depthwise_chunk(in3[2], min(tiles.block_m, max(1, UNROLLED_PRODUCTS // f2))) // stride) * stride,
+        BLOCK_CH=tiles.block_n,
     )
     grid = (p.batch * in3[0] * in3[1], -(-p.groups // tiles.block_n), 1)
     elem = operand_element(p)

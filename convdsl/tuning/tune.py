@@ -91,12 +91,12 @@ EXTERN_TILES: tuple[TileConfig, ...] = (
 
 # Depthwise kernels' tiles (kernels/igemm.py grad_weight_depthwise: positions per window chunk x channels, warps
 # over [TAP_ROWS, channels]; grad_input_direct: positions per chunk x channels), around the H100 winners
-# (results/*dwE*, *dwF*)
+# (results/*dwE*, *dwF*, *dg1*, *dg2*)
 DEPTHWISE_TILES = {
     "grad_weight": tuple(TileConfig(m, n, 1, w, 1) for m in (8, 16, 32) for n in (32, 64) for w in (1, 2, 4, 8, 16)),
     "grad_input": (TileConfig(16, 64, 1, 1, 1), TileConfig(32, 64, 1, 1, 1), TileConfig(32, 64, 1, 2, 1),
                    TileConfig(32, 32, 1, 1, 1), TileConfig(16, 32, 1, 1, 1), TileConfig(8, 64, 1, 1, 1),
-                   TileConfig(16, 128, 1, 2, 1), TileConfig(32, 128, 1, 4, 1)),
+                   TileConfig(16, 128, 1, 2, 1), TileConfig(32, 128, 1, 2, 1), TileConfig(32, 128, 1, 4, 1)),
 }
 
 
