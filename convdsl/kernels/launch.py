@@ -234,13 +234,13 @@ def grad_input_direct_launch(p: ConvProblem, tiles: TileConfig, base: str) -> La
     dx_str = activation_strides(p, p.input, p.in_channels)
     w_str = weight_strides(p)
     in3, stride, f2 = _pad3(p.input, 1), _pad3(p.stride, 1)[2], _pad3(p.filter, 1)[2]
+    chunk = depthwise_chunk(in3[2], min(tiles.block_m, max(1, UNROLLED_PRODUCTS // f2)))
     consts = dict(
         G=p.groups, N=p.batch,
         **_geometry(p),
         DY=dy_str, W=w_str, DX=dx_str,
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
-        BLOCK_W=-(-depthwise_chunk(in3[2], min(tiles.block_m, max(1, UNROLLED_PRODUCTS // f2))) // stride) * stride,
-        BLOCK_CH=tiles.block_n,
+        BLOCK_W=-(-chunk // stride) * stride, BLOCK_CH=tiles.block_n,
     )
     grid = (p.batch * in3[0] * in3[1], -(-p.groups // tiles.block_n), 1)
     elem = operand_element(p)

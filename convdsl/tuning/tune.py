@@ -108,7 +108,8 @@ def depthwise_tiles(p: ConvProblem) -> tuple[TileConfig, ...]:
     if p.op != "grad_weight":
         return DEPTHWISE_TILES["grad_input"]
     rows = tap_rows(p)
-    return tuple(t for t in DEPTHWISE_TILES["grad_weight"] if rows * t.block_n // 64 <= t.warps and 32 * t.warps <= rows * t.block_n)
+    return tuple(t for t in DEPTHWISE_TILES["grad_weight"]
+                 if rows * t.block_n // 64 <= t.warps and 32 * t.warps <= rows * t.block_n)
 
 
 def few_channel_candidates(p: ConvProblem) -> tuple[Knobs, ...]:

@@ -95,8 +95,9 @@ def against_results(summary: dict, results: Path, impl: str) -> list[str]:
                      f"{cudnn['ms']:.3f} | {ratios_device[-1]:.2f} | {ratios_host[-1]:.2f} |")
     if ratios_device:
         lines.append("")
-        lines.append(f"Geometric means over {len(ratios_device)} cases: cuDNN/convdsl device time "
-                     f"{statistics.geometric_mean(ratios_device):.3f}, host time {statistics.geometric_mean(ratios_host):.3f}.")
+        device, host = statistics.geometric_mean(ratios_device), statistics.geometric_mean(ratios_host)
+        lines.append(f"Geometric means over {len(ratios_device)} cases: cuDNN/convdsl device time {device:.3f}, "
+                     f"host time {host:.3f}.")
     return lines
 
 
