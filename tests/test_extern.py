@@ -27,6 +27,7 @@ from convdsl.kernels.launch import (
     SM_COUNT,
     depthwise_chunk,
     fullest_split,
+    flat_positions,
     grad_weight_split,
     last_wave_fill,
     resident_programs,
@@ -86,6 +87,9 @@ NAMED = [
     # transposed is grad_input's arithmetic; a scale epilogue is applied by the kernel
     _p(op="transposed", name="transposed"),
     _p(epilogue=Epilogue("scale", 0.5), name="scaled"),
+    # stride 1, same size (X's positions at dY's: the kernel's X_FLAT addressing), both channels-last layouts
+    *(_p(op="grad_weight", stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 0), layout=layout,
+         name=f"same-w-{layout}") for layout in ("NHWGC", "GNHWC")),
     # more channels than one tile, an explicit split-K
     _p(op="grad_weight", in_channels=33, out_channels=17, groups=1, split_k=3, name="split"),
     # few channels per group: the direct kernel (depthwise strided and dilated; grouped, channel-first)
@@ -324,6 +328,25 @@ def test_strides_address_every_element_once():
                    for a in range(p.groups) for b in range(p.out_channels) for d in range(p.in_channels)
                    for i in range(1) for j in range(2) for m in range(3)}
         assert offsets == set(range(math.prod(p.w_shape)))
+
+
+def test_flat_positions_holds_exactly_where_positions_lie_evenly_apart():
+    for layout in ("NHWGC", "GNHWC", "NGCHW"):
+        p = _p(layout=layout, dims=3, input=(3, 4, 5), filter=(1, 2, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
+               pad_lo=(0, 0, 0), pad_hi=(0, 1, 2))
+        strides = activation_strides(p, p.input, p.in_channels)
+        n, _, _, s0, s1, s2 = strides
+        offsets = [a * n + i * s0 + j * s1 + k * s2 for a in range(p.batch) for i in range(3) for j in range(4)
+                   for k in range(5)]
+        evenly = offsets == [r * s2 for r in range(len(offsets))]
+        assert flat_positions(strides, (3, 4, 5)) == evenly
+        assert evenly == (layout != "NGCHW")  # channel-first: a position's channels lie between positions
+    # the kernels read X through dY's flat offsets only where stride 1 keeps X's positions at dY's
+    for stride, flat in (((1, 1), True), ((2, 1), False)):
+        same = _p(op="grad_weight", stride=stride, dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 0))
+        _, (launch,), _ = plan_launches(same, parse_tiles(SMALL_TILES))
+        assert (same.input == same.output) is flat and dict(launch.constants)["X_FLAT"] is flat
+        assert dict(launch.constants)["DY_FLAT"] is True
 
 
 # --- when the external kernels apply ---------------------------------------------------------

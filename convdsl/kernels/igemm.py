@@ -134,6 +134,8 @@ def grad_weight_partials(
     X: tl.constexpr, DY: tl.constexpr,
     # split-K: chunk s covers reduction steps [s*CHUNK, min((s+1)*CHUNK, L)), CHUNK a multiple of BLOCK_R
     CHUNK: tl.constexpr, G: tl.constexpr,
+    # DY_FLAT / X_FLAT: dY's / X's positions lie r * DY[5] / r * X[5] apart (launch.flat_positions)
+    DY_FLAT: tl.constexpr, X_FLAT: tl.constexpr,
     PRECISION: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -176,13 +178,20 @@ def grad_weight_partials(
         o1 = (r // O[2]) % O[1]
         o0 = (r // (O[2] * O[1])) % O[0]
         n = r // (O[2] * O[1] * O[0])
-        a_ptrs = dy_row[:, None] + (n * DY[0] + o0 * DY[3] + o1 * DY[4] + o2 * DY[5])[None, :]
+        if DY_FLAT:  # positions (n, o0, o1, o2) evenly spaced in dY: offset r * stride, no decomposition
+            a_ptrs = dy_row[:, None] + (r * DY[5])[None, :]
+        else:
+            a_ptrs = dy_row[:, None] + (n * DY[0] + o0 * DY[3] + o1 * DY[4] + o2 * DY[5])[None, :]
         a = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        i0 = (o0 * S[0])[:, None] + shift0[None, :]
-        i1 = (o1 * S[1])[:, None] + shift1[None, :]
-        i2 = (o2 * S[2])[:, None] + shift2[None, :]
-        in_x = (i0 >= 0) & (i0 < I[0]) & (i1 >= 0) & (i1 < I[1]) & (i2 >= 0) & (i2 < I[2])
-        b_ptrs = x_col[None, :] + (n * X[0] + o0 * (S[0] * X[3]) + o1 * (S[1] * X[4]) + o2 * (S[2] * X[5]))[:, None]
+        # 0 <= i < I as one unsigned comparison per dimension
+        i0 = ((o0 * S[0])[:, None] + shift0[None, :]).to(tl.uint32, bitcast=True)
+        i1 = ((o1 * S[1])[:, None] + shift1[None, :]).to(tl.uint32, bitcast=True)
+        i2 = ((o2 * S[2])[:, None] + shift2[None, :]).to(tl.uint32, bitcast=True)
+        in_x = (i0 < I[0]) & (i1 < I[1]) & (i2 < I[2])
+        if X_FLAT:  # stride 1 and X's positions laid out as dY's: X offset r * stride (plus the tap's shift)
+            b_ptrs = x_col[None, :] + (r * X[5])[:, None]
+        else:
+            b_ptrs = x_col[None, :] + (n * X[0] + o0 * (S[0] * X[3]) + o1 * (S[1] * X[4]) + o2 * (S[2] * X[5]))[:, None]
         b = tl.load(b_ptrs, mask=in_x & r_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
 

@@ -365,6 +365,13 @@ def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str) -
     return launch, (parts, p.groups, 1, *_pad3(p.filter, 1), 1)
 
 
+def flat_positions(strides: tuple[int, ...], spatial: tuple[int, int, int]) -> bool:
+    """Whether an activation's positions (n, s0, s1, s2) lie evenly apart: the element offset of position
+    r = ((n * S0 + s0) * S1 + s1) * S2 + s2 is then r * strides[5] (strides as activation_strides gives them)."""
+    return (strides[0] == spatial[0] * strides[3] and strides[3] == spatial[1] * strides[4]
+            and strides[4] == spatial[2] * strides[5])
+
+
 def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str) -> tuple[Launch, tuple[int, ...]]:
     """The launch and the shape of its f32 partials [S, G, K, F0, F1, F2, C] (filter padded to 3D; packed
     groups store their diagonal blocks there, so the shape is the same)."""
@@ -378,7 +385,10 @@ def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str) -> tuple[La
         C=c, K=k, N=p.batch,
         **_geometry(p),
         X=x_str, DY=dy_str,
-        CHUNK=chunk, G=groups, PRECISION=_precision(p), PACK=tiles.pack,
+        CHUNK=chunk, G=groups,
+        DY_FLAT=flat_positions(dy_str, _pad3(p.output, 1)),
+        X_FLAT=p.input == p.output and all(s == 1 for s in p.stride) and flat_positions(x_str, _pad3(p.input, 1)),
+        PRECISION=_precision(p), PACK=tiles.pack,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_k, NUM_STAGES=tiles.stages,
     )
     cols = c * math.prod(p.filter)
