@@ -2,6 +2,7 @@
 (benchmarks/iree_today.py) compute a real convolution, checked against convdsl.reference on llvm-cpu."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -105,3 +106,30 @@ def test_iree_today_grad_input_is_the_zero_inserted_form():
     assert "tensor<2x11x11x2x4xf32>" in text
     assert text.count("linalg.generic") == 2  # the flip gather and the stride-1 convolution
     assert "tensor.extract %arg1" in text
+
+
+def test_merged_builds_put_each_variant_beside_the_base_module(tmp_path):
+    from benchmarks.merge_builds import merge
+
+    def build(name: str, cases: dict[str, dict[str, str]]):
+        d = tmp_path / name
+        d.mkdir()
+        for vmfbs in cases.values():
+            for module in vmfbs.values():
+                (d / module).write_bytes(f"{name}/{module}".encode())
+        (d / "cases.json").write_text(json.dumps(
+            {"target": "cuda:sm_90", "cases": [{"name": n, "vmfbs": v} for n, v in cases.items()]}))
+        return d
+
+    base = build("base", {"a": {"convdsl": "a.convdsl.vmfb", "iree-today": "a.iree.vmfb"},
+                          "b": {"convdsl": "b.convdsl.vmfb"}, "c": {"convdsl": "c.convdsl.vmfb"}})
+    new = build("new", {"a": {"convdsl": "a.convdsl.vmfb", "convdsl@t64": "a.t64.vmfb"}})
+    merged = merge(tmp_path / "out", base, [("new", new, "convdsl"), ("convdsl@t64", new, "convdsl@t64")])
+    assert [c["name"] for c in merged] == ["a"]  # only the cases a variant has
+    vmfbs = merged[0]["vmfbs"]
+    assert set(vmfbs) == {"convdsl", "new", "convdsl@t64"}  # the base's other impls are not timed
+    out = tmp_path / "out"
+    assert (out / vmfbs["convdsl"]).read_bytes() == b"base/a.convdsl.vmfb"
+    assert (out / vmfbs["new"]).read_bytes() == b"new/a.convdsl.vmfb"
+    assert (out / vmfbs["convdsl@t64"]).read_bytes() == b"new/a.t64.vmfb"
+    assert json.loads((out / "cases.json").read_text())["cases"] == merged
