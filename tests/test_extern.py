@@ -26,6 +26,7 @@ from convdsl.kernels.launch import (
     grad_input_launch,
     SM_COUNT,
     depthwise_chunk,
+    dy_read_in_place,
     fullest_split,
     flat_positions,
     grad_weight_split,
@@ -58,9 +59,9 @@ def _p(**kw) -> ConvProblem:
     return ConvProblem(**base)
 
 
-def _interpret(problems: list[ConvProblem], tiles: str = SMALL_TILES) -> list[dict]:
+def _interpret(problems: list[ConvProblem], tiles: str = SMALL_TILES, x_layout: str | None = None) -> list[dict]:
     pytest.importorskip("torch")  # Triton's interpreter runs on torch CPU tensors
-    jobs = [{"spec": problem_to_spec(p), "tiles": tiles} for p in problems]
+    jobs = [{"spec": problem_to_spec(p), "tiles": tiles, "x_layout": x_layout} for p in problems]
     done = subprocess.run([sys.executable, str(HERE / "kernel_interpreter.py")], input=json.dumps(jobs),
                           capture_output=True, text=True, cwd=HERE.parent, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -328,6 +329,52 @@ def test_strides_address_every_element_once():
                    for a in range(p.groups) for b in range(p.out_channels) for d in range(p.in_channels)
                    for i in range(1) for j in range(2) for m in range(3)}
         assert offsets == set(range(math.prod(p.w_shape)))
+
+
+# NGCHW grad_weight with only X copied channels-last: dY read in place, tile by tile within one image (DY_IMAGE);
+# each case's dY has a multiple of 16 (SMALL_TILES' reduction step) positions per image
+IN_PLACE_DY = [
+    _p(op="grad_weight", layout="NGCHW", weight_layout=wl, input=(4, 8), stride=(1, 1), dilation=(1, 1),
+       pad_lo=(1, 1), pad_hi=(1, 0), name=f"dy-in-place-{wl}") for wl in ("GKYXC", "GKCYX")
+] + [
+    _p(op="grad_weight", layout="NGCHW", input=(8, 8), stride=(2, 2), dilation=(1, 2), pad_lo=(1, 1),
+       pad_hi=(0, 0), name="dy-in-place-strided"),
+    _p(op="grad_weight", layout="NGCHW", dims=3, input=(2, 4, 4), filter=(2, 3, 3), stride=(1, 1, 1),
+       dilation=(1, 1, 1), pad_lo=(1, 1, 1), pad_hi=(0, 1, 1), name="dy-in-place-3d"),
+    _grouped(op="grad_weight", layout="NGCHW", input=(4, 8), stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1),
+             pad_hi=(1, 0), name="dy-in-place-packed"),
+]
+
+
+def test_interpreted_ngchw_grad_weight_reads_dy_in_place():
+    for p in IN_PLACE_DY:
+        tiles = parse_tiles(SMALL_TILES)
+        assert dy_read_in_place(p, tiles), p.name
+        _, (launch,), _ = plan_launches(p, tiles, x_layout="NHWGC")
+        c = dict(launch.constants)
+        assert c["DY_IMAGE"] and not c["DY_FLAT"], p.name
+        assert c["X"] == activation_strides(p.with_(layout="NHWGC"), p.input, p.in_channels), p.name
+    _check(IN_PLACE_DY, _interpret(IN_PLACE_DY, x_layout="NHWGC"))
+    packed = IN_PLACE_DY[-1]
+    _check([packed], _interpret([packed], tiles="t16x16x16w4s2g2p4", x_layout="NHWGC"))
+    # where a reduction tile would straddle two images (5 x 5 positions), dY is copied as X is
+    odd = IN_PLACE_DY[0].with_(input=(5, 5), pad_hi=(1, 1))
+    assert not dy_read_in_place(odd, parse_tiles(SMALL_TILES))
+    assert plan_kernel(odd, HOPPER, Knobs(tiles=SMALL_TILES)).channels_last is not None
+    with pytest.raises(ValueError, match="x_layout"):
+        plan_launches(_p(), None, x_layout="NHWGC")  # grad_input reads no copy of X
+
+
+def test_ngchw_grad_weight_copies_only_x():
+    p = IN_PLACE_DY[0].with_(in_channels=64, out_channels=64)
+    plan = plan_kernel(p, HOPPER, Knobs(tiles=SMALL_TILES))
+    assert plan.channels_last is None and plan.extern.copied_channels_last == ("x",)
+    assert "x copied to NHWGC" in plan.describe()
+    mlir = lower_to_mlir([p], HOPPER, knobs={p.name: Knobs(tiles=SMALL_TILES)})
+    generics = [ln for ln in mlir.splitlines() if "linalg.generic" in ln]
+    copies = [ln for ln in generics if "reduction" not in ln]  # the partials' sum has a reduction iterator
+    assert len(copies) == 2 and len(generics) == 4, generics  # X's copy and the sum, in @k and @k$into
+    assert len(compile_mlir(mlir, HOPPER)) > 0
 
 
 def test_flat_positions_holds_exactly_where_positions_lie_evenly_apart():

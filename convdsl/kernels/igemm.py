@@ -134,8 +134,9 @@ def grad_weight_partials(
     X: tl.constexpr, DY: tl.constexpr,
     # split-K: chunk s covers reduction steps [s*CHUNK, min((s+1)*CHUNK, L)), CHUNK a multiple of BLOCK_R
     CHUNK: tl.constexpr, G: tl.constexpr,
-    # DY_FLAT / X_FLAT: dY's / X's positions lie r * DY[5] / r * X[5] apart (launch.flat_positions)
-    DY_FLAT: tl.constexpr, X_FLAT: tl.constexpr,
+    # DY_FLAT / X_FLAT: dY's / X's positions lie r * DY[5] / r * X[5] apart (launch.flat_positions);
+    # DY_IMAGE: only within an image (channel-first dY), and BLOCK_R divides an image's positions
+    DY_FLAT: tl.constexpr, X_FLAT: tl.constexpr, DY_IMAGE: tl.constexpr,
     PRECISION: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -180,6 +181,9 @@ def grad_weight_partials(
         n = r // (O[2] * O[1] * O[0])
         if DY_FLAT:  # positions (n, o0, o1, o2) evenly spaced in dY: offset r * stride, no decomposition
             a_ptrs = dy_row[:, None] + (r * DY[5])[None, :]
+        elif DY_IMAGE:  # the tile lies in one image n_r: offset n_r * DY[0] + (r - n_r * P) * stride, contiguous
+            n_r = r0 // (O[0] * O[1] * O[2])
+            a_ptrs = dy_row[:, None] + (n_r * DY[0] + (r - n_r * (O[0] * O[1] * O[2])) * DY[5])[None, :]
         else:
             a_ptrs = dy_row[:, None] + (n * DY[0] + o0 * DY[3] + o1 * DY[4] + o2 * DY[5])[None, :]
         a = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)

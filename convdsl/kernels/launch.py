@@ -374,22 +374,43 @@ def flat_positions(strides: tuple[int, ...], spatial: tuple[int, int, int]) -> b
             and strides[4] == spatial[2] * strides[5])
 
 
-def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str) -> tuple[Launch, tuple[int, ...]]:
+def image_flat_positions(strides: tuple[int, ...], spatial: tuple[int, int, int]) -> bool:
+    """Whether an activation's positions lie evenly apart within each image (channel-first layouts too):
+    the offset of position (n, p), p = (s0 * S1 + s1) * S2 + s2, is then n * strides[0] + p * strides[5]."""
+    return strides[3] == spatial[1] * strides[4] and strides[4] == spatial[2] * strides[5]
+
+
+def dy_read_in_place(p: ConvProblem, tiles: TileConfig) -> bool:
+    """NGCHW grad_weight: whether the GEMM kernel reads dY in place, with only X copied channels-last.
+    X must be copied: its taps shift it along NGCHW's contiguous axis, which no vector load can follow.
+    dY is not shifted: with BLOCK_R dividing an image's positions, a reduction tile lies in one image and is
+    contiguous there (the kernel's DY_IMAGE addressing), so it needs no copy."""
+    return (p.op == "grad_weight" and p.layout == "NGCHW" and not (p.depthwise and tiles.pack == 1)
+            and math.prod(p.output) % tiles.block_k == 0)
+
+
+def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str,
+                       x_layout: Optional[str] = None) -> tuple[Launch, tuple[int, ...]]:
     """The launch and the shape of its f32 partials [S, G, K, F0, F1, F2, C] (filter padded to 3D; packed
-    groups store their diagonal blocks there, so the shape is the same)."""
+    groups store their diagonal blocks there, so the shape is the same).  x_layout: the layout of the copy
+    of X the kernel reads (dy_read_in_place), where it is not p's."""
     tiles.check_matrix()
     parts, chunk = grad_weight_split(p, tiles)
     groups, c, k = _packed(p, tiles.pack)
-    x_str = _pack_strides(activation_strides(p, p.input, p.in_channels), tiles.pack)
+    x_problem = p.with_(layout=x_layout) if x_layout else p
+    x_str = _pack_strides(activation_strides(x_problem, p.input, p.in_channels), tiles.pack)
     dy_str = _pack_strides(activation_strides(p, p.output, p.out_channels), tiles.pack)
     f3 = _pad3(p.filter, 1)
+    dy_flat = flat_positions(dy_str, _pad3(p.output, 1))
     consts = dict(
         C=c, K=k, N=p.batch,
         **_geometry(p),
         X=x_str, DY=dy_str,
         CHUNK=chunk, G=groups,
-        DY_FLAT=flat_positions(dy_str, _pad3(p.output, 1)),
+        DY_FLAT=dy_flat,
         X_FLAT=p.input == p.output and all(s == 1 for s in p.stride) and flat_positions(x_str, _pad3(p.input, 1)),
+        DY_IMAGE=not dy_flat and image_flat_positions(dy_str, _pad3(p.output, 1))
+        and math.prod(p.output) % tiles.block_k == 0,
         PRECISION=_precision(p), PACK=tiles.pack,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_k, NUM_STAGES=tiles.stages,
     )
@@ -499,19 +520,22 @@ def relayout_ngchw(p: ConvProblem) -> bool:
     return True
 
 
-def plan_launches(p: ConvProblem, tiles: Optional[TileConfig]
+def plan_launches(p: ConvProblem, tiles: Optional[TileConfig], x_layout: Optional[str] = None
                   ) -> tuple[TileConfig, tuple[Launch, ...], tuple[int, ...]]:
     """(tiles, launches, f32 partials' shape for grad_weight) of one kernel, symbols named after it;
-    tiles None: the defaults of the kernel it uses."""
+    tiles None: the defaults of the kernel it uses.  x_layout: grad_weight's GEMM kernel reads a copy of X
+    in that layout (dy_read_in_place)."""
     base = re.sub(r"\W", "_", p.name)
     packed = tiles is not None and tiles.pack > 1  # depthwise too, as packed GEMMs, where tiles ask for it
+    if x_layout and (p.op != "grad_weight" or (p.depthwise and not packed)):
+        raise ValueError(f"x_layout: only grad_weight's GEMM kernel reads a copy of X ({p.name})")
     if p.op == "grad_weight" and p.depthwise and not packed:
         tiles = tiles or depthwise_grad_weight_tiles(p)
         launch, partials = grad_weight_depthwise_launch(p, tiles, base)
         return tiles, (launch,), partials
     if p.op == "grad_weight":
         tiles = tiles or default_grad_weight_tiles(p)
-        launch, partials = grad_weight_launch(p, tiles, base)
+        launch, partials = grad_weight_launch(p, tiles, base, x_layout)
         return tiles, (launch,), partials
     if direct_grad_input(p) and not packed:
         tiles = tiles or direct_grad_input_tiles(p)

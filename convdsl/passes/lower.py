@@ -93,6 +93,10 @@ def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, 
     assert ext is not None
     if plan.channels_last is not None:
         return _between_layout_copies(plan, args, lambda inner, moved: _emit_extern(inner, moved, binaries))
+    if ext.copied_channels_last:  # NGCHW grad_weight: X copied channels-last, dY read in place
+        channels_last = p.with_(layout="NHWGC")
+        args = [_relayout(p, channels_last, a) if name in ext.copied_channels_last else a
+                for name, a in zip(p.arg_names, args)]
     if p.fp8_compute:
         # the operands rounded to their fp8 grids once, stored in f16 (kernels/launch.operand_element)
         args = [_round_operand(plan, args[0], 0), _round_operand(plan, args[1], 1)]

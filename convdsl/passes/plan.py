@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 from ..algebra import Phase, SplitK, dy_padding, grad_input_phases, plan_split_k, x_window
-from ..kernels.launch import Launch, plan_launches, relayout_ngchw, unsupported_reason
+from ..kernels.launch import Launch, dy_read_in_place, plan_launches, relayout_ngchw, unsupported_reason
 from ..kernels.tiles import TileConfig, parse_tiles
 from ..problem import ConvProblem
 from ..targets import Target
@@ -24,6 +24,8 @@ class ExternPlan:
     tiles: TileConfig
     launches: tuple[Launch, ...]
     partials_shape: tuple[int, ...] = ()
+    # arguments (by name) the launches read from NHWGC copies, the others in place (dy_read_in_place)
+    copied_channels_last: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,9 @@ class KernelPlan:
                 lines.append("  layout: NGCHW activations copied to NHWGC and back around the kernels below")
                 lines.extend(_describe_extern(self.channels_last))
             else:
+                if self.extern.copied_channels_last:
+                    lines.append(f"  layout: {', '.join(self.extern.copied_channels_last)} copied to NHWGC for the"
+                                 " kernels below; the other activations read in place")
                 lines.extend(_describe_extern(self))
             return "\n".join(lines)
         if self.linalg_reason:
@@ -270,6 +275,11 @@ def plan_kernel(problem: ConvProblem, target: Target, knobs: Optional["Knobs"] =
             # the kernels on NHWGC copies of the activations (contiguous channels), made and undone by linalg
             inner = problem.with_(layout="NHWGC")
             tiles, launches, partials = plan_launches(inner, tiles)
+            if dy_read_in_place(problem, tiles):
+                # grad_weight: only X copied; dY is read where it lies (one copy fewer)
+                _, launches, partials = plan_launches(problem, tiles, x_layout=inner.layout)
+                return KernelPlan(problem, target, "extern",
+                                  extern=ExternPlan(tiles, launches, partials, copied_channels_last=("x",)))
             inner_plan = KernelPlan(inner, target, "extern", extern=ExternPlan(tiles, launches, partials))
             return KernelPlan(problem, target, "extern", extern=inner_plan.extern, channels_last=inner_plan)
         tiles, launches, partials = plan_launches(problem, tiles)
