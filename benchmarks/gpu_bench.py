@@ -19,9 +19,11 @@ Per case:
      device arrays (bf16 as raw 16-bit words with the BFLOAT_16 element type), the result verified
      against the reference (relative L2 error), then timed.  convdsl is timed through its destination-
      passing function `<name>$into` (convdsl/abi.py: result buffer and workspace allocated once, as cuDNN
-     gets dX/dW and its workspace from PyTorch's caching allocator), verified again through that call; its
-     allocating function is timed too (variant column "convdsl (allocating call)").  iree-today modules
-     have only the allocating function.
+     gets dX/dW and its workspace from PyTorch's caching allocator), verified again through that call, as
+     convdsl's runtime calls it (backends/into_call.py: its fenced twin `$into$async`, whose fence the
+     call polls before it returns, as a CUDA stream synchronisation spins); the blocking synchronous
+     `$into` and the allocating function are timed too (variant columns "convdsl (blocking $into)",
+     "convdsl (allocating call)").  iree-today modules have only the allocating function.
   Timing: warm-up up to 5 calls, then the median of 20 calls (fewer, at least 3, when 20 would exceed the
   per-implementation time budget); every call is timed on the host clock and followed by
   torch.cuda.synchronize() for torch.  IREE's synchronous calling convention returns only after the
@@ -309,10 +311,11 @@ class Iree:
         ctx.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, path.read_bytes()))
         return ctx, ctx.modules.module[function]
 
-    def into_calls(self, ctx, case: dict, dsets) -> tuple | None:
+    def into_calls(self, ctx, case: dict, dsets, wait: str = "poll") -> tuple | None:
         """convdsl's destination-passing twin of the function (convdsl/abi.py), when the module has one:
         (IntoCall, one zero-argument call per input set).  Result buffer and workspace are allocated here,
-        once, as a framework would keep them; None for modules without it (iree-today)."""
+        once, as a framework would keep them; None for modules without it (iree-today).  wait: IntoCall's
+        ("poll": the runtime's default; "block": the synchronous `$into`)."""
         from convdsl.backends.into_call import IntoCall, allocate_result
 
         vm_module = ctx.modules.module.vm_module
@@ -321,7 +324,7 @@ class Iree:
         rdtype = case["result"]["dtype"]
         views = [[a._buffer_view for a in s] for s in dsets]
         out = allocate_result(self.device, case["result"]["shape"], self.elem[rdtype], 4 if rdtype == "f32" else 2)
-        call = IntoCall(ctx, vm_module, case["function"], views[0], out)
+        call = IntoCall(ctx, vm_module, case["function"], views[0], out, wait=wait)
         packed = [call.pack(v) for v in views]
         return call, [lambda a=a: call.call(a) for a in packed]
 
@@ -554,6 +557,13 @@ def run_case(case: dict, iree: Iree | None, build: Path, ceil: dict, budget: flo
                         entry["ok"] = False
                         log(f"    {impl}: WRONG result through the into ABI, relative error {entry['into_err']:.3g}")
                     entry.update(bench(into_fns, budget))
+                    entry["wait"] = "poll" if into_call.async_function is not None else "block"
+                    if into_call.async_function is not None:  # the blocking synchronous call, for reference
+                        blocking_call, blocking_fns = iree.into_calls(ctx, case, dsets, wait="block")
+                        blocking_fns[0]()
+                        entry["blocking_err"] = rel_error(iree.download_view(blocking_call.out, rdtype), ref)
+                        entry["blocking"] = bench(blocking_fns, budget)
+                        del blocking_call, blocking_fns
                     del into_call, into_fns, into
             # the result of the last timed calls still equals the verified one (same inputs, set 0)
             again = iree.download(f(*dsets[0]), rdtype)
@@ -638,11 +648,15 @@ def summarize(results: list[dict]) -> tuple[str, dict]:
 
 def variants_table(results: list[dict]) -> list[str]:
     """Extra compiled variants (cases.json vmfbs beyond convdsl and iree-today) against convdsl, and convdsl
-    called through its allocating function (the destination-passing call is the convdsl column)."""
+    called through its allocating function and through the blocking `$into` (the convdsl column is the
+    runtime's call: the fenced `$into$async`, polled)."""
     for r in results:
         cv = r.get("impls", {}).get("convdsl") or {}
         if "allocating" in cv:
             r["impls"]["convdsl (allocating call)"] = {**cv["allocating"], "ok": cv.get("ok"), "err": cv.get("err")}
+        if "blocking" in cv:
+            ok = cv.get("ok") and cv["blocking_err"] <= r.get("tolerance", 0)
+            r["impls"]["convdsl (blocking $into)"] = {**cv["blocking"], "ok": ok, "err": cv["blocking_err"]}
     extra = sorted({k for r in results for k in r.get("impls", {}) if k not in (*IMPLS, "cudnn", "cudnn_notf32")})
     if not extra:
         return []
@@ -790,7 +804,9 @@ def main(argv=None) -> int:
           f"{ceil['matmul_bf16_TFLOPs']:.0f}, f16 {ceil['matmul_f16_TFLOPs']:.0f}, f32 (no TF32) "
           f"{ceil['matmul_f32_TFLOPs']:.0f}, TF32 {ceil['matmul_f32_tf32_TFLOPs']:.0f} TFLOP/s. Floor = "
           f"max(flops / matmul peak of the dtype (f32: no-TF32 peak), minimal bytes / copy bandwidth).\n"
-          f"Times: median host time per call (torch: synchronised each call; IREE: synchronous calls, runtime "
+          f"Times: median host time per call, each returning after the GPU work (torch: synchronised each call; "
+          f"convdsl: its runtime's call, the fenced `$into$async` polled to completion; iree-today: synchronous "
+          f"calls; IREE runtime "
           f"flags {' '.join(info['iree_runtime_flags']) or '(defaults)'}, allocators "
           f"{','.join(info['iree_allocators']) or '(device default)'}). "
           f"cuDNN column: TF32 allowed (PyTorch's default for convolutions); fp8-compute case: cuDNN runs f16.\n\n"

@@ -10,9 +10,16 @@ Every kernel is exported twice:
       workspace from its caller.  The workspace size is the function's reflection attribute
       `iree.abi.transients.size.constant` when static, else what `<name>$into_transients_size(args..., out,
       workspace)` returns.
+  @"<name>$into$async"(args..., out, workspace, wait_fence, signal_fence) -> result
+      the same with IREE's "coarse-fences" invocation model: it returns once the work is queued after
+      wait_fence and signals signal_fence when it is done, so that the caller chooses how to wait.
+      convdsl's runtime (backends/into_call.py) polls the fence's semaphore for a short while before it
+      blocks: a blocking wait wakes the caller through IREE's completion thread, 4 to 20 µs later
+      (benchmarks/results/*async-call.md, measured on an H100).
 """
 from __future__ import annotations
 
 INTO_SUFFIX = "$into"
+ASYNC_SUFFIX = "$async"
 TRANSIENTS_SIZE_CONSTANT = "iree.abi.transients.size.constant"
 TRANSIENTS_SIZE_FUNCTION = "iree.abi.transients.size"

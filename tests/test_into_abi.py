@@ -7,9 +7,9 @@ import re
 import numpy as np
 import pytest
 
-from convdsl.abi import INTO_SUFFIX
+from convdsl.abi import ASYNC_SUFFIX, INTO_SUFFIX
 from convdsl.backends.iree import LoadedModule, compile_mlir
-from convdsl.backends.into_call import IntoCall
+from convdsl.backends.into_call import IntoCall, allocate_result
 from convdsl.passes import lower_to_mlir
 from convdsl.problem import ConvProblem, Epilogue
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
@@ -129,3 +129,39 @@ def test_timing_goes_through_the_into_call(module, monkeypatch):
                           out_shape=p.result_shape, out_dtype=p.result_dtype)
     assert seconds > 0
     assert calls == [p.name + INTO_SUFFIX] * 4
+
+
+@pytest.mark.parametrize("key", ["grad_weight_split_k_grouped", "grad_input_strided_bf16"])
+def test_polling_call_runs_the_fenced_twin_and_matches_the_blocking_call(module, key):
+    p = PROBLEMS[key]
+    fenced = module.vm_module.lookup_function(p.name + INTO_SUFFIX + ASYNC_SUFFIX)
+    assert fenced.reflection["iree.abi.model"] == "coarse-fences"
+    inputs = random_inputs(p, seed=4)
+    dev = [module.upload(a) for a in inputs]
+    views = [d._buffer_view for d in dev]
+    polling = module.into_call(p.name, dev, p.result_shape, p.result_dtype)
+    blocking = IntoCall(module.context, module.vm_module, p.name, views, allocate_result(
+        module.device, p.result_shape, polling.out.element_type, 4 if p.result_dtype == "f32" else 2), wait="block")
+    assert polling.async_function is not None and blocking.async_function is None
+    for _ in range(3):
+        polling.call(polling.pack(views))
+    blocking.call(blocking.pack(views))
+    assert polling.semaphore.query() == 3  # each call signalled its own value before it returned
+    got = module.download_view(polling.out, p.result_dtype)
+    np.testing.assert_array_equal(_f64(got), _f64(module.download_view(blocking.out, p.result_dtype)))
+    assert relative_error(_f64(got), reference(p, *inputs)) <= tolerance(p)
+    with pytest.raises(ValueError, match="wait"):
+        IntoCall(module.context, module.vm_module, p.name, views, polling.out, wait="spin")
+
+
+def test_a_module_without_the_fenced_twin_gets_blocking_calls():
+    mlir = """func.func @"plain$into"(%a: tensor<4xf32>, %o: tensor<4xf32> {iree.abi.output = 0 : index},
+                                %w: !hal.buffer {iree.abi.transients}) -> tensor<4xf32> {
+  %0 = arith.addf %a, %a : tensor<4xf32>
+  return %0 : tensor<4xf32>
+}"""
+    module = LoadedModule(compile_mlir(mlir, CPU), CPU)
+    call = module.into_call("plain", [module.upload(np.arange(4, dtype=np.float32))], (4,), "f32")
+    assert call.async_function is None
+    call.call(call.pack([module.upload(np.arange(4, dtype=np.float32))._buffer_view]))
+    np.testing.assert_array_equal(module.download_view(call.out, "f32"), 2 * np.arange(4, dtype=np.float32))

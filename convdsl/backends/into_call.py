@@ -3,11 +3,17 @@ are allocated once and reused, through iree.runtime only (no compiler: this runs
 from __future__ import annotations
 
 import math
+import time
 from typing import Sequence
 
-from ..abi import INTO_SUFFIX, TRANSIENTS_SIZE_CONSTANT, TRANSIENTS_SIZE_FUNCTION
+from ..abi import ASYNC_SUFFIX, INTO_SUFFIX, TRANSIENTS_SIZE_CONSTANT, TRANSIENTS_SIZE_FUNCTION
 
 MIN_WORKSPACE_BYTES = 256  # a kernel without transients still takes a (tiny) buffer
+# How long a call polls its fence's semaphore before it blocks on the fence.  Blocking wakes the caller
+# through IREE's completion thread, 4 to 20 µs after the work is done (on an H100, against 0.05 to 0.33 ms
+# calls: benchmarks/results/*async-call.md); polling costs a CPU core meanwhile, as a CUDA stream
+# synchronisation does under CUDA's default scheduling.  Longer calls block: the wake-up is small beside them.
+SPIN_SECONDS = 0.002
 
 
 def allocate_result(device, shape: Sequence[int], element_type, bytes_per_element: int):
@@ -31,12 +37,16 @@ class IntoCall:
     context: the iree.runtime SystemContext the module was added to; vm_module: that module (an
     rt.VmModule); args: the argument buffer views, whose shapes fix the result's; out: a buffer view of the
     result's shape to write into (allocate_result, or a framework tensor imported through DLPack).  The
-    workspace is allocated here, once.
+    workspace is allocated here, once.  wait: "poll" calls the `$into$async` twin and polls its signal
+    fence (SPIN_SECONDS, then blocks), "block" the synchronous `$into`, which blocks (so do modules built
+    before convdsl exported the twin).
     """
 
-    def __init__(self, context, vm_module, name: str, args: Sequence, out) -> None:
+    def __init__(self, context, vm_module, name: str, args: Sequence, out, wait: str = "poll") -> None:
         import iree.runtime as rt
 
+        if wait not in ("poll", "block"):
+            raise ValueError(f"wait: expected 'poll' or 'block', got {wait!r}")
         self._rt = rt
         self.context = context
         self.vm_module = vm_module
@@ -44,6 +54,12 @@ class IntoCall:
         self.function = vm_module.lookup_function(self.name)
         if self.function is None:
             raise LookupError(f"the module has no function {self.name!r} (compiled before convdsl had it)")
+        self.async_function = vm_module.lookup_function(self.name + ASYNC_SUFFIX) if wait == "poll" else None
+        if self.async_function is not None:
+            # one timeline per call site: call i waits for value i - 1 (reached: calls return when done)
+            # and signals value i
+            self.semaphore = context.config.device.create_semaphore(0)
+            self.calls = 0
         self.out = out
         allocator = context.config.device.allocator
         self.workspace = _allocate(allocator, MIN_WORKSPACE_BYTES)  # a placeholder while the size is asked
@@ -57,19 +73,36 @@ class IntoCall:
             return int(reflection[TRANSIENTS_SIZE_CONSTANT])
         size_function = self.vm_module.lookup_function(reflection[TRANSIENTS_SIZE_FUNCTION])
         results = self._rt.VmVariantList(1)
-        self.context.vm_context.invoke(size_function, self.pack(args), results)
+        self.context.vm_context.invoke(size_function, self._list([*args, self.out, self.workspace]), results)
         return int(results.get_variant(0))
 
-    def pack(self, args: Sequence, out=None):
-        """The argument list of one call (pack once, call many times); `out`: another result view of the
-        same shape to write into instead of self.out."""
-        packed = self._rt.VmVariantList(len(args) + 2)
-        for view in args:
-            packed.push_ref(view)
-        packed.push_ref(self.out if out is None else out)
-        packed.push_ref(self.workspace)
+    def _list(self, refs: Sequence):
+        packed = self._rt.VmVariantList(len(refs) + 2)
+        for ref in refs:
+            packed.push_ref(ref)
         return packed
 
+    def pack(self, args: Sequence, out=None):
+        """The arguments of one call (pack once, call many times); `out`: another result view of the same
+        shape to write into instead of self.out."""
+        refs = [*args, self.out if out is None else out, self.workspace]
+        return refs if self.async_function is not None else self._list(refs)
+
     def call(self, packed) -> None:
-        """One synchronous call: returns after the device has written `out`."""
-        self.context.vm_context.invoke(self.function, packed, self._rt.VmVariantList(1))
+        """One call: returns after the device has written `out`."""
+        if self.async_function is None:
+            self.context.vm_context.invoke(self.function, packed, self._rt.VmVariantList(1))
+            return
+        fence = self._rt.HalFence.create_at
+        arguments = self._list(packed)
+        arguments.push_ref(fence(self.semaphore, self.calls))
+        done = self.calls + 1
+        signal = fence(self.semaphore, done)
+        arguments.push_ref(signal)
+        self.context.vm_context.invoke(self.async_function, arguments, self._rt.VmVariantList(1))
+        self.calls = done
+        deadline = time.perf_counter() + SPIN_SECONDS
+        while self.semaphore.query() < done:  # raises if the work failed
+            if time.perf_counter() > deadline:
+                signal.wait()
+                break

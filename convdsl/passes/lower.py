@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Callable, Mapping, Optional
 
 from iree.compiler import ir
-from iree.compiler.dialects import arith, func, linalg, tensor
+from iree.compiler.dialects import arith, func, linalg, tensor, util
 
-from ..abi import INTO_SUFFIX
+from ..abi import ASYNC_SUFFIX, INTO_SUFFIX
 from ..algebra import Phase
 from ..problem import ConvProblem
 from .ir import (
@@ -43,9 +43,10 @@ from .plan import KernelPlan
 
 
 def emit_kernel(plan: KernelPlan, binaries: Optional[Mapping[str, Binary]] = None) -> None:
-    """Append `func.func @<kernel name>` and its destination-passing twin `@"<name>$into"` (convdsl/abi.py:
-    caller-owned result and workspace, so that a call allocates nothing) at the current insertion point,
-    after the external executables of a form "extern" plan (`binaries`: launch name -> binary)."""
+    """Append `func.func @<kernel name>`, its destination-passing twin `@"<name>$into"` (convdsl/abi.py:
+    caller-owned result and workspace, so that a call allocates nothing) and that twin with fences,
+    `@"<name>$into$async"`, at the current insertion point, after the external executables of a form
+    "extern" plan (`binaries`: launch name -> binary)."""
     p = plan.problem
     if plan.extern is not None:
         for launch in plan.extern.launches:
@@ -57,21 +58,34 @@ def emit_kernel(plan: KernelPlan, binaries: Optional[Mapping[str, Binary]] = Non
     result_type = tensor_type(_signature_shape(p, p.result_shape), element_type(p.result_dtype))
     _emit_function(plan, p.name, arg_types, result_type, bound)
     workspace_type = ir.Type.parse("!hal.buffer")
-    into = _emit_function(plan, p.name + INTO_SUFFIX, [*arg_types, result_type, workspace_type], result_type, bound)
     no_attrs = ir.DictAttr.get({})
-    into.arg_attrs = ir.ArrayAttr.get([
+    into_arg_attrs = ir.ArrayAttr.get([
         *([no_attrs] * len(arg_types)),
         ir.DictAttr.get({"iree.abi.output": ir.IntegerAttr.get(ir.IndexType.get(), 0)}),
         ir.DictAttr.get({"iree.abi.transients": ir.UnitAttr.get()}),
     ])
+    for suffix in (INTO_SUFFIX, INTO_SUFFIX + ASYNC_SUFFIX):
+        into = _emit_function(plan, p.name + suffix, [*arg_types, result_type, workspace_type], result_type, bound,
+                              coarse_fences=suffix.endswith(ASYNC_SUFFIX))
+        into.arg_attrs = into_arg_attrs
 
 
 def _emit_function(plan: KernelPlan, name: str, arg_types: list[ir.Type], result_type: ir.Type,
-                   binaries: Mapping[str, Binary]) -> func.FuncOp:
-    """One function computing `plan` from its leading len(problem.arg_shapes) arguments."""
+                   binaries: Mapping[str, Binary], coarse_fences: bool = False) -> ir.OpView:
+    """One function computing `plan` from its leading len(problem.arg_shapes) arguments.  coarse_fences:
+    exported with a wait and a signal fence (IREE's "coarse-fences" invocation model, convdsl/abi.py), as a
+    util.func: IREE's input conversion keeps no discardable attribute of a func.func, this one included."""
     p = plan.problem
-    fn = func.FuncOp(name, (arg_types, [result_type]))
-    block = fn.add_entry_block()
+    if coarse_fences:
+        fn = util.FuncOp(name, ir.TypeAttr.get(ir.FunctionType.get(arg_types, [result_type])),
+                         sym_visibility="public")
+        fn.attributes["iree.abi.model"] = ir.StringAttr.get("coarse-fences")
+        block = fn.body.blocks.append(*arg_types)
+        ret = util.ReturnOp
+    else:
+        fn = func.FuncOp(name, (arg_types, [result_type]))
+        block = fn.add_entry_block()
+        ret = func.ReturnOp
     with ir.InsertionPoint(block):
         args = list(block.arguments)[:len(p.arg_shapes)]
         if plan.extern is not None:
@@ -83,7 +97,7 @@ def _emit_function(plan: KernelPlan, name: str, arg_types: list[ir.Type], result
             result = _emit_planned(plan.bf16x3, bf16x3.split_args(p, args))
         else:
             result = _emit_planned(plan, args)
-        func.ReturnOp([result])
+        ret([result])
     return fn
 
 
