@@ -1,6 +1,6 @@
 """The calling conventions of a compiled module, shared by the emitter (passes/lower.py) and the runtimes.
 
-Every kernel is exported twice:
+Every kernel is exported three times:
   @<name>(args...) -> result
       allocates its result and its transient buffers on every call (what IREE's own tools call);
   @"<name>$into"(args..., out, workspace) -> result

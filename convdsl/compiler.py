@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from . import __version__
-from .abi import INTO_SUFFIX
+from .abi import ASYNC_SUFFIX, INTO_SUFFIX
 from .backends.iree import LoadedModule, iree_version
 from .cache import compile_cached
 from .problem import ConvProblem, problem_to_spec
@@ -66,6 +66,8 @@ def manifest(problems: Sequence[ConvProblem], target: Target) -> dict:
                 "function": p.name,
                 # the destination-passing twin: (args..., out, workspace) -> out, allocating nothing
                 "into_function": p.name + INTO_SUFFIX,
+                # the same with a wait and a signal fence after its arguments (IREE's coarse-fences model)
+                "into_async_function": p.name + INTO_SUFFIX + ASYNC_SUFFIX,
                 "op": p.op,
                 "problem": p.describe(),
                 # a dynamic batch (`batch = ?`) is written as null

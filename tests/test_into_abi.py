@@ -10,6 +10,7 @@ import pytest
 from convdsl.abi import ASYNC_SUFFIX, INTO_SUFFIX
 from convdsl.backends.iree import LoadedModule, compile_mlir
 from convdsl.backends.into_call import IntoCall, allocate_result
+from convdsl.compiler import manifest
 from convdsl.passes import lower_to_mlir
 from convdsl.problem import ConvProblem, Epilogue
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
@@ -136,6 +137,7 @@ def test_polling_call_runs_the_fenced_twin_and_matches_the_blocking_call(module,
     p = PROBLEMS[key]
     fenced = module.vm_module.lookup_function(p.name + INTO_SUFFIX + ASYNC_SUFFIX)
     assert fenced.reflection["iree.abi.model"] == "coarse-fences"
+    assert manifest([p], CPU)["kernels"][0]["into_async_function"] == fenced.name
     inputs = random_inputs(p, seed=4)
     dev = [module.upload(a) for a in inputs]
     views = [d._buffer_view for d in dev]
