@@ -10,8 +10,8 @@ with a workspace that is allocated once per argument shapes.  Measured on an H10
 (benchmarks/results/*torch-dlpack*): bit-identical to the usual call, 0.10 ms for ResNet's 1x1 dgrad.
 
 Ordering: IREE runs on its own CUDA stream.  Before a call the framework's current stream is synchronised
-(so IREE reads finished inputs); the call returns after IREE's work is done (IREE's synchronous ABI), so the
-framework may use `out` at once.
+(so IREE reads finished inputs); the call returns after IREE's work is done (IntoCall waits for the fence of the
+`$into$async` twin, or the synchronous `$into` blocks), so the framework may use `out` at once.
 """
 from __future__ import annotations
 

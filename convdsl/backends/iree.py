@@ -172,7 +172,8 @@ class LoadedModule:
 
     def time(self, name: str, args: Sequence, repeat: int = 20, warmup: int = 3,
              out_shape: Optional[Sequence[int]] = None, out_dtype: Optional[str] = None) -> float:
-        """Median seconds per call; each call returns after the device finished (synchronous ABI).
+        """Median seconds per call; each call returns after the device finished (IntoCall's polled fence, or
+        the allocating function's synchronous ABI).
 
         Given the result's shape and dtype, the destination-passing twin is timed (result buffer and
         workspace allocated once, as a framework keeps them: convdsl/abi.py), else the allocating function.
