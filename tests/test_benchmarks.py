@@ -133,3 +133,20 @@ def test_merged_builds_put_each_variant_beside_the_base_module(tmp_path):
     assert (out / vmfbs["new"]).read_bytes() == b"new/a.convdsl.vmfb"
     assert (out / vmfbs["convdsl@t64"]).read_bytes() == b"new/a.t64.vmfb"
     assert json.loads((out / "cases.json").read_text())["cases"] == merged
+
+
+def test_variants_table_sets_the_blocking_into_call_beside_the_polled_one():
+    pytest.importorskip("torch")
+    from benchmarks.gpu_bench import variants_table
+
+    def case(name: str, ms: float, blocking_ms: float, blocking_err: float) -> dict:
+        return {"name": name, "tolerance": 1e-2, "impls": {"convdsl": {
+            "ms": ms, "ok": True, "err": 1e-4, "blocking": {"ms": blocking_ms}, "blocking_err": blocking_err}}}
+
+    rows = variants_table([case("a", 1.0, 1.25, 1e-4), case("b", 2.0, 2.2, 0.5)])
+    assert "convdsl (blocking $into) ms" in rows[1]
+    a_row = next(r for r in rows if r.startswith("| a |"))
+    b_row = next(r for r in rows if r.startswith("| b |"))
+    assert "| 1.250 | 0.80x |" in a_row and "WRONG" not in a_row
+    assert "WRONG" in b_row  # the blocking call's own error is gated
+    assert rows[-1].endswith("convdsl (blocking $into) 0.800x over 1 cases")  # wrong results left out
