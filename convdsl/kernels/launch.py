@@ -370,8 +370,7 @@ def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str) -
 def flat_positions(strides: tuple[int, ...], spatial: tuple[int, int, int]) -> bool:
     """Whether an activation's positions (n, s0, s1, s2) lie evenly apart: the element offset of position
     r = ((n * S0 + s0) * S1 + s1) * S2 + s2 is then r * strides[5] (strides as activation_strides gives them)."""
-    return (strides[0] == spatial[0] * strides[3] and strides[3] == spatial[1] * strides[4]
-            and strides[4] == spatial[2] * strides[5])
+    return strides[0] == spatial[0] * strides[3] and image_flat_positions(strides, spatial)
 
 
 def image_flat_positions(strides: tuple[int, ...], spatial: tuple[int, int, int]) -> bool:
@@ -380,13 +379,19 @@ def image_flat_positions(strides: tuple[int, ...], spatial: tuple[int, int, int]
     return strides[3] == spatial[1] * strides[4] and strides[4] == spatial[2] * strides[5]
 
 
+def tiles_within_images(p: ConvProblem, tiles: TileConfig) -> bool:
+    """Whether each grad_weight reduction tile (BLOCK_R dY positions) lies in one image: BLOCK_R divides an
+    image's positions (split-K chunks are whole tiles)."""
+    return math.prod(p.output) % tiles.block_k == 0
+
+
 def dy_read_in_place(p: ConvProblem, tiles: TileConfig) -> bool:
     """NGCHW grad_weight: whether the GEMM kernel reads dY in place, with only X copied channels-last.
     X must be copied: its taps shift it along NGCHW's contiguous axis, which no vector load can follow.
-    dY is not shifted: with BLOCK_R dividing an image's positions, a reduction tile lies in one image and is
-    contiguous there (the kernel's DY_IMAGE addressing), so it needs no copy."""
+    dY is not shifted: where its reduction tiles lie within images, each is contiguous (the kernel's DY_IMAGE
+    addressing), so it needs no copy."""
     return (p.op == "grad_weight" and p.layout == "NGCHW" and not (p.depthwise and tiles.pack == 1)
-            and math.prod(p.output) % tiles.block_k == 0)
+            and tiles_within_images(p, tiles))
 
 
 def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str,
@@ -409,8 +414,7 @@ def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str,
         CHUNK=chunk, G=groups,
         DY_FLAT=dy_flat,
         X_FLAT=p.input == p.output and all(s == 1 for s in p.stride) and flat_positions(x_str, _pad3(p.input, 1)),
-        DY_IMAGE=not dy_flat and image_flat_positions(dy_str, _pad3(p.output, 1))
-        and math.prod(p.output) % tiles.block_k == 0,
+        DY_IMAGE=not dy_flat and image_flat_positions(dy_str, _pad3(p.output, 1)) and tiles_within_images(p, tiles),
         PRECISION=_precision(p), PACK=tiles.pack,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_k, NUM_STAGES=tiles.stages,
     )
