@@ -149,6 +149,12 @@ def test_polling_call_runs_the_fenced_twin_and_matches_the_blocking_call(module,
         polling.call(polling.pack(views))
     blocking.call(blocking.pack(views))
     assert polling.semaphore.query() == 3  # each call signalled its own value before it returned
+    # queued calls, each after the one before, then one wait
+    fences = [polling.submit(polling.pack(views)) for _ in range(4)]
+    fences[-1].wait()
+    assert polling.semaphore.query() == 7
+    with pytest.raises(ValueError, match="submit"):
+        blocking.submit(blocking.pack(views))
     got = module.download_view(polling.out, p.result_dtype)
     np.testing.assert_array_equal(_f64(got), _f64(module.download_view(blocking.out, p.result_dtype)))
     assert relative_error(_f64(got), reference(p, *inputs)) <= tolerance(p)

@@ -10,7 +10,7 @@ from ..abi import ASYNC_SUFFIX, INTO_SUFFIX, TRANSIENTS_SIZE_CONSTANT, TRANSIENT
 
 MIN_WORKSPACE_BYTES = 256  # a kernel without transients still takes a (tiny) buffer
 # How long a call polls its fence's semaphore before it blocks on the fence.  Blocking wakes the caller
-# through IREE's completion thread, 4 to 20 µs after the work is done (on an H100, against 0.05 to 0.33 ms
+# through IREE's completion thread, 4 to 21 µs after the work is done (on an H100, against 0.05 to 0.33 ms
 # calls: benchmarks/results/*async-call.md); polling costs a CPU core meanwhile, as a CUDA stream
 # synchronisation does under CUDA's default scheduling.  Longer calls block: the wake-up is small beside them.
 SPIN_SECONDS = 0.002
@@ -88,19 +88,29 @@ class IntoCall:
         refs = [*args, self.out if out is None else out, self.workspace]
         return refs if self.async_function is not None else self._list(refs)
 
+    def submit(self, packed):
+        """Queue one call of the fenced twin after this call site's previous one, without waiting for it;
+        returns its signal fence (`fence.wait()` blocks until `out` is written; so does polling until
+        `self.semaphore.query() >= self.calls`).  Needs the twin: wait="poll" and a module that has it."""
+        if self.async_function is None:
+            raise ValueError(f"submit: {self.name!r} is called through the synchronous twin (wait='block', "
+                             "or a module without the fenced one)")
+        fence = self._rt.HalFence.create_at
+        arguments = self._list(packed)
+        arguments.push_ref(fence(self.semaphore, self.calls))
+        signal = fence(self.semaphore, self.calls + 1)
+        arguments.push_ref(signal)
+        self.context.vm_context.invoke(self.async_function, arguments, self._rt.VmVariantList(1))
+        self.calls += 1
+        return signal
+
     def call(self, packed) -> None:
         """One call: returns after the device has written `out`."""
         if self.async_function is None:
             self.context.vm_context.invoke(self.function, packed, self._rt.VmVariantList(1))
             return
-        fence = self._rt.HalFence.create_at
-        arguments = self._list(packed)
-        arguments.push_ref(fence(self.semaphore, self.calls))
-        done = self.calls + 1
-        signal = fence(self.semaphore, done)
-        arguments.push_ref(signal)
-        self.context.vm_context.invoke(self.async_function, arguments, self._rt.VmVariantList(1))
-        self.calls = done
+        signal = self.submit(packed)
+        done = self.calls
         deadline = time.perf_counter() + SPIN_SECONDS
         while self.semaphore.query() < done:  # raises if the work failed
             if time.perf_counter() > deadline:

@@ -1,22 +1,21 @@
-"""Where IREE's per-call cost goes: a synchronous call against the same kernels behind fences.
+"""Where IREE's per-call cost goes: the same kernels called synchronously, behind fences, and back to back.
 
-The synchronous ABI (every convdsl module today) submits the call's command buffer and then blocks the
-calling thread on the result's fence; the CUDA HAL learns of completion on its own thread, which then wakes
-the caller.  With `--iree-execution-model=async-external` the same function takes a wait fence and a signal
-fence and returns once the work is queued, so the caller chooses how to wait.  This probe times, in one
-process and on the same inputs:
+Every convdsl module exports `<name>$into` (IREE's synchronous ABI: the call blocks on its result's fence, which
+IREE's completion thread signals) and its fenced twin `<name>$into$async` (convdsl/abi.py), which returns once
+the work is queued.  Through convdsl's IntoCall (backends/into_call.py), in one process on the same inputs:
 
-  sync      the `$into` function of the module as built (benchmarks/build), one synchronous call;
-  wait      the async module's `$into`, then `HalFence.wait()` on its signal fence;
-  spin      the async module's `$into`, then polling the signal semaphore (as a CUDA stream synchronise
-            spins under CUDA's default scheduling);
-  queued    20 async calls chained by fences, then one wait: the time per call of back-to-back calls;
+  sync      `$into`, one synchronous call (IntoCall(wait="block"));
+  wait      the fenced twin, then a blocking `HalFence.wait()` on its signal fence (IntoCall.submit);
+  poll      the fenced twin, polled until its semaphore is signalled (IntoCall.call: convdsl's runtime call);
+  queued    20 fenced calls, each after the one before, then one wait: the time per call of back-to-back calls;
   cudnn     PyTorch (cuDNN) with a synchronisation after each call, as in gpu_bench.py.
 
-Every async result is checked against the float64 reference (gpu_bench.reference) before its time counts.
+Every method's result is checked against the float64 reference (gpu_bench.reference) before it is timed.
 
-Here (iree-compile):     python benchmarks/probes/runtime/async_call.py build --cases a,b --out DIR
-GPU machine:             python3 benchmarks/probes/runtime/async_call.py run --cases a,b --async-build DIR --out $OUT
+GPU machine (carry .whl and benchmarks/build):
+    python3 benchmarks/probes/runtime/async_call.py run --cases a,b --out $OUT
+Here, a table from its JSON:
+    python3 benchmarks/probes/runtime/async_call.py table --out DIR
 """
 from __future__ import annotations
 
@@ -28,88 +27,36 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-ASYNC_FLAG = "--iree-execution-model=async-external"
 QUEUED = 20
+METHODS = ("sync", "wait", "poll", "queued", "cudnn")
 
 
-def build(cases: list[str], build_dir: Path, out: Path) -> None:
-    sys.path.insert(0, str(ROOT))
-    from convdsl.backends.iree import compile_mlir
-    from convdsl.targets import Target
-
-    meta = json.loads((build_dir / "cases.json").read_text())
-    target = Target.parse(meta["target"], meta["arch"])
-    out.mkdir(parents=True, exist_ok=True)
-    for name in cases:
-        mlir = (build_dir / f"{name}.convdsl.mlir").read_text()
-        (out / f"{name}.async.vmfb").write_bytes(compile_mlir(mlir, target, extra_flags=[ASYNC_FLAG]))
-        print(f"{name}: built", flush=True)
-
-
-def run(cases: list[str], build_dir: Path, async_dir: Path, out: Path, rounds: int, reps: int) -> list[dict]:
+def run(cases: list[str], build_dir: Path, out: Path, rounds: int, reps: int) -> list[dict]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from convdsl.backends.into_call import IntoCall, allocate_result
-    from gpu_bench import Iree, TorchConv, TORCH_DTYPES, random_args, reference, rel_error, tolerance
+    from gpu_bench import Iree, TORCH_DTYPES, TorchConv, random_args, reference, rel_error, tolerance
 
     torch.backends.cudnn.benchmark = True
-    meta = json.loads((build_dir / "cases.json").read_text())
-    by_name = {c["name"]: c for c in meta["cases"]}
+    by_name = {c["name"]: c for c in json.loads((build_dir / "cases.json").read_text())["cases"]}
     iree = Iree()
-    rt = iree.rt
     results = []
     for name in cases:
         case = by_name[name]
-        rdtype = case["result"]["dtype"]
-        elem, width = iree.elem[rdtype], 4 if rdtype == "f32" else 2
         args = random_args(case, seed=7)
         conv = TorchConv(case)
         ref, _ = reference(case, conv, args)
-        dev_args = [iree.upload(t, a["dtype"])._buffer_view for t, a in zip(args, case["args"])]
-
-        # synchronous: the module as built
-        ctx_s, _ = iree.load(build_dir / case["vmfbs"]["convdsl"], case["function"])
-        out_s = allocate_result(iree.device, case["result"]["shape"], elem, width)
-        sync_call = IntoCall(ctx_s, ctx_s.modules.module.vm_module, case["function"], dev_args, out_s)
-        sync_packed = sync_call.pack(dev_args)
-
-        # async-external: the same MLIR compiled with coarse fences
-        ctx_a, _ = iree.load(async_dir / f"{name}.async.vmfb", case["function"])
-        vm_a = ctx_a.modules.module.vm_module
-        fn_a = vm_a.lookup_function(case["function"] + "$into")
-        out_a = allocate_result(iree.device, case["result"]["shape"], elem, width)
-        workspace = sync_call.workspace  # same transients layout: same MLIR
-        semaphore = iree.device.create_semaphore(0)
-        state = {"value": 0}
-
-        def submit():
-            packed = rt.VmVariantList(len(dev_args) + 4)
-            for v in dev_args:
-                packed.push_ref(v)
-            packed.push_ref(out_a)
-            packed.push_ref(workspace)
-            packed.push_ref(rt.HalFence.create_at(semaphore, state["value"]))  # after the previous call
-            state["value"] += 1
-            signal = rt.HalFence.create_at(semaphore, state["value"])
-            packed.push_ref(signal)
-            ctx_a.vm_context.invoke(fn_a, packed, rt.VmVariantList(1))
-            return signal
-
-        def call_wait():
-            submit().wait()
-
-        def call_spin():
-            submit()
-            target = state["value"]
-            while semaphore.query() < target:
-                pass
+        ctx, _ = iree.load(build_dir / case["vmfbs"]["convdsl"], case["function"])
+        dsets = [[iree.upload(t, a["dtype"]) for t, a in zip(args, case["args"])]]
+        blocking, (sync_fn,) = iree.into_calls(ctx, case, dsets, wait="block")
+        polling, (poll_fn,) = iree.into_calls(ctx, case, dsets)
+        packed = polling.pack([a._buffer_view for a in dsets[0]])
 
         def call_queued():
             for _ in range(QUEUED - 1):
-                submit()
-            submit().wait()
+                polling.submit(packed)
+            polling.submit(packed).wait()
 
         tsets = conv.to_torch(args)
         tfn = conv.fn(conv.like(TORCH_DTYPES[case["args"][0]["dtype"]]))
@@ -118,14 +65,14 @@ def run(cases: list[str], build_dir: Path, async_dir: Path, out: Path, rounds: i
             tfn(*tsets)
             torch.cuda.synchronize()
 
-        methods = {"sync": lambda: sync_call.call(sync_packed), "wait": call_wait, "spin": call_spin,
+        methods = {"sync": sync_fn, "wait": lambda: polling.submit(packed).wait(), "poll": poll_fn,
                    "queued": call_queued, "cudnn": call_cudnn}
         entry = {"name": name, "ms": {}, "min_ms": {}, "err": {}}
         tol = tolerance(case)
-        for m in ("sync", "wait", "spin", "queued"):
+        for m in ("sync", "wait", "poll", "queued"):
             methods[m]()
-            got = iree.download_view(out_s if m == "sync" else out_a, rdtype)
-            entry["err"][m] = rel_error(got, ref)
+            view = (blocking if m == "sync" else polling).out
+            entry["err"][m] = rel_error(iree.download_view(view, case["result"]["dtype"]), ref)
             if not entry["err"][m] <= tol:
                 raise AssertionError(f"{name} {m}: relative error {entry['err'][m]:.2e} over {tol:.1e}")
         call_cudnn()
@@ -144,7 +91,6 @@ def run(cases: list[str], build_dir: Path, async_dir: Path, out: Path, rounds: i
             entry["min_ms"][m] = min(ts) * 1e3 / per
         print(name, " ".join(f"{m} {v:.4f}" for m, v in entry["ms"].items()), flush=True)
         results.append(entry)
-        del ctx_a, ctx_s, sync_call
     out.mkdir(parents=True, exist_ok=True)
     (out / "async-call.json").write_text(json.dumps(results, indent=1))
     (out / "async-call.md").write_text(table(results))
@@ -152,34 +98,31 @@ def run(cases: list[str], build_dir: Path, async_dir: Path, out: Path, rounds: i
 
 
 def table(results: list[dict]) -> str:
-    """Median ms per call of each method, and what a synchronous call costs beyond back-to-back calls."""
-    methods = ("sync", "wait", "spin", "queued", "cudnn")
-    lines = ["| case | " + " | ".join(f"{m} ms" for m in methods) + " | sync - queued µs | sync - spin µs |",
-             "|---" * (len(methods) + 3) + "|"]
+    """Median ms per call of each method, and what a synchronous (polled) call costs beyond back-to-back calls."""
+    lines = ["| case | " + " | ".join(f"{m} ms" for m in METHODS) + " | sync - queued µs | sync - poll µs"
+             " | poll - queued µs |", "|---" * (len(METHODS) + 4) + "|"]
     for e in results:
         ms = e["ms"]
-        lines.append(f"| {e['name']} | " + " | ".join(f"{ms[m]:.4f}" for m in methods)
-                     + f" | {(ms['sync'] - ms['queued']) * 1e3:.0f} | {(ms['sync'] - ms['spin']) * 1e3:.1f} |")
+        lines.append(f"| {e['name']} | " + " | ".join(f"{ms[m]:.4f}" for m in METHODS)
+                     + f" | {(ms['sync'] - ms['queued']) * 1e3:.0f} | {(ms['sync'] - ms['poll']) * 1e3:.1f}"
+                     f" | {(ms['poll'] - ms['queued']) * 1e3:.0f} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=("build", "run", "table"))
-    ap.add_argument("--cases", required=True, help="comma-separated suite case names")
+    ap.add_argument("mode", choices=("run", "table"))
+    ap.add_argument("--cases", default="", help="run: comma-separated suite case names")
     ap.add_argument("--build", type=Path, default=ROOT / "benchmarks" / "build", help="the suite build")
-    ap.add_argument("--async-build", type=Path, default=ROOT / "benchmarks" / "build-async")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=Path("."),
+                    help="run: where async-call.json/.md go; table: the folder holding async-call.json")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=30)
     a = ap.parse_args(argv)
-    names = [c for c in a.cases.split(",") if c]
-    if a.mode == "table":  # --cases is ignored; --out: the folder holding async-call.json
-        print(table(json.loads(((a.out or Path(".")) / "async-call.json").read_text())), end="")
-    elif a.mode == "build":
-        build(names, a.build, a.out or a.async_build)
+    if a.mode == "table":
+        print(table(json.loads((a.out / "async-call.json").read_text())), end="")
     else:
-        run(names, a.build, a.async_build, a.out or Path("."), a.rounds, a.reps)
+        run([c for c in a.cases.split(",") if c], a.build, a.out, a.rounds, a.reps)
     return 0
 
 
