@@ -524,27 +524,33 @@ def relayout_ngchw(p: ConvProblem) -> bool:
     return True
 
 
+def kernel_tiles(p: ConvProblem, tiles: Optional[TileConfig]) -> TileConfig:
+    """The tiles plan_launches uses for p: `tiles`, else the defaults of the kernel p runs on."""
+    if tiles is not None:
+        return tiles
+    if p.op == "grad_weight":
+        return depthwise_grad_weight_tiles(p) if p.depthwise else default_grad_weight_tiles(p)
+    return direct_grad_input_tiles(p) if direct_grad_input(p) else default_grad_input_tiles(p)
+
+
 def plan_launches(p: ConvProblem, tiles: Optional[TileConfig], x_layout: Optional[str] = None
                   ) -> tuple[TileConfig, tuple[Launch, ...], tuple[int, ...]]:
     """(tiles, launches, f32 partials' shape for grad_weight) of one kernel, symbols named after it;
-    tiles None: the defaults of the kernel it uses.  x_layout: grad_weight's GEMM kernel reads a copy of X
-    in that layout (dy_read_in_place)."""
+    tiles None: the defaults of the kernel it uses (kernel_tiles).  x_layout: grad_weight's GEMM kernel reads
+    a copy of X in that layout (dy_read_in_place)."""
     base = re.sub(r"\W", "_", p.name)
     packed = tiles is not None and tiles.pack > 1  # depthwise too, as packed GEMMs, where tiles ask for it
     if x_layout and (p.op != "grad_weight" or (p.depthwise and not packed)):
         raise ValueError(f"x_layout: only grad_weight's GEMM kernel reads a copy of X ({p.name})")
+    tiles = kernel_tiles(p, tiles)
     if p.op == "grad_weight" and p.depthwise and not packed:
-        tiles = tiles or depthwise_grad_weight_tiles(p)
         launch, partials = grad_weight_depthwise_launch(p, tiles, base)
         return tiles, (launch,), partials
     if p.op == "grad_weight":
-        tiles = tiles or default_grad_weight_tiles(p)
         launch, partials = grad_weight_launch(p, tiles, base, x_layout)
         return tiles, (launch,), partials
     if direct_grad_input(p) and not packed:
-        tiles = tiles or direct_grad_input_tiles(p)
         return tiles, (grad_input_direct_launch(p, tiles, base),), ()
-    tiles = tiles or default_grad_input_tiles(p)
     return tiles, (grad_input_launch(p, tiles, base),), ()
 
 

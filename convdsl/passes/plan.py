@@ -6,7 +6,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional
 
 from ..algebra import Phase, SplitK, dy_padding, grad_input_phases, plan_split_k, x_window
-from ..kernels.launch import Launch, dy_read_in_place, plan_launches, relayout_ngchw, unsupported_reason
+from ..kernels.launch import (Launch, dy_read_in_place, kernel_tiles, plan_launches, relayout_ngchw,
+                              unsupported_reason)
 from ..kernels.tiles import TileConfig, parse_tiles
 from ..problem import ConvProblem
 from ..targets import Target
@@ -274,12 +275,13 @@ def plan_kernel(problem: ConvProblem, target: Target, knobs: Optional["Knobs"] =
         if problem.layout == "NGCHW" and relayout:
             # the kernels on NHWGC copies of the activations (contiguous channels), made and undone by linalg
             inner = problem.with_(layout="NHWGC")
-            tiles, launches, partials = plan_launches(inner, tiles)
+            tiles = kernel_tiles(inner, tiles)
             if dy_read_in_place(problem, tiles):
                 # grad_weight: only X copied; dY is read where it lies (one copy fewer)
                 _, launches, partials = plan_launches(problem, tiles, x_layout=inner.layout)
                 return KernelPlan(problem, target, "extern",
                                   extern=ExternPlan(tiles, launches, partials, copied_channels_last=("x",)))
+            _, launches, partials = plan_launches(inner, tiles)
             inner_plan = KernelPlan(inner, target, "extern", extern=ExternPlan(tiles, launches, partials))
             return KernelPlan(problem, target, "extern", extern=inner_plan.extern, channels_last=inner_plan)
         tiles, launches, partials = plan_launches(problem, tiles)
