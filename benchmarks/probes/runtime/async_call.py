@@ -8,7 +8,11 @@ the work is queued.  Through convdsl's IntoCall (backends/into_call.py), in one 
   wait      the fenced twin, then a blocking `HalFence.wait()` on its signal fence (IntoCall.submit);
   poll      the fenced twin, polled until its semaphore is signalled (IntoCall.call: convdsl's runtime call);
   queued    20 fenced calls, each after the one before, then one wait: the time per call of back-to-back calls;
-  cudnn     PyTorch (cuDNN) with a synchronisation after each call, as in gpu_bench.py.
+  cudnn     PyTorch (cuDNN) with a synchronisation after each call, as in gpu_bench.py;
+  cudnn-queued  20 PyTorch calls, then one synchronisation: cuDNN's time per call of back-to-back calls.
+
+queued against cudnn-queued compares the kernels as a training step runs them (queued, no wait between
+calls); poll against cudnn is the harness's host time, as issue 4 defines it.
 
 Every method's result is checked against the float64 reference (gpu_bench.reference) before it is timed.
 
@@ -28,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 QUEUED = 20
-METHODS = ("sync", "wait", "poll", "queued", "cudnn")
+METHODS = ("sync", "wait", "poll", "queued", "cudnn", "cudnn-queued")
 
 
 def run(cases: list[str], build_dir: Path, out: Path, rounds: int, reps: int) -> list[dict]:
@@ -65,8 +69,13 @@ def run(cases: list[str], build_dir: Path, out: Path, rounds: int, reps: int) ->
             tfn(*tsets)
             torch.cuda.synchronize()
 
+        def call_cudnn_queued():
+            for _ in range(QUEUED):
+                tfn(*tsets)
+            torch.cuda.synchronize()
+
         methods = {"sync": sync_fn, "wait": lambda: polling.submit(packed).wait(), "poll": poll_fn,
-                   "queued": call_queued, "cudnn": call_cudnn}
+                   "queued": call_queued, "cudnn": call_cudnn, "cudnn-queued": call_cudnn_queued}
         entry = {"name": name, "ms": {}, "min_ms": {}, "err": {}}
         tol = tolerance(case)
         for m in ("sync", "wait", "poll", "queued"):
@@ -86,7 +95,7 @@ def run(cases: list[str], build_dir: Path, out: Path, rounds: int, reps: int) ->
                     f()
                     times[m].append(time.perf_counter() - t0)
         for m, ts in times.items():
-            per = QUEUED if m == "queued" else 1
+            per = QUEUED if m.endswith("queued") else 1
             entry["ms"][m] = statistics.median(ts) * 1e3 / per
             entry["min_ms"][m] = min(ts) * 1e3 / per
         print(name, " ".join(f"{m} {v:.4f}" for m, v in entry["ms"].items()), flush=True)
@@ -98,14 +107,19 @@ def run(cases: list[str], build_dir: Path, out: Path, rounds: int, reps: int) ->
 
 
 def table(results: list[dict]) -> str:
-    """Median ms per call of each method, and what a synchronous (polled) call costs beyond back-to-back calls."""
-    lines = ["| case | " + " | ".join(f"{m} ms" for m in METHODS) + " | sync - queued µs | sync - poll µs"
-             " | poll - queued µs |", "|---" * (len(METHODS) + 4) + "|"]
+    """Median ms per call of each method, what a synchronous (polled) call costs beyond back-to-back calls, and
+    cuDNN / convdsl per call, synchronised (cudnn / poll) and back to back (cudnn-queued / queued).  Files of
+    the probe's earlier versions have no cudnn-queued column: '–'."""
+    methods = [m for m in METHODS if any(m in e["ms"] for e in results)]
+    lines = ["| case | " + " | ".join(f"{m} ms" for m in methods) + " | sync - queued µs | sync - poll µs"
+             " | poll - queued µs | cuDNN/convdsl, synchronised | cuDNN/convdsl, back to back |",
+             "|---" * (len(methods) + 6) + "|"]
     for e in results:
         ms = e["ms"]
-        lines.append(f"| {e['name']} | " + " | ".join(f"{ms[m]:.4f}" for m in METHODS)
+        queued_ratio = f"{ms['cudnn-queued'] / ms['queued']:.2f}" if "cudnn-queued" in ms else "–"
+        lines.append(f"| {e['name']} | " + " | ".join(f"{ms[m]:.4f}" if m in ms else "–" for m in methods)
                      + f" | {(ms['sync'] - ms['queued']) * 1e3:.0f} | {(ms['sync'] - ms['poll']) * 1e3:.1f}"
-                     f" | {(ms['poll'] - ms['queued']) * 1e3:.0f} |")
+                     f" | {(ms['poll'] - ms['queued']) * 1e3:.0f} | {ms['cudnn'] / ms['poll']:.2f} | {queued_ratio} |")
     return "\n".join(lines) + "\n"
 
 
