@@ -27,6 +27,7 @@ from convdsl.kernels.launch import (
     grad_input_launch,
     SM_COUNT,
     depthwise_chunk,
+    slides_along_rows,
     dy_read_in_place,
     fullest_split,
     flat_positions,
@@ -143,6 +144,35 @@ def test_interpreted_depthwise_windows_match_the_reference():
     _, (launch,), partials = plan_launches(split[0], parse_tiles("t4x16x1w1s1k40"))
     assert launch.grid[1] == partials[0] == 40 and dict(launch.constants)["ROWS_PER"] == 1  # a chunk per row
     _check(split, _interpret(split, tiles="t4x16x1w1s1k40"))
+
+
+# grad_weight_depthwise_rows: the kernel that slides along dY's rows (stride and dilation 1 along them, every tap
+# in each thread), in 2D and 3D (two planes of X rows kept), channel-first, strided and dilated along the other
+# dimensions, with segments cut unevenly (a short last one) by an explicit split
+SLIDING = [
+    _dw(op="grad_weight", name="dw-w-rows"),
+    _dw(op="grad_weight", dims=3, input=(5, 7, 9), filter=(2, 2, 3), stride=(2, 1, 2), dilation=(2, 1, 2),
+        pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="dw-w-rows-3d"),
+    _dw(op="grad_weight", input=(9, 6), filter=(4, 3), stride=(1, 1), dilation=(1, 1), pad_lo=(2, 1),
+        pad_hi=(1, 1), layout="NGCHW", weight_layout="GKCYX", name="dw-w-rows-ngchw"),
+]
+
+
+@pytest.mark.parametrize("tiles", ["t4x16x1w1s1", "t4x16x1w1s1k11", "t2x8x1w2s1k40"])
+def test_interpreted_depthwise_rows_kernel_matches_the_reference(tiles):
+    for p in SLIDING:
+        assert slides_along_rows(p), p.name
+        _, (launch,), partials = plan_launches(p, parse_tiles(tiles))
+        consts = dict(launch.constants)
+        assert launch.kernel == "grad_weight_depthwise_rows" and launch.grid[1] == partials[0]
+        # the segments cover every dY row of every plane once
+        out = (1,) * (3 - p.dims) + p.output
+        assert partials[0] == p.batch * out[0] * -(-out[1] // consts["SEG"])
+    _check(SLIDING, _interpret(SLIDING, tiles=tiles))
+    assert "sliding along the rows" in plan_kernel(SLIDING[0], HOPPER, Knobs(tiles=tiles)).describe()
+    # stride 2 along the rows, or too many taps for one thread: the general kernel
+    assert not slides_along_rows(_dw(op="grad_weight", stride=(2, 1)))
+    assert not slides_along_rows(_dw(op="grad_weight", filter=(5, 5)))
 
 
 @settings(max_examples=300, deadline=None)

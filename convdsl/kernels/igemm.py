@@ -343,3 +343,96 @@ def grad_weight_depthwise(
         out = partials + ((s * G + ch) * (F[0] * F[1] * F[2]))[None, :] + (f01 * F[2])[:, None]
         for f2 in tl.static_range(F[2]):
             tl.store(out + f2, accs[grp * F[2] + f2], mask=ch_ok & (f01 < F[0] * F[1])[:, None])
+
+
+@triton.jit
+def grad_weight_depthwise_rows(
+    x, dy, partials,
+    # depthwise (C = K = 1 per group) grad_weight, every tap in each thread, sliding along dY's rows: the
+    # variant of grad_weight_depthwise for S[1] = D[1] = 1, where dY rows o1 and o1 + 1 read F[1] - 1 of the same
+    # X rows (i1 = o1 + f1 - LO[1]).  A program owns a segment of SEG rows o1 of one plane (n, o0) and BLOCK_CH
+    # channels; per chunk of BLOCK_W positions it keeps the F[0] x (F[1] - 1) X rows the next dY row shares in
+    # registers and loads one new X row per f0 and step, where grad_weight_depthwise loads F[1] of them.  Its
+    # partial sums go to partials[s, g, f0, f1, f2] for segment s.
+    G: tl.constexpr, N: tl.constexpr,
+    # sizes per spatial dimension, padded to 3 (I: X, O: dY, F: filter; S stride, D dilation, LO low padding)
+    I: tl.constexpr, O: tl.constexpr, F: tl.constexpr, S: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
+    # element strides: X (n, g, c, i0, i1, i2), dY (n, g, k, o0, o1, o2) (the channel strides unused: C = K = 1)
+    X: tl.constexpr, DY: tl.constexpr,
+    SEG: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CH: tl.constexpr,
+):
+    SEGS: tl.constexpr = (O[1] + SEG - 1) // SEG  # segments per plane (n, o0)
+    # a chunk of dY positions w0 + [0, BLOCK_W) reads X at w0 * S[2] - LO[2] + j for j < SPAN
+    SPAN: tl.constexpr = (BLOCK_W - 1) * S[2] + (F[2] - 1) * D[2] + 1
+    KEPT: tl.constexpr = F[1] - 1  # X rows per f0 a dY row shares with the next
+    ch = tl.program_id(0) * BLOCK_CH + tl.arange(0, BLOCK_CH)
+    s = tl.program_id(1)
+    ch_ok = ch < G
+    zero = ch * 0  # scalar conditions as vectors (Triton's interpreter makes a scalar's bool an int32)
+    plane = s // SEGS
+    first = (s % SEGS) * SEG
+    last = tl.minimum(first + SEG, O[1])
+    o0 = plane % O[0]
+    n = plane // O[0]
+    x_ch = x + n * X[0] + ch * X[1]
+    dy_ch = dy + n * DY[0] + o0 * DY[3] + ch * DY[1]
+    accs = ()
+    for a in tl.static_range(F[0] * F[1] * F[2]):
+        accs = accs + (tl.zeros((BLOCK_CH,), dtype=tl.float32),)
+    for w0 in range(0, O[2], BLOCK_W):
+        # the X rows i1 = first + f1 - LO[1] (f1 < KEPT) of every f0, SPAN positions each: index
+        # (f0 * KEPT + f1) * SPAN + j
+        kept = ()
+        for f0 in tl.static_range(F[0]):
+            i0 = o0 * S[0] + f0 * D[0] - LO[0]
+            for f1 in tl.static_range(KEPT):
+                i1 = first + (f1 - LO[1])
+                row_ok = ch_ok & (zero + i0 >= 0) & (zero + i0 < I[0]) & (zero + i1 >= 0) & (zero + i1 < I[1])
+                for j in tl.static_range(SPAN):
+                    i2 = w0 * S[2] + (j - LO[2])
+                    kept = kept + (tl.load(x_ch + i0 * X[3] + i1 * X[4] + i2 * X[5],
+                                           mask=row_ok & (zero + i2 >= 0) & (zero + i2 < I[2]),
+                                           other=0.0).to(tl.float32),)
+        for o1 in range(first, last):
+            dys = ()
+            for ow in tl.static_range(BLOCK_W):
+                # positions past the row's end load zeros: their products vanish
+                dys = dys + (tl.load(dy_ch + o1 * DY[4] + (w0 + ow) * DY[5],
+                                     mask=ch_ok & (zero + w0 + ow < O[2]), other=0.0).to(tl.float32),)
+            # the new X row of every f0: i1 = o1 + KEPT - LO[1]
+            i1 = o1 + (KEPT - LO[1])
+            fresh = ()
+            for f0 in tl.static_range(F[0]):
+                i0 = o0 * S[0] + f0 * D[0] - LO[0]
+                row_ok = ch_ok & (zero + i0 >= 0) & (zero + i0 < I[0]) & (zero + i1 >= 0) & (zero + i1 < I[1])
+                for j in tl.static_range(SPAN):
+                    i2 = w0 * S[2] + (j - LO[2])
+                    fresh = fresh + (tl.load(x_ch + i0 * X[3] + i1 * X[4] + i2 * X[5],
+                                             mask=row_ok & (zero + i2 >= 0) & (zero + i2 < I[2]),
+                                             other=0.0).to(tl.float32),)
+            new = ()
+            for f0 in tl.static_range(F[0]):
+                for f1 in tl.static_range(F[1]):
+                    for f2 in tl.static_range(F[2]):
+                        acc = accs[(f0 * F[1] + f1) * F[2] + f2]
+                        for ow in tl.static_range(BLOCK_W):
+                            # (no local for the window index: Triton would carry it through the loop as a tensor)
+                            if f1 < KEPT:
+                                acc += kept[(f0 * KEPT + f1) * SPAN + ow * S[2] + f2 * D[2]] * dys[ow]
+                            else:
+                                acc += fresh[f0 * SPAN + ow * S[2] + f2 * D[2]] * dys[ow]
+                        new = new + (acc,)
+            accs = new
+            # slide: row f1 + 1 becomes row f1 for the next dY row
+            slid = ()
+            for f0 in tl.static_range(F[0]):
+                for f1 in tl.static_range(KEPT):
+                    for j in tl.static_range(SPAN):
+                        if f1 + 1 < KEPT:
+                            slid = slid + (kept[(f0 * KEPT + f1 + 1) * SPAN + j],)
+                        else:
+                            slid = slid + (fresh[f0 * SPAN + j],)
+            kept = slid
+    out = partials + (s * G + ch) * (F[0] * F[1] * F[2])
+    for t in tl.static_range(F[0] * F[1] * F[2]):
+        tl.store(out + t, accs[t], mask=ch_ok)

@@ -342,27 +342,41 @@ def depthwise_chunk(extent: int, most: int) -> int:
     return -(-extent // chunks)
 
 
+def slides_along_rows(p: ConvProblem) -> bool:
+    """grad_weight_depthwise_rows applies: every tap in each thread (tap_rows 1), and consecutive dY rows o1
+    share X rows (stride and dilation 1 along that dimension, at least two filter rows)."""
+    g = _geometry(p)
+    return tap_rows(p) == 1 and g["S"][1] == 1 and g["D"][1] == 1 and g["F"][1] >= 2
+
+
 def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str) -> tuple[Launch, tuple[int, ...]]:
-    """Depthwise grad_weight row by row: f32 partials [S, G, 1, taps, 1] of S chunks of dY rows (n, o0, o1)
-    (tiles.split, else programs for 16 warps per SM: bound by memory and latency, many loads in flight, and
-    the partials few enough for one linalg sum), summed like grad_weight_launch's."""
+    """Depthwise grad_weight: f32 partials [S, G, 1, taps, 1] of S chunks of dY rows (n, o0, o1) (tiles.split,
+    else programs for 16 warps per SM: bound by memory and latency, many loads in flight, and the partials
+    few enough for one linalg sum), summed like grad_weight_launch's.  Where slides_along_rows, the chunks
+    are segments of rows within a plane (n, o0) and the kernel slides along them (grad_weight_depthwise_rows)."""
     blocks = -(-p.groups // tiles.block_n)
     out3 = _pad3(p.output, 1)
     rows = p.batch * out3[0] * out3[1]
     parts = max(1, min(rows, tiles.split or 16 * SM_COUNT // (blocks * tiles.warps)))
-    rows_per = -(-rows // parts)
-    parts = -(-rows // rows_per)  # no chunk empty
     x_str = activation_strides(p, p.input, p.in_channels)
     dy_str = activation_strides(p, p.output, p.out_channels)
-    consts = dict(
-        G=p.groups, N=p.batch,
-        **_geometry(p),
-        X=x_str, DY=dy_str,
-        ROWS_PER=rows_per, BLOCK_W=depthwise_chunk(out3[2], tiles.block_m), BLOCK_CH=tiles.block_n,
-        TAP_ROWS=tap_rows(p),
-    )
+    common = dict(G=p.groups, N=p.batch, **_geometry(p), X=x_str, DY=dy_str)
+    block_w = depthwise_chunk(out3[2], tiles.block_m)
     elem = operand_element(p)
-    launch = Launch("grad_weight_depthwise", f"{base}_depthwise", (elem, elem, "fp32"), tuple(consts.items()),
+    if slides_along_rows(p):
+        # segments of seg rows o1 per plane (n, o0), as many as the parts asked for, cut evenly
+        planes = p.batch * out3[0]
+        per_plane = min(out3[1], -(-parts // planes))
+        seg = -(-out3[1] // per_plane)
+        parts = planes * -(-out3[1] // seg)  # no segment empty
+        consts = dict(common, SEG=seg, BLOCK_W=block_w, BLOCK_CH=tiles.block_n)
+        kernel = "grad_weight_depthwise_rows"
+    else:
+        rows_per = -(-rows // parts)
+        parts = -(-rows // rows_per)  # no chunk empty
+        consts = dict(common, ROWS_PER=rows_per, BLOCK_W=block_w, BLOCK_CH=tiles.block_n, TAP_ROWS=tap_rows(p))
+        kernel = "grad_weight_depthwise"
+    launch = Launch(kernel, f"{base}_depthwise", (elem, elem, "fp32"), tuple(consts.items()),
                     (blocks, parts, 1), tiles.warps, tiles.stages)
     return launch, (parts, p.groups, 1, *_pad3(p.filter, 1), 1)
 

@@ -220,6 +220,11 @@ def _describe_extern(plan: KernelPlan) -> list[str]:
                 lines_of_phases.append(f"      residue {r}: positions {q}, taps {j}, programs "
                                        f"[{c['FIRST'][ph]}, {c['FIRST'][ph + 1]})"
                                        + (" (no tap: stores zeros)" if 0 in j else ""))
+        elif launch.kernel == "grad_weight_depthwise_rows":
+            what = (f"f32 partials {list(ext.partials_shape)}: S={launch.grid[1]} segments of {c['SEG']} dY rows"
+                    f" per plane, windows of {c['BLOCK_W']} positions, one accumulator per tap"
+                    f" ({math.prod(p.filter)}, every tap in each thread), sliding along the rows (the X rows"
+                    " shared with the next row kept in registers), summed in segment order by one linalg reduction")
         elif launch.kernel == "grad_weight_depthwise":
             across = f"{c['TAP_ROWS']} tap rows across threads" if c["TAP_ROWS"] > 1 else "every tap in each thread"
             what = (f"f32 partials {list(ext.partials_shape)}: S={launch.grid[1]} chunks of {c['ROWS_PER']} dY rows"
