@@ -346,6 +346,20 @@ def grad_weight_depthwise(
 
 
 @triton.jit
+def _x_row(x_ch, i0, i1, w0, ch_ok, zero, I: tl.constexpr, S: tl.constexpr, LO: tl.constexpr, X: tl.constexpr,
+           SPAN: tl.constexpr):
+    # grad_weight_depthwise_rows: SPAN positions of X row (i0, i1) from w0 * S[2] - LO[2] on, as f32 (zeros
+    # outside X), one tensor of channels each; zero: the kernel's, to test scalars as vectors
+    row_ok = ch_ok & (zero + i0 >= 0) & (zero + i0 < I[0]) & (zero + i1 >= 0) & (zero + i1 < I[1])
+    xs = ()
+    for j in tl.static_range(SPAN):
+        i2 = w0 * S[2] + (j - LO[2])
+        xs = xs + (tl.load(x_ch + i0 * X[3] + i1 * X[4] + i2 * X[5],
+                           mask=row_ok & (zero + i2 >= 0) & (zero + i2 < I[2]), other=0.0).to(tl.float32),)
+    return xs
+
+
+@triton.jit
 def grad_weight_depthwise_rows(
     x, dy, partials,
     # depthwise (C = K = 1 per group) grad_weight, every tap in each thread, sliding along dY's rows: the
@@ -384,15 +398,9 @@ def grad_weight_depthwise_rows(
         # (f0 * KEPT + f1) * SPAN + j
         kept = ()
         for f0 in tl.static_range(F[0]):
-            i0 = o0 * S[0] + f0 * D[0] - LO[0]
             for f1 in tl.static_range(KEPT):
-                i1 = first + (f1 - LO[1])
-                row_ok = ch_ok & (zero + i0 >= 0) & (zero + i0 < I[0]) & (zero + i1 >= 0) & (zero + i1 < I[1])
-                for j in tl.static_range(SPAN):
-                    i2 = w0 * S[2] + (j - LO[2])
-                    kept = kept + (tl.load(x_ch + i0 * X[3] + i1 * X[4] + i2 * X[5],
-                                           mask=row_ok & (zero + i2 >= 0) & (zero + i2 < I[2]),
-                                           other=0.0).to(tl.float32),)
+                kept = kept + _x_row(x_ch, o0 * S[0] + f0 * D[0] - LO[0], first + (f1 - LO[1]), w0, ch_ok, zero,
+                                     I, S, LO, X, SPAN)
         for o1 in range(first, last):
             dys = ()
             for ow in tl.static_range(BLOCK_W):
@@ -400,16 +408,10 @@ def grad_weight_depthwise_rows(
                 dys = dys + (tl.load(dy_ch + o1 * DY[4] + (w0 + ow) * DY[5],
                                      mask=ch_ok & (zero + w0 + ow < O[2]), other=0.0).to(tl.float32),)
             # the new X row of every f0: i1 = o1 + KEPT - LO[1]
-            i1 = o1 + (KEPT - LO[1])
             fresh = ()
             for f0 in tl.static_range(F[0]):
-                i0 = o0 * S[0] + f0 * D[0] - LO[0]
-                row_ok = ch_ok & (zero + i0 >= 0) & (zero + i0 < I[0]) & (zero + i1 >= 0) & (zero + i1 < I[1])
-                for j in tl.static_range(SPAN):
-                    i2 = w0 * S[2] + (j - LO[2])
-                    fresh = fresh + (tl.load(x_ch + i0 * X[3] + i1 * X[4] + i2 * X[5],
-                                             mask=row_ok & (zero + i2 >= 0) & (zero + i2 < I[2]),
-                                             other=0.0).to(tl.float32),)
+                fresh = fresh + _x_row(x_ch, o0 * S[0] + f0 * D[0] - LO[0], o1 + (KEPT - LO[1]), w0, ch_ok, zero,
+                                       I, S, LO, X, SPAN)
             new = ()
             for f0 in tl.static_range(F[0]):
                 for f1 in tl.static_range(F[1]):
