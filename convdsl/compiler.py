@@ -207,3 +207,10 @@ def compile(
         problems = [p for p in problems if p.name in kernels]
     vmfb = compile_cached(problems, tgt)  # disk cache keyed by problems, target, flags and versions
     return CompiledModule(problems, tgt, vmfb)
+
+
+def lower_with_tuned_knobs(problems: Sequence[ConvProblem], target: Target) -> str:
+    """The MLIR that compile() hands to iree-compile (with each kernel's tuned or heuristic knobs)."""
+    from .passes import lower_to_mlir
+
+    return lower_to_mlir(problems, target)
