@@ -14,7 +14,7 @@ from .problem import ConvProblem, Epilogue, ProblemError  # noqa: E402
 
 _LAZY = {
     "compile": "compiler",
-    "CompiledModule": "compiler",
+    "CompiledModule": "module",
     # the functional JIT API (convdsl/api.py): compile on first use, cached in memory and on disk
     "conv": "api",
     "conv_transpose": "api",

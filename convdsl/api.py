@@ -14,7 +14,7 @@ several input sizes give the same output size) and `filter=` for grad_weight.
 Arrays are checked before anything is compiled; a problem raises `ArgumentError` (wrong array: type,
 rank, dtype, shape, groups) or `ProblemError` (inconsistent options), naming the argument with what was
 expected and what was got.  Compiled kernels are kept in memory for the process, keyed like the disk
-cache (convdsl.cache), and on disk across processes.
+cache (compiler.cache_key), and on disk across processes.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from . import cache
-from .compiler import ArgumentError, CompiledModule, Kernel, resolve_target
+from .compiler import cache_key, compile_vmfb
+from .module import ArgumentError, CompiledModule, Kernel, resolve_target
 from .problem import F32_COMPUTES, DYNAMIC_BATCH_NOMINAL, COMPUTE_TYPES, DTYPES, LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue, ProblemError
 from .targets import Target
 
@@ -457,10 +457,10 @@ def clear_memory_cache() -> None:
 def get_kernel(problem: ConvProblem, target: Union[str, Target] = "cpu", arch: Optional[str] = None) -> Kernel:
     """The loaded kernel for `problem`: from memory, else the disk cache, else compiled (and cached)."""
     tgt = _resolve(target, arch)
-    key = cache.cache_key([problem], tgt)
+    key = cache_key([problem], tgt)
     kernel = _kernels.get(key)
     if kernel is None:
-        module = CompiledModule([problem], tgt, cache.compile_cached([problem], tgt))
+        module = CompiledModule([problem], tgt, compile_vmfb([problem], tgt))
         module.loaded  # load now: a device error belongs to this call, not to a later one  # noqa: B018
         kernel = module[problem.name]
         _kernels[key] = kernel

@@ -1,13 +1,11 @@
-"""On-disk cache of compiled modules, keyed by everything that changes the compiled bytes.
+"""On-disk cache of compiled modules: it loads, stores and evicts bytes under a key, and compiles nothing.
 
-    vmfb = compile_cached(problems, target)        # compiles on a miss, reads the disk on a hit
+    key = cache_key(material)          # sha256 of a canonical JSON description (compiler.key_material)
+    vmfb = load(key)                   # None on a miss
+    store(key, vmfb)
 
-An entry is one file, `<cache_dir>/<key[:2]>/<key>.vmfb`, where the key is the sha256 of a canonical JSON
-description of: every field of every `ConvProblem` (the kernel name included: it is the function name in
-the module), the target backend and arch, the iree-compile flags, convdsl's `__version__`, a digest of
-convdsl's own source files, and the IREE compiler version.  The source digest is there because an
-editable install keeps `__version__` fixed while the lowering changes; without it a stale kernel would
-be served after an edit.
+The compile driver (convdsl/compiler.py) says what the key describes: everything that changes the compiled
+bytes.  An entry is one file, `<cache_dir>/<key[:2]>/<key>.vmfb`.
 
 The file is a small header (magic + sha256 of the payload) followed by the .vmfb bytes.  `load` checks
 the digest, so a truncated or overwritten entry is a miss (deleted and recompiled), never an error.
@@ -16,37 +14,29 @@ is atomic on POSIX and Windows: a reader sees the old entry, the new one, or non
 Two processes compiling the same kernel both compile and both rename; the last rename wins with
 identical bytes, so no lock is needed (a lock would add stale-lock failure modes for no gain).
 
-`stats` counts compiles, hits and damaged entries in this process, so tests and users can see a hit.
+`stats` counts compiles (the driver's, on misses), hits and damaged entries in this process, so tests and
+users can see a hit.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence
-
-from .backends import iree as _iree
-from .kernels import launch
-from .problem import ConvProblem
-from .targets import Target
+from typing import Optional
 
 __all__ = [
     "CacheStats",
     "cache_dir",
     "cache_key",
     "clear",
-    "compile_cached",
     "entry_path",
     "evict",
-    "iree_version",
     "load",
     "loadable",
-    "source_digest",
     "stats",
     "store",
 ]
@@ -63,7 +53,7 @@ _TMP_PREFIX = ".tmp-"
 class CacheStats:
     """Per-process counters: `compiles` only grows on a miss, so an unchanged count proves a hit."""
 
-    compiles: int = 0  # iree-compile runs made by compile_cached
+    compiles: int = 0  # modules compiled on a miss (counted by the compile driver)
     hits: int = 0  # entries served from disk
     misses: int = 0  # lookups that found no usable entry
     damaged: int = 0  # entries that existed but failed the checksum (deleted, then recompiled)
@@ -85,69 +75,9 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "convdsl"
 
 
-@functools.lru_cache(maxsize=None)
-def iree_version() -> str:
-    # importlib.metadata costs ~0.5 ms a call and the installed compiler cannot change under a running
-    # process, so ask once.  Tests monkeypatch this name to simulate an upgrade.
-    return _iree.iree_version()
-
-
-@functools.lru_cache(maxsize=None)
-def source_digest() -> str:
-    """sha256 over convdsl's .py and .lark files: any edit to the compiler invalidates every entry."""
-    root = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    try:
-        files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".lark") and "__pycache__" not in p.parts)
-        for path in files:
-            h.update(path.relative_to(root).as_posix().encode() + b"\0")
-            h.update(path.read_bytes() + b"\0")
-    except OSError:  # e.g. a zipped install: fall back to __version__ alone rather than fail every compile
-        return "unavailable"
-    return h.hexdigest()
-
-
-def _convdsl_version() -> str:
-    # Read the attribute at call time (not `from . import __version__`) so a monkeypatched or reloaded
-    # version is seen; importing the package here also avoids a cycle at import time.
-    import convdsl
-
-    return convdsl.__version__
-
-
-def _problem_record(p: ConvProblem) -> dict:
-    # asdict recurses into the Epilogue; tuples become JSON lists and floats keep their exact repr, so
-    # the record is canonical for equal problems and differs for any changed field.
-    return dataclasses.asdict(p)
-
-
-def key_material(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = ()) -> dict:
-    """The exact description that `cache_key` hashes; useful to see why two keys differ."""
-    return {
-        "schema": KEY_SCHEMA,
-        "problems": [_problem_record(p) for p in problems],
-        "backend": target.backend,
-        "arch": target.arch,
-        "flags": [*target.compile_flags(), *extra_flags],
-        "convdsl_version": _convdsl_version(),
-        "convdsl_source": source_digest(),
-        "iree_version": iree_version(),
-        # CUDA kernels embed Triton-compiled binaries (kernels/launch.py): another Triton, other binaries
-        "triton_version": launch.triton_version() if target.backend == "cuda" else None,
-        # the tuned (or heuristic) lowering knobs of each kernel: a new tuning database misses
-        "knobs": [_knobs_for(p, target) for p in problems],
-    }
-
-
-def _knobs_for(p: ConvProblem, target: Target) -> dict:
-    from .tuning.db import knobs_for
-
-    return knobs_for(p, target).as_dict()
-
-
-def cache_key(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = ()) -> str:
-    """sha256 hex of everything that changes the compiled module for `problems` on `target`."""
-    text = json.dumps(key_material(problems, target, extra_flags), sort_keys=True, separators=(",", ":"))
+def cache_key(material: dict) -> str:
+    """sha256 hex of a canonical JSON description of everything that changes the compiled bytes."""
+    text = json.dumps(material, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -246,37 +176,3 @@ def clear() -> int:
         _unlink(path)
         removed += 1
     return removed
-
-
-def _compile(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str]) -> bytes:
-    """lower -> iree-compile, with each kernel's tuned knobs on GPU targets."""
-    from .passes import lower_to_mlir
-    from .tuning.db import knobs_for
-
-    mlir = lower_to_mlir(problems, target)
-    knobs = {p.name: knobs_for(p, target) for p in problems}
-    if target.backend == "cpu" or all(k.config_default for k in knobs.values()):
-        # looked up through the module so that a monkeypatched compile_mlir (tests, tracing) is honoured
-        return _iree.compile_mlir(mlir, target, extra_flags)
-    from .tuning.knobs import compile_with_knobs
-
-    return compile_with_knobs(mlir, target, knobs, extra_flags)
-
-
-def compile_cached(
-    problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = (), *, refresh: bool = False
-) -> bytes:
-    """The .vmfb for `problems` on `target`: from the disk cache if present, else compiled and stored.
-
-    `refresh=True` skips the lookup and overwrites the entry (used when a cached module failed to load).
-    """
-    problems = list(problems)
-    key = cache_key(problems, target, extra_flags)
-    if not refresh:
-        cached = load(key)
-        if cached is not None:
-            return cached
-    vmfb = _compile(problems, target, extra_flags)
-    stats.compiles += 1
-    store(key, vmfb)
-    return vmfb

@@ -9,8 +9,16 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from . import tune
 from .backends.iree import CompileError
+from .compiler import compile as compile_module
+from .compiler import knobs_by_kernel, load_problems, tuned_knobs
+from .frontend import ConvSyntaxError, parse_file
+from .module import ArgumentError, resolve_target
+from .passes import STAGE_NAMES, LoweringError, run_pipeline
+from .passes.explain import describe_plan
 from .problem import ConvProblem, ProblemError
+from .reference import NUMPY_DTYPES, random_inputs, reference, relative_error, tolerance
 from .targets import BACKENDS, TargetError
 
 
@@ -21,16 +29,12 @@ def _progress(enabled: bool, message: str) -> None:
 
 
 def _bytes_moved(p: ConvProblem) -> int:
-    from .reference import NUMPY_DTYPES
-
     size = lambda shape, dt: int(np.prod(shape)) * np.dtype(NUMPY_DTYPES[dt]).itemsize  # noqa: E731
     moved = sum(size(s, d) for s, d in zip(p.arg_shapes, p.arg_dtypes))
     return moved + size(p.result_shape, p.result_dtype)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from .compiler import compile as compile_module
-
     t0 = time.perf_counter()
     _progress(True, f"compiling {args.file} for {args.target} ...")
     mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch)
@@ -42,9 +46,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .compiler import compile as compile_module
-    from .reference import random_inputs, reference, relative_error, tolerance
-
     kernels = [args.kernel] if args.kernel else None
     t0 = time.perf_counter()
     _progress(True, f"compiling {args.file} for {args.target} ...")
@@ -76,9 +77,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from .compiler import load_problems, resolve_target
-    from .passes import STAGE_NAMES, run_pipeline
-
     target = resolve_target(args.target, args.arch)
     problems = load_problems(args.file, args.batch)
     if args.kernel:
@@ -93,18 +91,20 @@ def cmd_explain(args: argparse.Namespace) -> int:
             return
         print(f"// ----- after pass '{name}' -----")
         if name == "plan":
-            print("\n".join(plan.describe() for plan in stage.plans))
+            for plan in stage.plans:
+                print(describe_plan(plan))
+                print(f"  knobs: {knobs[plan.problem.name].label()}, from the {sources[plan.problem.name]}")
         else:
             print(stage.module)
 
-    run_pipeline(problems, target, observe)
+    knobs = knobs_by_kernel(problems, target)
+    sources = {p.name: tuned_knobs(p, target)[1] for p in problems}
+    run_pipeline(problems, target, observe, knobs)
     print(f"// compile with: iree-compile kernel.mlir {' '.join(target.compile_flags())} -o kernel.vmfb")
     return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .frontend import parse_file
-
     problems = parse_file(args.file)
     for p in problems:
         print(f"{p.name}: {p.describe()}")
@@ -113,17 +113,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .compiler import load_problems, resolve_target
-    from .tuning.tune import candidates, collect
-
     target = resolve_target(args.target, args.arch)
     if args.phase == "candidates":
-        path = candidates(load_problems(args.file, args.batch), target, Path(args.out), jobs=args.jobs)
+        path = tune.candidates(load_problems(args.file, args.batch), target, Path(args.out), jobs=args.jobs)
         print(f"wrote {path}; time the candidates on the GPU machine with:\n"
               f"  python3 benchmarks/gpu_bench.py --build {args.out} --out RESULTS\n"
               f"then: convdsl tune collect RESULTS/<device>-<date>.json --cases {path}")
         return 0
-    chosen = collect(Path(args.file), Path(args.cases), target)
+    chosen = tune.collect(Path(args.file), Path(args.cases), target)
     for name, (label, base, best) in chosen.items():
         print(f"{name:<24} {label:<12} {base:8.3f} ms -> {best:8.3f} ms")
     print(f"{len(chosen)} kernels tuned into the database for {target}")
@@ -179,10 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .compiler import ArgumentError
-    from .frontend import ConvSyntaxError
-    from .passes.pipeline import LoweringError
-
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

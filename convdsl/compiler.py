@@ -1,55 +1,43 @@
-"""Compile `.conv` kernels to an IREE module and call them with NumPy arrays.
+"""The compile driver: `.conv` text or problems -> knobs -> pipeline -> iree-compile -> `.vmfb`, cached.
 
     mod = convdsl.compile("examples/resnext.conv", target="cpu")
     dx = mod.dgrad(dy, w)
+
+The stages, in order (compile_vmfb):
+  1. knobs      each kernel's knobs, looked up once: the tuning database's entry, else policy's rules
+  2. key        the cache key of everything that changes the bytes; a hit ends here
+  3. pipeline   plan -> Triton GEMM cores -> linalg -> canonical IR (passes/pipeline.py)
+  4. backend    iree-compile, with the knobs' IREE configuration where they set one (backends/)
+  5. store      the bytes, atomically, under the key (cache.py)
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+import functools
+import hashlib
+from importlib.metadata import version as _package_version
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-import numpy as np
+import convdsl
 
-from . import __version__
-from .abi import ASYNC_SUFFIX, INTO_SUFFIX
-from .backends.iree import LoadedModule, iree_version
-from .cache import compile_cached
-from .problem import ConvProblem, problem_to_spec
-from .targets import Target, native_cuda_arch
+from . import cache, policy
+from .backends import iree as _iree
+from .backends.iree_config import compile_with_knobs
+from .frontend import parse, parse_file
+from .kernels.launch import triton_version
+from .module import CompiledModule, resolve_target
+from .passes import lower_to_mlir
+from .problem import ConvProblem
+from .targets import Target
+from .tuning import db
+from .tuning.knobs import Knobs
 
-
-class ArgumentError(TypeError):
-    """A kernel was called with arguments of the wrong number, shape or dtype."""
-
-
-def resolve_target(target: Union[str, Target] = "cpu", arch: Optional[str] = None) -> Target:
-    """'auto' picks CUDA when a CUDA device is present, for that device's arch unless `arch` names one
-    (targets.native_cuda_arch: sm_90 on H100/H200, for wgmma cubins and the tiles tuned there), else the CPU.
-    An explicit 'cuda' keeps the portable default arch (sm_80 PTX, which runs on any recent NVIDIA GPU)."""
-    if isinstance(target, Target):
-        return target
-    if target == "auto":
-        target = "cuda" if cuda_available() else "cpu"
-        if target == "cuda" and arch is None:
-            arch = native_cuda_arch()
-    return Target.parse(target, arch)
-
-
-def cuda_available() -> bool:
-    try:
-        import iree.runtime as rt
-
-        return bool(rt.get_driver("cuda").query_available_devices())
-    except Exception:  # no driver, no device, or no libcuda: all mean "no CUDA here"
-        return False
+# Bump when the key's JSON changes, so old entries are never misread.
+KEY_SCHEMA = 1
 
 
 def load_problems(source: Union[str, Path, Sequence[ConvProblem]], batch: Optional[int] = None) -> list[ConvProblem]:
     """A path to a .conv file, .conv source text, or problems already built."""
-    from .frontend import parse, parse_file
-
     if isinstance(source, (list, tuple)):
         return list(source)
     if isinstance(source, Path) or (isinstance(source, str) and "{" not in source and source.endswith(".conv")):
@@ -57,136 +45,99 @@ def load_problems(source: Union[str, Path, Sequence[ConvProblem]], batch: Option
     return parse(str(source), batch=batch)
 
 
-def manifest(problems: Sequence[ConvProblem], target: Target) -> dict:
-    """What `convdsl compile` writes beside the .vmfb: enough to call every function without convdsl."""
-    kernels = []
-    for p in problems:
-        kernels.append(
-            {
-                "function": p.name,
-                # the destination-passing twin: (args..., out, workspace) -> out, allocating nothing
-                "into_function": p.name + INTO_SUFFIX,
-                # the same with a wait and a signal fence after its arguments (IREE's coarse-fences model)
-                "into_async_function": p.name + INTO_SUFFIX + ASYNC_SUFFIX,
-                "op": p.op,
-                "problem": p.describe(),
-                # a dynamic batch (`batch = ?`) is written as null
-                "args": [
-                    {"name": n, "shape": _manifest_shape(p, s), "dtype": d, "layout": _layout_of(p, n)}
-                    for n, s, d in zip(p.arg_names, p.arg_shapes, p.arg_dtypes)
-                ],
-                "result": {"name": p.result_name, "shape": _manifest_shape(p, p.result_shape),
-                           "dtype": p.result_dtype, "layout": _layout_of(p, p.result_name)},
-                "flops": p.flops,
-                "spec": problem_to_spec(p),
-            }
-        )
+# --- 1. knobs -----------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def iree_version() -> str:
+    # the installed compiler cannot change under a running process, so ask once (importlib.metadata costs
+    # about 0.5 ms a call).  Tests monkeypatch this name to simulate an upgrade.
+    return _iree.iree_version()
+
+
+def tuned_knobs(p: ConvProblem, target: Target) -> tuple[Knobs, str]:
+    """A kernel's knobs and where they come from (`convdsl explain` prints it)."""
+    if target.backend == "cpu":
+        return Knobs(), "none on the CPU (IREE's own configuration)"
+    tuned = db.lookup(p, target, iree_version())
+    if tuned is not None:
+        return tuned.knobs, tuned.source
+    knobs = policy.knobs_for(p, target, None)
+    return knobs, "rules (policy.py): no tuning database entry for this problem and target"
+
+
+def knobs_by_kernel(problems: Sequence[ConvProblem], target: Target) -> dict[str, Knobs]:
+    return {p.name: tuned_knobs(p, target)[0] for p in problems}
+
+
+# --- 2. key ----------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def source_digest() -> str:
+    """sha256 over convdsl's .py and .lark files: any edit to the compiler invalidates every entry (an editable
+    install keeps __version__ fixed while the lowering changes)."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    try:
+        files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".lark") and "__pycache__" not in p.parts)
+        for path in files:
+            h.update(path.relative_to(root).as_posix().encode() + b"\0")
+            h.update(path.read_bytes() + b"\0")
+    except OSError:  # e.g. a zipped install: fall back to __version__ alone rather than fail every compile
+        return "unavailable"
+    return h.hexdigest()
+
+
+def key_material(problems: Sequence[ConvProblem], target: Target, knobs: dict[str, Knobs],
+                 extra_flags: Sequence[str] = ()) -> dict:
+    """Everything that changes the compiled module: every field of every problem (the kernel name is the
+    function name in the module), the target and its flags, convdsl's version and source, IREE's version,
+    Triton's for CUDA (the modules embed Triton-compiled kernels), and each kernel's knobs."""
     return {
-        "target": target.backend,
+        "schema": KEY_SCHEMA,
+        "problems": [p.record() for p in problems],
+        "backend": target.backend,
         "arch": target.arch,
-        "convdsl_version": __version__,
+        "flags": [*target.compile_flags(), *extra_flags],
+        "convdsl_version": convdsl.__version__,  # read at call time: a monkeypatched version is seen
+        "convdsl_source": source_digest(),
         "iree_version": iree_version(),
-        "kernels": kernels,
+        "triton_version": triton_version() if target.backend == "cuda" else None,
+        "knobs": [knobs[p.name].as_dict() for p in problems],
     }
 
 
-def _manifest_shape(p: ConvProblem, shape: tuple[int, ...]) -> list:
-    sizes: list = list(shape)
-    if p.dynamic_batch and shape != p.w_shape:
-        sizes[p.batch_axis("x")] = None
-    return sizes
+def cache_key(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = ()) -> str:
+    """The cache key of `problems` compiled for `target` (knobs looked up as compile_vmfb does)."""
+    problems = list(problems)
+    return cache.cache_key(key_material(problems, target, knobs_by_kernel(problems, target), extra_flags))
 
 
-def _layout_of(p: ConvProblem, name: str) -> str:
-    if name in ("w", "dw"):
-        return p.layout_name("w")
-    if p.op == "transposed":
-        return p.layout_name("y" if name == "x" else "x")
-    return p.layout_name("y" if name in ("dy", "y") else "x")
+# --- 3-5. pipeline, backend, store -------------------------------------------------------------------------
+
+def lower_with_tuned_knobs(problems: Sequence[ConvProblem], target: Target) -> str:
+    """The MLIR that compile() hands to iree-compile (with each kernel's tuned or rule-given knobs)."""
+    return lower_to_mlir(problems, target, knobs_by_kernel(problems, target))
 
 
-@dataclass
-class Kernel:
-    """One compiled function: checks its arguments, then runs on the module's device."""
-
-    problem: ConvProblem
-    module: "CompiledModule"
-
-    def __call__(self, *args: np.ndarray) -> np.ndarray:
-        self.check_args(args)
-        self._check_same_batch(args)
-        return self.module.loaded.call(self.problem.name, *args, out_dtype=self.problem.result_dtype)
-
-    def _check_same_batch(self, args: Sequence[np.ndarray]) -> None:
-        p = self.problem
-        if not p.dynamic_batch:
-            return
-        axis = p.batch_axis("x")
-        batches = {n: a.shape[axis] for n, s, a in zip(p.arg_names, p.arg_shapes, args) if s != p.w_shape}
-        if len(set(batches.values())) > 1:
-            raise ArgumentError(f"{p.name}: activation arguments must share one batch size, got {batches}")
-
-    def check_args(self, args: Sequence[np.ndarray]) -> None:
-        from .reference import NUMPY_DTYPES
-
-        p = self.problem
-        sig = ", ".join(p.arg_names)
-        if len(args) != len(p.arg_names):
-            raise ArgumentError(f"{p.name}({sig}): expected {len(p.arg_names)} arrays, got {len(args)}")
-        for name, shape, dt, a in zip(p.arg_names, p.arg_shapes, p.arg_dtypes, args):
-            got_shape = tuple(getattr(a, "shape", ()))
-            if p.dynamic_batch and shape != p.w_shape and len(got_shape) == len(shape):
-                # `batch = ?`: any batch is fine, as long as every activation argument has the same one
-                axis = p.batch_axis("x")
-                shape = shape[:axis] + (got_shape[axis],) + shape[axis + 1:]
-            if got_shape != tuple(shape):
-                raise ArgumentError(
-                    f"{p.name}: argument {name!r} expected shape {list(shape)} ({_layout_of(p, name)}), "
-                    f"got {list(got_shape)}"
-                )
-            want = np.dtype(NUMPY_DTYPES[dt])
-            if np.dtype(getattr(a, "dtype", None)) != want:
-                raise ArgumentError(f"{p.name}: argument {name!r} expected dtype {dt} ({want}), got {a.dtype}")
-
-
-class CompiledModule:
-    """A .vmfb with one function per kernel, loaded on its target's device; kernels are attributes."""
-
-    def __init__(self, problems: Sequence[ConvProblem], target: Target, vmfb: bytes) -> None:
-        self.problems = {p.name: p for p in problems}
-        self.target = target
-        self.vmfb = vmfb
-        self._loaded: Optional[LoadedModule] = None
-
-    @property
-    def loaded(self) -> LoadedModule:
-        if self._loaded is None:
-            self._loaded = LoadedModule(self.vmfb, self.target)
-        return self._loaded
-
-    def __getattr__(self, name: str) -> Kernel:
-        problems = self.__dict__.get("problems", {})
-        if name in problems:
-            return Kernel(problems[name], self)
-        raise AttributeError(f"module has no kernel {name!r}; kernels: {', '.join(problems)}")
-
-    def __getitem__(self, name: str) -> Kernel:
-        return getattr(self, name)
-
-    @property
-    def kernels(self) -> list[str]:
-        return list(self.problems)
-
-    def manifest(self) -> dict:
-        return manifest(list(self.problems.values()), self.target)
-
-    def save(self, path: Union[str, Path]) -> Path:
-        """Write OUT.vmfb and OUT.json beside it."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(self.vmfb)
-        path.with_suffix(".json").write_text(json.dumps(self.manifest(), indent=2) + "\n")
-        return path
+def compile_vmfb(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = (), *,
+                 refresh: bool = False) -> bytes:
+    """The .vmfb for `problems` on `target`: from the disk cache if present, else compiled and stored.
+    `refresh=True` skips the lookup and overwrites the entry (used when a cached module failed to load)."""
+    problems = list(problems)
+    knobs = knobs_by_kernel(problems, target)
+    key = cache.cache_key(key_material(problems, target, knobs, extra_flags))
+    if not refresh:
+        cached = cache.load(key)
+        if cached is not None:
+            return cached
+    mlir = lower_to_mlir(problems, target, knobs)
+    if target.backend == "cpu" or all(k.config_default for k in knobs.values()):
+        vmfb = _iree.compile_mlir(mlir, target, extra_flags)  # through the module: a patched compile_mlir is seen
+    else:
+        vmfb = compile_with_knobs(mlir, target, knobs, extra_flags)
+    cache.stats.compiles += 1
+    cache.store(key, vmfb)
+    return vmfb
 
 
 def compile(
@@ -205,12 +156,4 @@ def compile(
             raise ValueError(f"--kernel: no kernel named {', '.join(unknown)}; kernels: "
                              + ", ".join(p.name for p in problems))
         problems = [p for p in problems if p.name in kernels]
-    vmfb = compile_cached(problems, tgt)  # disk cache keyed by problems, target, flags and versions
-    return CompiledModule(problems, tgt, vmfb)
-
-
-def lower_with_tuned_knobs(problems: Sequence[ConvProblem], target: Target) -> str:
-    """The MLIR that compile() hands to iree-compile (with each kernel's tuned or heuristic knobs)."""
-    from .passes import lower_to_mlir
-
-    return lower_to_mlir(problems, target)
+    return CompiledModule(problems, tgt, compile_vmfb(problems, tgt))

@@ -8,7 +8,7 @@ padding lo/hi;  forward reads input i = o*s + y*d - lo, so O = (I + lo + hi - d*
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 OPS = ("forward", "grad_input", "grad_weight", "transposed")
@@ -282,6 +282,11 @@ class ConvProblem:
 
     def with_(self, **changes) -> "ConvProblem":
         return replace(self, **changes)
+
+    def record(self) -> dict:
+        """Every field, recursively (the epilogue too): canonical for equal problems, different for any
+        changed field (cache keys hash it)."""
+        return asdict(self)
 
     def describe(self) -> str:
         sp = "x".join(map(str, self.input))

@@ -28,6 +28,28 @@ class TargetError(ValueError):
     pass
 
 
+@dataclass(frozen=True)
+class GpuFacts:
+    """What the planning policy (convdsl/policy.py) reads off a GPU to size its grids: streaming
+    multiprocessors (compute units), the shared memory of one and what each resident block reserves of it,
+    and the warps (waves) one can hold."""
+
+    sm_count: int
+    shared_per_sm: int
+    shared_reserved_per_block: int
+    warps_per_sm: int
+
+
+# The chip each arch is planned for: the split-K and depthwise grids aim at a few whole waves of its SMs.
+HOPPER = GpuFacts(sm_count=132, shared_per_sm=228 * 1024, shared_reserved_per_block=1024, warps_per_sm=64)
+GPU_FACTS = {
+    "sm_80": HOPPER,
+    "sm_89": HOPPER,
+    "sm_90": HOPPER,
+    "gfx942": HOPPER,
+}
+
+
 def native_cuda_arch(device: int = 0) -> Optional[str]:
     """The arch to compile for the CUDA device present (None: no driver or no device), from its compute
     capability: 9.x (H100, H200) -> sm_90 (wgmma cubins), 8.9 -> sm_89, other 8.x -> sm_80.  Others get None,
@@ -113,6 +135,11 @@ class Target:
             return None
         return (f'#hal.device.target<"cuda", [#hal.executable.target<"cuda", "cuda-nvptx-fb", '
                 f"{{iree_codegen.target_info = {info}}}>]> : !hal.device")
+
+    @property
+    def gpu(self) -> GpuFacts:
+        """The GPU facts of this target's arch (the arch's reference chip where one arch spans several)."""
+        return GPU_FACTS.get(self.arch, HOPPER)
 
     @property
     def driver(self) -> str:

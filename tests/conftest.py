@@ -19,7 +19,7 @@ os.environ.setdefault("CONVDSL_CACHE_DIR", tempfile.mkdtemp(prefix="convdsl-test
 
 
 def _cuda_present() -> bool:
-    from convdsl.compiler import cuda_available
+    from convdsl.module import cuda_available
 
     return cuda_available()
 

@@ -16,15 +16,20 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from convdsl.kernels import igemm  # noqa: E402
-from convdsl.kernels.launch import plan_launches  # noqa: E402
+from convdsl.policy import plan_launches  # noqa: E402
+from convdsl.targets import Target  # noqa: E402
 from convdsl.kernels.tiles import parse_tiles  # noqa: E402
 from convdsl.passes.ir import activation_axes  # noqa: E402
 from convdsl.problem import problem_from_spec  # noqa: E402
 from convdsl.reference import random_inputs, reference, relative_error  # noqa: E402
 
 
+# the chip whose facts size the grids (split-K and depthwise chunks)
+HOPPER = Target("cuda", "sm_90")
+
+
 def run(spec: dict, tiles: str, x_layout: str | None = None) -> dict:
-    """x_layout: give the kernel X copied to that layout (launch.dy_read_in_place), as lowering does."""
+    """x_layout: give the kernel X copied to that layout (policy.dy_read_in_place), as lowering does."""
     p = problem_from_spec(spec)
     args = random_inputs(p, seed=3)
     want = reference(p, *args)
@@ -32,7 +37,7 @@ def run(spec: dict, tiles: str, x_layout: str | None = None) -> dict:
         src, dst = activation_axes(p, "ch"), activation_axes(p.with_(layout=x_layout), "ch")
         args = [np.transpose(args[0], [src.index(a) for a in dst]), *args[1:]]
     tensors = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)) for a in args]
-    _, launches, partials_shape = plan_launches(p, parse_tiles(tiles) if tiles else None, x_layout)
+    _, launches, partials_shape = plan_launches(p, parse_tiles(tiles) if tiles else None, HOPPER, x_layout)
     if p.op == "grad_weight":
         partials = torch.full(partials_shape, float("nan"))
         launch = launches[0]

@@ -15,7 +15,7 @@ import pytest
 
 import convdsl
 from convdsl import api, cache
-from convdsl.compiler import ArgumentError
+from convdsl.module import ArgumentError
 from convdsl.problem import ConvProblem, Epilogue, ProblemError
 from convdsl.reference import NUMPY_DTYPES, random_inputs, reference, relative_error, tolerance
 

@@ -17,9 +17,13 @@ from hypothesis import strategies as st
 import convdsl
 from convdsl.api import infer_problem
 from convdsl.backends.iree import LoadedModule, compile_mlir
-from convdsl.cache import cache_key
+from convdsl.compiler import cache_key
 from convdsl.frontend import ConvSyntaxError, parse
 from convdsl.passes import lower_to_mlir
+from convdsl.passes.explain import describe_plan
+from convdsl.passes.plan import plan_kernel
+from convdsl import policy
+from convdsl.passes.explain import describe_plan
 from convdsl.passes.plan import plan_kernel
 from convdsl.problem import BF16X3_COMPUTE, ConvProblem, Epilogue, ProblemError, problem_from_spec, problem_to_spec
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
@@ -114,14 +118,12 @@ def test_dynamic_batch_module_serves_every_batch():
 def test_gpu_forms_channels_last_detour_and_1x1_grad_weight(monkeypatch):
     # On GPUs an NGCHW kernel runs channels-last between layout copies and a 1x1 grad_weight has dY first;
     # the split must compose with both: check them on the CPU, where they can be compared.
-    import convdsl.passes.plan as plan_module
-
-    monkeypatch.setattr(plan_module, "CHANNELS_LAST_BACKENDS", ("cpu",))
+    monkeypatch.setattr(policy, "CHANNELS_LAST_BACKENDS", ("cpu",))
     ngchw = [p for p in kernels("NGCHW", "GKCYX", 2, 2) if p.name in ("fwd", "dgrad_s2", "wgrad")]
     one = kernels("NHWGC", "GKYXC", 2, 1)[-1].with_(
         name="wgrad_1x1", filter=(1, 1), stride=(1, 1), dilation=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0))
-    assert all(plan_module.plan_kernel(p, CPU).bf16x3.channels_last is not None for p in ngchw)
-    assert plan_module.plan_kernel(one, CPU).bf16x3.dy_first
+    assert all(plan_kernel(p, CPU).bf16x3.channels_last is not None for p in ngchw)
+    assert plan_kernel(one, CPU).bf16x3.dy_first
     assert_accurate(run_module([*ngchw, one], seed=11))
 
 
@@ -201,7 +203,7 @@ def test_ir_splits_each_operand_once_and_contracts_bf16_into_f32(which):
 
 def test_plan_describes_the_split():
     p = kernels("NHWGC", "GKYXC", 2, 1)[2]  # grad_input, stride 2
-    text = plan_kernel(p, CPU).describe()
+    text = describe_plan(plan_kernel(p, CPU))
     assert "compute: bf16x3" in text and "along K" in text and "[A_hi|A_hi|A_lo] x [B_hi|B_lo|B_hi]" in text
     assert f"{p.out_channels * 3}]" in text.split("compute: bf16x3", 1)[1]  # the inner kernel's tripled K
     assert "stride phases" in text

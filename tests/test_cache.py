@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import convdsl
-from convdsl import api, cache
+from convdsl import api, cache, compiler
 from convdsl.backends.iree import LoadedModule
 from convdsl.problem import ConvProblem, Epilogue
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
@@ -54,8 +54,8 @@ def test_cache_dir_default_and_env(monkeypatch: pytest.MonkeyPatch, cache_dir: P
 
 
 def test_key_is_stable_and_hex() -> None:
-    key = cache.cache_key([P], CPU)
-    assert key == cache.cache_key([P.with_()], Target("cpu", "host"))
+    key = compiler.cache_key([P], CPU)
+    assert key == compiler.cache_key([P.with_()], Target("cpu", "host"))
     assert len(key) == 64 and int(key, 16) >= 0
 
 
@@ -77,44 +77,44 @@ def test_key_is_stable_and_hex() -> None:
     ],
 )
 def test_key_changes_with_problem_and_target(problems: list[ConvProblem], target: Target) -> None:
-    assert cache.cache_key(problems, target) != cache.cache_key([P], CPU)
+    assert compiler.cache_key(problems, target) != compiler.cache_key([P], CPU)
 
 
 def test_key_changes_with_arch_string() -> None:
-    assert cache.cache_key([P], Target("cuda", "sm_80")) != cache.cache_key([P], Target("cuda", "sm_89"))
+    assert compiler.cache_key([P], Target("cuda", "sm_80")) != compiler.cache_key([P], Target("cuda", "sm_89"))
 
 
 def test_key_changes_with_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    before = cache.cache_key([P], CPU)
-    assert cache.cache_key([P], CPU, ["--iree-opt-level=O3"]) != before
+    before = compiler.cache_key([P], CPU)
+    assert compiler.cache_key([P], CPU, ["--iree-opt-level=O3"]) != before
     # The flags come from Target.compile_flags(), not from a table of backends in the cache.
     flags = CPU.compile_flags()
     monkeypatch.setattr(Target, "compile_flags", lambda self: [*flags, "--iree-llvmcpu-enable-ukernels=all"])
-    assert cache.cache_key([P], CPU) != before
+    assert compiler.cache_key([P], CPU) != before
 
 
 def test_key_changes_with_versions(monkeypatch: pytest.MonkeyPatch) -> None:
-    before = cache.cache_key([P], CPU)
+    before = compiler.cache_key([P], CPU)
     with monkeypatch.context() as m:
         m.setattr(convdsl, "__version__", "99.0.0")
-        assert cache.cache_key([P], CPU) != before
+        assert compiler.cache_key([P], CPU) != before
     with monkeypatch.context() as m:
-        m.setattr(cache, "iree_version", lambda: "0.0.0-other")
-        assert cache.cache_key([P], CPU) != before
+        m.setattr(compiler, "iree_version", lambda: "0.0.0-other")
+        assert compiler.cache_key([P], CPU) != before
     with monkeypatch.context() as m:
-        m.setattr(cache, "source_digest", lambda: "edited")
-        assert cache.cache_key([P], CPU) != before
-    assert cache.cache_key([P], CPU) == before
+        m.setattr(compiler, "source_digest", lambda: "edited")
+        assert compiler.cache_key([P], CPU) != before
+    assert compiler.cache_key([P], CPU) == before
 
 
 # --- hits and misses ----------------------------------------------------------------------------
 def test_hit_does_not_compile_again(cache_dir: Path) -> None:
-    first = cache.compile_cached([P], CPU)
+    first = compiler.compile_vmfb([P], CPU)
     assert (cache.stats.compiles, cache.stats.hits, cache.stats.stores) == (1, 0, 1)
-    second = cache.compile_cached([P], CPU)
+    second = compiler.compile_vmfb([P], CPU)
     assert (cache.stats.compiles, cache.stats.hits) == (1, 1)
     assert first == second
-    assert files(cache_dir) == [cache.entry_path(cache.cache_key([P], CPU))]
+    assert files(cache_dir) == [cache.entry_path(compiler.cache_key([P], CPU))]
     assert run_ok(P, second) <= tolerance(P)
 
 
@@ -129,19 +129,19 @@ def test_functional_api_hits_disk_after_memory_is_cleared() -> None:
 
 
 def test_changed_parts_miss_and_compile(monkeypatch: pytest.MonkeyPatch, cache_dir: Path) -> None:
-    cache.compile_cached([P], CPU)
-    cache.compile_cached([P.with_(stride=(2,))], CPU)
+    compiler.compile_vmfb([P], CPU)
+    compiler.compile_vmfb([P.with_(stride=(2,))], CPU)
     assert cache.stats.compiles == 2
-    cache.compile_cached([P.with_(dtype="f16")], CPU)
+    compiler.compile_vmfb([P.with_(dtype="f16")], CPU)
     assert cache.stats.compiles == 3
     monkeypatch.setattr(convdsl, "__version__", "99.0.0")
-    cache.compile_cached([P], CPU)
+    compiler.compile_vmfb([P], CPU)
     assert cache.stats.compiles == 4
-    monkeypatch.setattr(cache, "iree_version", lambda: "0.0.0-other")
-    cache.compile_cached([P], CPU)
+    monkeypatch.setattr(compiler, "iree_version", lambda: "0.0.0-other")
+    compiler.compile_vmfb([P], CPU)
     assert cache.stats.compiles == 5
     assert len(files(cache_dir)) == 5
-    cache.compile_cached([P], CPU)  # same versions as the last compile: a hit
+    compiler.compile_vmfb([P], CPU)  # same versions as the last compile: a hit
     assert (cache.stats.compiles, cache.stats.hits) == (5, 1)
 
 
@@ -149,7 +149,7 @@ def test_functional_api_memory_cache_sees_version_change(monkeypatch: pytest.Mon
     # The in-memory cache is keyed like the disk: a new version in the same process compiles again.
     inputs = random_inputs(P)
     convdsl.grad_weight(*inputs, filter=3, padding=1)
-    monkeypatch.setattr(cache, "iree_version", lambda: "0.0.0-other")
+    monkeypatch.setattr(compiler, "iree_version", lambda: "0.0.0-other")
     convdsl.grad_weight(*inputs, filter=3, padding=1)
     assert cache.stats.compiles == 2
 
@@ -181,12 +181,12 @@ def _valid_checksum_bad_module(path: Path) -> None:
 
 @pytest.mark.parametrize("damage", [_truncate, _garbage, _empty, _flip_payload_byte, _valid_checksum_bad_module])
 def test_damaged_entry_is_a_miss_and_is_rewritten(damage, cache_dir: Path) -> None:
-    cache.compile_cached([P], CPU)
-    key = cache.cache_key([P], CPU)
+    compiler.compile_vmfb([P], CPU)
+    key = compiler.cache_key([P], CPU)
     path = cache.entry_path(key)
     damage(path)
     cache.stats.reset()
-    vmfb = cache.compile_cached([P], CPU)  # recompiles instead of failing
+    vmfb = compiler.compile_vmfb([P], CPU)  # recompiles instead of failing
     assert (cache.stats.compiles, cache.stats.damaged, cache.stats.hits) == (1, 1, 0)
     assert cache.load(key) == vmfb  # rewritten with a good entry
     assert run_ok(P, vmfb) <= tolerance(P)
@@ -199,7 +199,7 @@ def test_damaged_entry_is_a_miss_and_is_rewritten(damage, cache_dir: Path) -> No
 def test_functional_api_recovers_from_damaged_entry(cache_dir: Path) -> None:
     inputs = random_inputs(P)
     want = convdsl.grad_weight(*inputs, filter=3, padding=1)
-    _garbage(cache.entry_path(cache.cache_key([P], CPU)))
+    _garbage(cache.entry_path(compiler.cache_key([P], CPU)))
     api.clear_memory_cache()
     got = convdsl.grad_weight(*inputs, filter=3, padding=1)
     assert cache.stats.compiles == 2 and cache.stats.damaged == 1
@@ -221,7 +221,7 @@ def test_failed_write_cleans_up_and_only_warns(monkeypatch: pytest.MonkeyPatch, 
 
     monkeypatch.setattr(cache.os, "replace", broken_replace)
     with pytest.warns(RuntimeWarning, match="could not write"):
-        vmfb = cache.compile_cached([P], CPU)
+        vmfb = compiler.compile_vmfb([P], CPU)
     assert vmfb and cache.stats.compiles == 1
     assert files(cache_dir) == []  # neither an entry nor a stray temporary file
 
@@ -231,15 +231,15 @@ def test_unwritable_cache_dir_still_compiles(monkeypatch: pytest.MonkeyPatch, tm
     blocker.write_text("")
     monkeypatch.setenv("CONVDSL_CACHE_DIR", str(blocker))  # a file where the folder should be
     with pytest.warns(RuntimeWarning):
-        vmfb = cache.compile_cached([P], CPU)
+        vmfb = compiler.compile_vmfb([P], CPU)
     assert run_ok(P, vmfb) <= tolerance(P)
 
 
 def test_clear_removes_entries(cache_dir: Path) -> None:
-    cache.compile_cached([P], CPU)
+    compiler.compile_vmfb([P], CPU)
     assert cache.clear() == 1
     assert files(cache_dir) == []
-    cache.compile_cached([P], CPU)
+    compiler.compile_vmfb([P], CPU)
     assert cache.stats.compiles == 2
 
 
@@ -248,7 +248,7 @@ def _compile_in_child(barrier, results) -> None:
     # Runs in a spawned process: CONVDSL_CACHE_DIR comes from the parent's environment.
     try:
         barrier.wait(timeout=60)  # start compiling together, so that the writes overlap
-        vmfb = cache.compile_cached([P], CPU)
+        vmfb = compiler.compile_vmfb([P], CPU)
         results.put(("ok", cache.stats.compiles, cache.stats.hits, run_ok(P, vmfb)))
     except BaseException as err:  # report any failure to the parent instead of dying silently
         results.put(("error", repr(err), 0, 0.0))
@@ -270,6 +270,6 @@ def test_two_processes_compile_the_same_kernel(cache_dir: Path) -> None:
         assert compiles + hits == 1  # each either compiled or found the other's entry
         assert err <= tolerance(P)
     names = [p.name for p in files(cache_dir)]
-    assert names == [cache.cache_key([P], CPU) + ".vmfb"]  # one entry, no temporary files left
-    vmfb = cache.load(cache.cache_key([P], CPU))
+    assert names == [compiler.cache_key([P], CPU) + ".vmfb"]  # one entry, no temporary files left
+    vmfb = cache.load(compiler.cache_key([P], CPU))
     assert vmfb is not None and run_ok(P, vmfb) <= tolerance(P)

@@ -20,24 +20,20 @@ from hypothesis import strategies as st
 
 from convdsl.algebra import grad_input_phases
 from convdsl.backends.iree import compile_mlir
-from convdsl.kernels.launch import (
-    activation_strides,
-    compile_launch,
+from convdsl.kernels.launch import (activation_strides, compile_launch, depthwise_chunk, flat_positions, grad_input_launch,
+                                   weight_strides)
+from convdsl.passes.explain import describe_plan
+from convdsl.policy import (
     default_pack,
-    grad_input_launch,
-    SM_COUNT,
-    depthwise_chunk,
-    slides_along_rows,
     dy_read_in_place,
     fullest_split,
-    flat_positions,
     grad_weight_split,
     last_wave_fill,
-    resident_programs,
     plan_launches,
+    resident_programs,
+    slides_along_rows,
     tap_rows,
     unsupported_reason,
-    weight_strides,
 )
 from convdsl.kernels.tiles import TileConfig, parse_tiles
 from convdsl.passes import lower_to_mlir
@@ -141,7 +137,7 @@ def test_interpreted_depthwise_windows_match_the_reference():
     _check(WINDOWS, _interpret(WINDOWS, tiles="t4x16x1w4s1"))
     split = [_dw(op="grad_weight", dims=3, input=(5, 4, 9), filter=(2, 3, 3), stride=(1, 1, 2), dilation=(1, 1, 2),
                  pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="dw-w-split")]
-    _, (launch,), partials = plan_launches(split[0], parse_tiles("t4x16x1w1s1k40"))
+    _, (launch,), partials = plan_launches(split[0], parse_tiles("t4x16x1w1s1k40"), HOPPER)
     assert launch.grid[1] == partials[0] == 40 and dict(launch.constants)["ROWS_PER"] == 1  # a chunk per row
     _check(split, _interpret(split, tiles="t4x16x1w1s1k40"))
 
@@ -162,14 +158,14 @@ SLIDING = [
 def test_interpreted_depthwise_rows_kernel_matches_the_reference(tiles):
     for p in SLIDING:
         assert slides_along_rows(p), p.name
-        _, (launch,), partials = plan_launches(p, parse_tiles(tiles))
+        _, (launch,), partials = plan_launches(p, parse_tiles(tiles), HOPPER)
         consts = dict(launch.constants)
         assert launch.kernel == "grad_weight_depthwise_rows" and launch.grid[1] == partials[0]
         # the segments cover every dY row of every plane once
         out = (1,) * (3 - p.dims) + p.output
         assert partials[0] == p.batch * out[0] * -(-out[1] // consts["SEG"])
     _check(SLIDING, _interpret(SLIDING, tiles=tiles))
-    assert "sliding along the rows" in plan_kernel(SLIDING[0], HOPPER, Knobs(tiles=tiles)).describe()
+    assert "sliding along the rows" in describe_plan(plan_kernel(SLIDING[0], HOPPER, Knobs(tiles=tiles)))
     # stride 2 along the rows, or too many taps for one thread: the general kernel
     assert not slides_along_rows(_dw(op="grad_weight", stride=(2, 1)))
     assert not slides_along_rows(_dw(op="grad_weight", filter=(5, 5)))
@@ -191,7 +187,7 @@ def test_wide_depthwise_filters_compile_to_bounded_code():
     for op in ("grad_input", "grad_weight"):
         p = _dw(op=op, dtype="f16", batch=8, input=(32, 32), filter=(31, 31), stride=(1, 1), dilation=(1, 1),
                 pad_lo=(15, 15), pad_hi=(15, 15))
-        _, (launch,), _ = plan_launches(p, None)
+        _, (launch,), _ = plan_launches(p, None, HOPPER)
         assert len(compile_launch(launch, "sm_90").data) < 300_000, op
 
 
@@ -231,7 +227,7 @@ def test_interpreted_packed_groups_match_the_reference():
     # the default tiles pack by themselves (default_pack): 4 groups of 8 channels, 8 groups of 4
     defaults = [_grouped(groups=4, in_channels=8, out_channels=8, name="default-8"), _grouped(name="default-4"),
                 _grouped(op="grad_weight", name="default-4-w")]
-    assert [plan_launches(p, None)[0].pack for p in defaults] == [4, 8, 8]
+    assert [plan_launches(p, None, HOPPER)[0].pack for p in defaults] == [4, 8, 8]
     _check(defaults, _interpret(defaults, tiles=""))
 
 
@@ -242,13 +238,13 @@ def test_packing_needs_adjacent_group_channels_and_a_dividing_pack():
     assert default_pack(_grouped(in_channels=32, out_channels=32)) == 1
     assert default_pack(_grouped(in_channels=1, out_channels=1)) == 1  # depthwise: its own kernels
     with pytest.raises(ValueError, match="pack 4 for kernel k: 6 groups are not a multiple"):
-        plan_launches(_grouped(groups=6), parse_tiles("t16x16x16w4s2p4"))
+        plan_launches(_grouped(groups=6), parse_tiles("t16x16x16w4s2p4"), HOPPER)
     with pytest.raises(ValueError, match="layout GNHWC does not keep"):
-        plan_launches(_grouped(layout="GNHWC", op="grad_weight"), parse_tiles("t16x16x16w4s2p2"))
+        plan_launches(_grouped(layout="GNHWC", op="grad_weight"), parse_tiles("t16x16x16w4s2p2"), HOPPER)
     # the rule: packable few-channel groups take the Triton kernels on CUDA, GNHWC keeps the gather form
     rx = _grouped(dtype="f16", stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), filter=(3, 3))
-    assert unsupported_reason(rx, "cuda", "sm_90") is None
-    assert "gather form" in unsupported_reason(rx.with_(layout="GNHWC"), "cuda", "sm_90")
+    assert unsupported_reason(rx, HOPPER) is None
+    assert "gather form" in unsupported_reason(rx.with_(layout="GNHWC"), HOPPER)
 
 
 @st.composite
@@ -286,8 +282,8 @@ def test_the_phases_of_the_launch_write_every_dx_position_once(p):
     if p.op != "grad_input":
         p = p.with_(op="grad_input")
     tiles = parse_tiles(SMALL_TILES)
-    c = dict(grad_input_launch(p, tiles, "k").constants)
-    grid_x = grad_input_launch(p, tiles, "k").grid[0]
+    c = dict(grad_input_launch(p, tiles, "k", "tf32x3").constants)
+    grid_x = grad_input_launch(p, tiles, "k", "tf32x3").grid[0]
     assert c["PHASES"] == len(grad_input_phases(p)) and c["FIRST"][0] == 0 and c["FIRST"][-1] == grid_x
     seen = []
     for ph in range(c["PHASES"]):
@@ -307,7 +303,7 @@ def test_the_phases_of_the_launch_write_every_dx_position_once(p):
 @given(problems(), st.integers(0, 9))
 def test_split_k_chunks_cover_the_reduction_once(p, forced):
     tiles = TileConfig(16, 16, 16, 4, 2, split=forced)
-    parts, chunk = grad_weight_split(p, tiles)
+    parts, chunk = grad_weight_split(p, tiles, HOPPER)
     length = p.batch * math.prod(p.output)
     assert chunk % tiles.block_k == 0 and parts >= 1
     assert (parts - 1) * chunk < length <= parts * chunk  # every chunk non-empty, the last one may be short
@@ -330,11 +326,11 @@ def test_grad_weight_split_uses_the_fullest_split_of_the_tiles_resident_slots(p)
     tiles = TileConfig(16, 16, 16, 4, 2)
     steps = -(-p.batch * math.prod(p.output) // 16)
     tiles_out = p.groups * -(-p.out_channels // 16) * -(-(p.in_channels * math.prod(p.filter)) // 16)
-    chosen = fullest_split(tiles_out, SM_COUNT * resident_programs(tiles, 2), max(1, min(256, steps // 8)))
-    parts, _ = grad_weight_split(p, tiles)
+    chosen = fullest_split(tiles_out, HOPPER.gpu.sm_count * resident_programs(tiles, 2, HOPPER), max(1, min(256, steps // 8)))
+    parts, _ = grad_weight_split(p, tiles, HOPPER)
     assert parts <= min(chosen, steps)  # recomputed so that no chunk is empty: never more chunks
-    assert resident_programs(TileConfig(128, 128, 64, 8, 4), 2) == 1  # 128 KiB of shared memory: one per SM
-    assert resident_programs(TileConfig(64, 64, 64, 4, 4), 2) == 3  # 64 KiB: three (ncu: 18.75% occupancy)
+    assert resident_programs(TileConfig(128, 128, 64, 8, 4), 2, HOPPER) == 1  # 128 KiB of shared memory: one per SM
+    assert resident_programs(TileConfig(64, 64, 64, 4, 4), 2, HOPPER) == 3  # 64 KiB: three (ncu: 18.75% occupancy)
 
 
 def test_last_wave_fill_counts_the_idle_slots_of_the_last_wave():
@@ -381,7 +377,7 @@ def test_interpreted_ngchw_grad_weight_reads_dy_in_place():
     for p in IN_PLACE_DY:
         tiles = parse_tiles(SMALL_TILES)
         assert dy_read_in_place(p, tiles), p.name
-        _, (launch,), _ = plan_launches(p, tiles, x_layout="NHWGC")
+        _, (launch,), _ = plan_launches(p, tiles, HOPPER, x_layout="NHWGC")
         c = dict(launch.constants)
         assert c["DY_IMAGE"] and not c["DY_FLAT"], p.name
         assert c["X"] == activation_strides(p.with_(layout="NHWGC"), p.input, p.in_channels), p.name
@@ -393,14 +389,14 @@ def test_interpreted_ngchw_grad_weight_reads_dy_in_place():
     assert not dy_read_in_place(odd, parse_tiles(SMALL_TILES))
     assert plan_kernel(odd, HOPPER, Knobs(tiles=SMALL_TILES)).channels_last is not None
     with pytest.raises(ValueError, match="x_layout"):
-        plan_launches(_p(), None, x_layout="NHWGC")  # grad_input reads no copy of X
+        plan_launches(_p(), None, HOPPER, x_layout="NHWGC")  # grad_input reads no copy of X
 
 
 def test_ngchw_grad_weight_copies_only_x():
     p = IN_PLACE_DY[0].with_(in_channels=64, out_channels=64)
     plan = plan_kernel(p, HOPPER, Knobs(tiles=SMALL_TILES))
     assert plan.channels_last is None and plan.extern.copied_channels_last == ("x",)
-    assert "x copied to NHWGC" in plan.describe()
+    assert "x copied to NHWGC" in describe_plan(plan)
     mlir = lower_to_mlir([p], HOPPER, knobs={p.name: Knobs(tiles=SMALL_TILES)})
     generics = [ln for ln in mlir.splitlines() if "linalg.generic" in ln]
     copies = [ln for ln in generics if "reduction" not in ln]  # the partials' sum has a reduction iterator
@@ -423,7 +419,7 @@ def test_flat_positions_holds_exactly_where_positions_lie_evenly_apart():
     # the kernels read X through dY's flat offsets only where stride 1 keeps X's positions at dY's
     for stride, flat in (((1, 1), True), ((2, 1), False)):
         same = _p(op="grad_weight", stride=stride, dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 0))
-        _, (launch,), _ = plan_launches(same, parse_tiles(SMALL_TILES))
+        _, (launch,), _ = plan_launches(same, parse_tiles(SMALL_TILES), HOPPER)
         assert (same.input == same.output) is flat and dict(launch.constants)["X_FLAT"] is flat
         assert dict(launch.constants)["DY_FLAT"] is True
 
@@ -435,30 +431,30 @@ def test_rule_and_overrides():
     assert plan_kernel(p, HOPPER).form == "extern"
     assert plan_kernel(p, CPU).form == "implicit-gemm"
     linalg = plan_kernel(p, HOPPER, Knobs(extern=False))
-    assert linalg.form == "implicit-gemm" and "extern = false" in linalg.describe()
+    assert linalg.form == "implicit-gemm" and "extern = false" in describe_plan(linalg)
     for other, why in (
         (p.with_(op="forward"), "forward"),
         (p.with_(dynamic_batch=True), "batch = ?"),
         (p.with_(epilogue=Epilogue("bilinear", 1.0, 0.5)), "bilinear"),
         (p.with_(op="grad_weight", groups=8, in_channels=4, out_channels=4, layout="GNHWC"), "few channels"),
     ):
-        assert why in unsupported_reason(other, "cuda", "sm_90")
+        assert why in unsupported_reason(other, HOPPER)
         assert plan_kernel(other, HOPPER).form != "extern"
         with pytest.raises(ValueError, match="cannot use the external kernels"):
             plan_kernel(other, HOPPER, Knobs(extern=True))
-    assert "sm_80" in unsupported_reason(p, "cuda", "sm_75")
+    assert "sm_80" in unsupported_reason(p, Target("cuda", "sm_75"))
     ngchw = p.with_(layout="NGCHW")
     assert plan_kernel(ngchw, HOPPER).channels_last.problem.layout == "NHWGC"  # the rule: NHWGC copies
     assert plan_kernel(ngchw, HOPPER, Knobs(relayout=False)).channels_last is None
-    assert "copied to NHWGC" in plan_kernel(ngchw, HOPPER).describe()
+    assert "copied to NHWGC" in describe_plan(plan_kernel(ngchw, HOPPER))
     assert parse_label("cl-t64x32x16w4s3") == Knobs(relayout=True, tiles="t64x32x16w4s3")
     packed = plan_kernel(p.with_(groups=8, in_channels=4, out_channels=4), HOPPER)
-    assert packed.extern.tiles.pack == 8 and "8 groups per GEMM" in packed.describe()
+    assert packed.extern.tiles.pack == 8 and "8 groups per GEMM" in describe_plan(packed)
     assert "gather form" in unsupported_reason(p.with_(groups=8, in_channels=4, out_channels=4, layout="GNHWC"),
-                                               "cuda", "sm_90")
+                                               HOPPER)
     depthwise = plan_kernel(p.with_(groups=8, in_channels=1, out_channels=1), HOPPER)
     assert [la.kernel for la in depthwise.extern.launches] == ["grad_input_direct"]
-    assert "direct sums" in depthwise.describe() and "f32 FMA" in depthwise.describe()
+    assert "direct sums" in describe_plan(depthwise) and "f32 FMA" in describe_plan(depthwise)
     tiled = plan_kernel(p, HOPPER, Knobs(tiles="t64x32x16w4s3"))
     assert tiled.extern.tiles == TileConfig(64, 32, 16, 4, 3)
     assert dict(tiled.extern.launches[0].constants)["BLOCK_N"] == 32
@@ -472,7 +468,7 @@ def test_tile_labels_round_trip_and_reject_bad_tiles():
     with pytest.raises(ValueError, match="power of two"):
         TileConfig(48, 64, 32, 4, 4)
     with pytest.raises(ValueError, match="at least 16"):
-        plan_launches(_p(in_channels=32, out_channels=32), TileConfig(8, 64, 32, 4, 4))
+        plan_launches(_p(in_channels=32, out_channels=32), TileConfig(8, 64, 32, 4, 4), HOPPER)
     with pytest.raises(ValueError, match="expected t<M>"):
         parse_tiles("t64x64")
 

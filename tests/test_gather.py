@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from convdsl.passes import gather, lower_to_mlir
+from convdsl import policy
+from convdsl.passes import lower_to_mlir
 from convdsl.passes.plan import plan_kernel
 from convdsl.problem import LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue
 from convdsl.targets import Target
@@ -51,10 +52,10 @@ def test_row_blocks_is_the_fewest_that_fill_the_gpu(batch, o0, g, taps):
     p = ConvProblem(op="grad_weight", dims=1, groups=g, batch=batch, in_channels=1, out_channels=1,
                     input=(o0 + taps - 1,), filter=(taps,), stride=(1,), dilation=(1,), pad_lo=(0,), pad_hi=(0,))
     assert p.output == (o0,)
-    b = gather.row_blocks(p)
+    b = policy.gather_row_blocks(p)
     weights = math.prod(p.w_shape)
     assert o0 % b == 0
-    enough = lambda blocks: batch * blocks * weights >= gather.MIN_PARTIALS  # noqa: E731
+    enough = lambda blocks: batch * blocks * weights >= policy.MIN_PARTIALS  # noqa: E731
     assert enough(b) or b == o0
     assert not any(o0 % smaller == 0 and enough(smaller) for smaller in range(1, b))
 

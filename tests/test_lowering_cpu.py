@@ -7,9 +7,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from convdsl.algebra import output_size
-from convdsl.tuning.knobs import Knobs
 from convdsl.backends.iree import LoadedModule, compile_mlir
 from convdsl.passes import lower_to_mlir
+from convdsl import policy
+from convdsl.passes.explain import describe_plan
+from convdsl.passes.plan import plan_kernel
 from convdsl.problem import LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
 from convdsl.targets import Target
@@ -193,12 +195,10 @@ def test_dynamic_batch_module_serves_every_batch(layout):
 def test_ngchw_channels_last_detour_is_exact(op, monkeypatch):
     # On GPUs, NGCHW kernels run channels-last between two layout copies (IREE miscompiles the
     # channel-first form there); check that detour on the CPU, where it can be compared.
-    import convdsl.passes.plan as plan_module
-
-    monkeypatch.setattr(plan_module, "CHANNELS_LAST_BACKENDS", ("cpu",))
+    monkeypatch.setattr(policy, "CHANNELS_LAST_BACKENDS", ("cpu",))
     p = BASE.with_(op=op, layout="NGCHW", weight_layout="GKCYX", dtype="bf16", dynamic_batch=True,
                    epilogue=Epilogue("bilinear", 0.5, 1.5) if op != "grad_weight" else Epilogue("scale", 2.0))
-    assert "layout: NGCHW activations copied to NHWGC" in plan_module.plan_kernel(p, CPU).describe()
+    assert "layout: NGCHW activations copied to NHWGC" in describe_plan(plan_kernel(p, CPU))
     check(p)
 
 
@@ -207,13 +207,11 @@ def test_ngchw_channels_last_detour_is_exact(op, monkeypatch):
 def test_gpu_1x1_grad_weight_form_is_exact(layout, split_k, monkeypatch):
     # On GPUs a 1x1 grad_weight has dY as the contraction's first operand (IREE's CUDA matmul path got
     # the X-first form wrong); check that form on the CPU, where it can be compared.
-    import convdsl.passes.plan as plan_module
-
-    monkeypatch.setattr(plan_module, "CHANNELS_LAST_BACKENDS", ("cpu",))
+    monkeypatch.setattr(policy, "CHANNELS_LAST_BACKENDS", ("cpu",))
     p = BASE.with_(op="grad_weight", filter=(1, 1), stride=(1, 1), dilation=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0),
                    batch=6, in_channels=6, out_channels=5, layout=layout, dtype="f16", out_dtype="f32",
                    split_k=split_k)
-    assert plan_module.plan_kernel(p, CPU).dy_first or layout == "NGCHW"
+    assert plan_kernel(p, CPU).dy_first or layout == "NGCHW"
     check(p)
     check(p.with_(batch=5, split_k=None, dynamic_batch=(split_k == 1)))
 
@@ -222,8 +220,6 @@ def test_gpu_1x1_grad_weight_form_is_exact(layout, split_k, monkeypatch):
 @given(p=problems("grad_input"))
 def test_grad_input_with_phase_weights_k_innermost(p):
     # the order CUDA uses for strided kernels ([G, C, taps, K], plan.weight_k_inner), forced on the CPU
-    from convdsl.passes.plan import plan_kernel
-
     planned = plan_kernel(p, CPU, Knobs(k_inner=True))
     assert planned.weight_k_inner == (planned.form == "implicit-gemm")
     module = LoadedModule(compile_mlir(lower_to_mlir([p], CPU, knobs={p.name: Knobs(k_inner=True)}), CPU), CPU)
@@ -234,8 +230,6 @@ def test_grad_input_with_phase_weights_k_innermost(p):
 
 
 def test_phase_weights_are_k_innermost_on_gpus_only():
-    from convdsl.passes.plan import plan_kernel
-
     p = BASE.with_(op="grad_input", stride=(2, 2), groups=1, in_channels=64, out_channels=64)
     linalg = Knobs(extern=False)  # the order is a choice of the linalg form (not of the Triton kernels)
     assert not plan_kernel(p.with_(stride=(1, 1)), Target("cuda", "sm_80"), linalg).weight_k_inner

@@ -13,7 +13,8 @@ import pytest
 from convdsl.backends.iree import FUSE_PAD_FLAG, LoadedModule, compile_mlir
 from convdsl.passes import lower_to_mlir
 from convdsl.passes.ir import MIN_GATHER_ROW
-from convdsl.passes.plan import PAD_FORMS, default_pad_form, plan_kernel
+from convdsl.passes.plan import plan_kernel
+from convdsl.policy import PAD_FORMS, default_pad_form
 from convdsl.problem import ConvProblem, Epilogue
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
 from convdsl.targets import Target

@@ -12,9 +12,10 @@ import pytest
 
 import convdsl
 from convdsl.api import infer_problem
-from convdsl.cache import cache_key
+from convdsl.compiler import cache_key
 from convdsl.frontend import ConvSyntaxError, parse
-from convdsl.kernels.launch import plan_launches
+from convdsl.policy import plan_launches
+from convdsl.passes.explain import describe_plan
 from convdsl.passes.plan import plan_kernel
 from convdsl.problem import TF32_COMPUTE, ConvProblem, ProblemError, problem_from_spec, problem_to_spec
 from convdsl.reference import TF32_TOLERANCE, TOLERANCE, reference, relative_error, tolerance
@@ -76,18 +77,18 @@ def test_frontend_errors(extra, kernel, where, message):
 
 
 def _precision(p: ConvProblem) -> str:
-    return dict(plan_launches(p, None)[1][0].constants)["PRECISION"]
+    return dict(plan_launches(p, None, HOPPER)[1][0].constants)["PRECISION"]
 
 
 def test_cuda_grad_input_takes_one_pass_tf32_and_explain_says_so():
     for op in ("grad_input", "transposed"):
         assert _precision(_p(op=op)) == "tf32" and _precision(_p(op=op, compute=None)) == "tf32x3"
-        assert "1-pass TF32 products" in plan_kernel(_p(op=op), HOPPER).describe()
+        assert "1-pass TF32 products" in describe_plan(plan_kernel(_p(op=op), HOPPER))
     # grad_weight keeps three passes: one pass measured 1.6x slower there (Triton's 4-byte copies)
     assert _precision(_p(op="grad_weight")) == "tf32x3"
-    wgrad = plan_kernel(_p(op="grad_weight"), HOPPER).describe()
+    wgrad = describe_plan(plan_kernel(_p(op="grad_weight"), HOPPER))
     assert "3-pass TF32 products" in wgrad and "tf32 allowed, not used" in wgrad
-    assert "tf32 allowed, not used" in plan_kernel(_p(), CPU).describe()
+    assert "tf32 allowed, not used" in describe_plan(plan_kernel(_p(), CPU))
 
 
 def test_cpu_computes_f32_products_where_tf32_is_allowed():

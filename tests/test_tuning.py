@@ -11,10 +11,14 @@ from convdsl.backends.iree import compile_mlir
 from convdsl.passes import lower_to_mlir
 from convdsl.problem import ConvProblem
 from convdsl.targets import Target
-from convdsl.tuning import Knobs, apply_knobs, compile_with_knobs
-from convdsl.tuning.db import heuristic, knobs_for, lookup, signature, target_key
+from convdsl.backends.iree_config import apply_knobs, compile_with_knobs
+from convdsl.tuning import Knobs
+from convdsl.compiler import iree_version, knobs_by_kernel, tuned_knobs
+from convdsl.policy import iree_knobs as heuristic
+from convdsl.tuning import db as tuning_db
+from convdsl.tuning.db import signature, target_key
 from convdsl.tuning.knobs import parse_label
-from convdsl.tuning.tune import collect
+from convdsl.tune import collect
 
 CUDA = Target("cuda", "sm_80")
 DGRAD = ConvProblem(
@@ -106,11 +110,11 @@ def test_collect_keeps_the_fastest_correct_candidate(tmp_path, monkeypatch):
     })
     chosen = collect(results, cases, CUDA, db_path)
     assert chosen == {"k": ("n2", 1.0, 0.8)}
-    assert lookup(DGRAD, CUDA, db_path) == Knobs(n_scale=2)
-    assert lookup(DGRAD.with_(name="other_name"), CUDA, db_path) == Knobs(n_scale=2)  # the name is not the key
-    assert lookup(DGRAD.with_(batch=9), CUDA, db_path) is None
+    assert _lookup(DGRAD, CUDA, db_path) == Knobs(n_scale=2)
+    assert _lookup(DGRAD.with_(name="other_name"), CUDA, db_path) == Knobs(n_scale=2)  # the name is not the key
+    assert _lookup(DGRAD.with_(batch=9), CUDA, db_path) is None
     monkeypatch.setattr(db, "DB_PATH", db_path)
-    assert signature(DGRAD) in json.loads(db_path.read_text())[db.target_key(CUDA)]
+    assert signature(DGRAD) in json.loads(db_path.read_text())[target_key(CUDA, iree_version())]
 
 
 def test_collect_keeps_the_ir_knobs_and_the_default_time(tmp_path):
@@ -122,13 +126,18 @@ def test_collect_keeps_the_ir_knobs_and_the_default_time(tmp_path):
     # (plan reads them from the database), so their labels carry neither
     results, cases = _results(tmp_path, {"convdsl": {"ok": True, "ms": 0.8}, "convdsl@n4": {"ok": True, "ms": 0.5}})
     collect(results, cases, CUDA, db_path)
-    assert lookup(DGRAD, CUDA, db_path) == Knobs(n_scale=4, pad="gather", k_inner=False)
-    entry = json.loads(db_path.read_text())[target_key(CUDA)][signature(DGRAD)]
+    assert _lookup(DGRAD, CUDA, db_path) == Knobs(n_scale=4, pad="gather", k_inner=False)
+    entry = json.loads(db_path.read_text())[target_key(CUDA, iree_version())][signature(DGRAD)]
     assert entry["default_ms"] == 1.0 and entry["ms"] == 0.5
 
 
+def _lookup(p, target, path):
+    tuned = tuning_db.lookup(p, target, iree_version(), path)
+    return tuned.knobs if tuned is not None else None
+
+
 def test_phase_weight_order_candidates_only_where_there_are_phases():
-    from convdsl.tuning.tune import CANDIDATES, candidates_for
+    from convdsl.tune import CANDIDATES, candidates_for
 
     orders = [k for k in CANDIDATES if k.k_inner is not None]
     assert orders and all(k in candidates_for(DGRAD) for k in orders)
@@ -136,18 +145,18 @@ def test_phase_weight_order_candidates_only_where_there_are_phases():
 
 
 def test_a_tuned_phase_weight_order_overrides_the_rule(tmp_path, monkeypatch):
-    import convdsl.tuning.db as db
     from convdsl.passes.plan import plan_kernel
 
     strided = DGRAD.with_(stride=(2, 2))
     linalg = Knobs(extern=False)
     assert plan_kernel(strided, CUDA, linalg).weight_k_inner  # the rule: strided grad_input on CUDA
     db_path = tmp_path / "db.json"
-    db_path.write_text(json.dumps({target_key(CUDA): {signature(strided): {
+    db_path.write_text(json.dumps({target_key(CUDA, iree_version()): {signature(strided): {
         "knobs": {"n_scale": 4, "k_inner": False, "extern": False}}}}))
-    monkeypatch.setattr(db, "DB_PATH", db_path)
-    assert not plan_kernel(strided, CUDA).weight_k_inner
-    assert plan_kernel(strided, CUDA, Knobs(k_inner=True)).weight_k_inner  # a candidate's override wins
+    monkeypatch.setattr(tuning_db, "DB_PATH", db_path)
+    tuned = knobs_by_kernel([strided], CUDA)[strided.name]  # the compile driver's lookup
+    assert not plan_kernel(strided, CUDA, tuned).weight_k_inner
+    assert plan_kernel(strided, CUDA, Knobs(k_inner=True).over(tuned)).weight_k_inner  # a candidate's override wins
 
 
 def test_collect_ignores_gains_within_noise(tmp_path):
@@ -160,13 +169,25 @@ def test_shipped_database_is_used_for_its_shapes():
     p = ConvProblem(op="grad_input", dims=3, groups=1, batch=64, in_channels=64, out_channels=128,
                     input=(28, 28, 28), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 1),
                     pad_hi=(1, 1, 1), dtype="f16", name="anything")
-    assert knobs_for(p, CUDA) == Knobs(n_scale=2, m_scale=4)
-    assert heuristic(p, CUDA) != knobs_for(p, CUDA)  # so the database, not the heuristic, decided
+    knobs, source = tuned_knobs(p, CUDA)
+    assert knobs == Knobs(n_scale=2, m_scale=4) and "tuning database" in source
+    assert heuristic(p, CUDA) != knobs  # so the database, not the heuristic, decided
+
+
+def test_an_entry_tuned_with_another_iree_version_still_serves(tmp_path, monkeypatch):
+    db_path = tmp_path / "db.json"
+    db_path.write_text(json.dumps({target_key(CUDA, "3.12.0"): {signature(DGRAD): {"knobs": {"n_scale": 4}}},
+                                   target_key(CUDA, "3.11.0"): {signature(DGRAD): {"knobs": {"n_scale": 2}}}}))
+    monkeypatch.setattr(tuning_db, "DB_PATH", db_path)
+    knobs, source = tuned_knobs(DGRAD, CUDA)
+    assert knobs == Knobs(n_scale=4)  # the newest version's entry
+    assert "tuned with IREE 3.12.0" in source and iree_version() in source
+    assert tuned_knobs(DGRAD.with_(batch=9), CUDA)[1].startswith("rules")  # no entry: the rules decide
 
 
 def test_extern_kernels_get_tile_candidates():
     from convdsl.kernels.tiles import parse_tiles
-    from convdsl.tuning.tune import candidates_for
+    from convdsl.tune import candidates_for
 
     hopper = Target("cuda", "sm_90")
     tiles = candidates_for(DGRAD, hopper)
@@ -181,7 +202,7 @@ def test_extern_kernels_get_tile_candidates():
 
 def test_few_channel_kernels_get_their_own_candidates():
     from convdsl.kernels.tiles import parse_tiles
-    from convdsl.tuning.tune import DEPTHWISE_TILES, candidates_for
+    from convdsl.tune import DEPTHWISE_TILES, candidates_for
 
     hopper = Target("cuda", "sm_90")
     grouped = DGRAD.with_(groups=32, in_channels=4, out_channels=4)

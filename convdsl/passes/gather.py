@@ -42,40 +42,6 @@ from .ir import (
     zeros,
 )
 
-# Channels per group (C*K) up to which the gather forms are used on GPUs; above it the GEMM forms win.
-MAX_GROUP_MACS = 16
-# The gather grad_input keeps one weight operand per (tap, k): a bound on the generic's operand count.
-MAX_WEIGHT_SLICES = 64
-# grad_weight: row blocks are chosen so that the partial sums number at least this many (enough
-# threads to fill an H100/H200: 132 SMs x 2048 threads = 270k), measured best near 600k.
-MIN_PARTIALS = 600_000
-
-
-def applies(p: ConvProblem) -> bool:
-    """Is `p` a small-group gradient that the gather forms handle (static shapes, no fp8 compute)?"""
-    if p.groups == 1 or p.in_channels * p.out_channels > MAX_GROUP_MACS or p.dynamic_batch or p.fp8_compute:
-        return False
-    if p.op in ("grad_input", "transposed"):
-        return math.prod(p.filter) * p.out_channels <= MAX_WEIGHT_SLICES
-    # 3D grad_weight: IREE 3.13's CUDA backend fails on the 11-loop partial-sum generic ("failed to
-    # distribute"); it keeps the depthwise / GEMM form
-    return p.op == "grad_weight" and p.dims <= 2
-
-
-def row_blocks(p: ConvProblem) -> int:
-    """B, the number of blocks the first output dim is cut into for grad_weight's partial sums.
-
-    The smallest divisor B of O0 with N * B * |W| >= MIN_PARTIALS (all of O0 when none is enough):
-    each partial then sums R = O0 / B rows, as long a serial reduction per thread as the GPU allows.
-    """
-    o0 = p.output[0]
-    weights = math.prod(p.w_shape)
-    for b in range(1, o0 + 1):
-        if o0 % b == 0 and p.batch * b * weights >= MIN_PARTIALS:
-            return b
-    return o0
-
-
 # --- scalar helpers inside a generic body ---------------------------------------------------------
 def _index(value: int) -> ir.Value:
     return arith.ConstantOp(ir.IndexType.get(), value).result

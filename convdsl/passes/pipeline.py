@@ -6,19 +6,17 @@ IR after every pass that produced one, and hands each stage to `observe` (`convd
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from iree.compiler import ir
 from iree.compiler.passmanager import PassManager
 
+from ..kernels.launch import Binary, compile_launch
 from ..problem import ConvProblem
 from ..targets import Target
-from ..kernels.launch import Binary, compile_launch
+from ..tuning.knobs import Knobs
 from .lower import emit_kernel
 from .plan import KernelPlan, plan_kernel
-
-if TYPE_CHECKING:
-    from ..tuning.knobs import Knobs
 
 
 class LoweringError(RuntimeError):
@@ -31,9 +29,9 @@ class Stage:
     target: Target
     plans: tuple[KernelPlan, ...] = ()
     module: Optional[ir.Module] = None
-    # per kernel name: knobs whose IR choices (zero-border form, phase weight order) replace the tuned or
-    # default ones (tuning candidates; plan_kernel)
-    knobs: tuple[tuple[str, "Knobs"], ...] = ()
+    # per kernel name: its knobs (tuned, or a tuning candidate over the tuned ones), looked up by the compile
+    # driver; kernels without an entry follow the rules (policy.py)
+    knobs: tuple[tuple[str, Knobs], ...] = ()
     # launch name -> its Triton binary (form "extern" kernels; kernels/launch.py)
     binaries: tuple[tuple[str, Binary], ...] = ()
 
@@ -123,7 +121,7 @@ def run_pipeline(
     problems: Sequence[ConvProblem],
     target: Target,
     observe: Optional[Callable[[str, Stage], None]] = None,
-    knobs: Optional[Mapping[str, "Knobs"]] = None,
+    knobs: Optional[Mapping[str, Knobs]] = None,
 ) -> Stage:
     stage = Stage(tuple(problems), target, knobs=tuple(sorted((knobs or {}).items())))
     for name, pass_fn in PIPELINE:
@@ -136,5 +134,5 @@ def run_pipeline(
 
 
 def lower_to_mlir(problems: Sequence[ConvProblem], target: Target,
-                  knobs: Optional[Mapping[str, "Knobs"]] = None) -> str:
+                  knobs: Optional[Mapping[str, Knobs]] = None) -> str:
     return str(run_pipeline(problems, target, knobs=knobs).module)

@@ -19,19 +19,28 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..kernels.tiles import TileConfig, matrix_block
-from ..passes.plan import plan_kernel
-from ..problem import ConvProblem, problem_from_spec
-from ..targets import Target
-from .db import DB_PATH, signature, target_key
-from .knobs import Knobs, parse_label
+import numpy as np
+
+from . import policy
+from .backends.iree import compile_mlir
+from .backends.iree_config import compile_with_knobs
+from .compiler import iree_version
+from .kernels.tiles import TileConfig, matrix_block
+from .module import manifest
+from .passes import lower_to_mlir
+from .passes.plan import plan_kernel
+from .problem import ConvProblem, problem_from_spec, problem_to_spec
+from .reference import NUMPY_DTYPES
+from .targets import Target
+from .tuning.db import DB_PATH, lookup, signature, target_key
+from .tuning.knobs import Knobs, parse_label
 
 # Knob sets tried for every kernel.  k-scaling up (k2) is left out: on an H200 it produced a kernel
 # that faulted (illegal address) for the ResNet stem's grad_weight.
 CANDIDATES: tuple[Knobs, ...] = (
     Knobs(n_scale=2), Knobs(m_scale=2), Knobs(n_scale=2, m_scale=2), Knobs(k_scale=0.5), Knobs(prefetch=3),
     Knobs(n_scale=2, m_scale=2, prefetch=3), Knobs(m_scale=2, k_scale=0.5),
-    # the zero-border forms (passes/plan.py PAD_FORMS), alone and with the tiles that won most often
+    # the zero-border forms (policy.PAD_FORMS), alone and with the tiles that won most often
     Knobs(pad="insert"), Knobs(pad="gather"), Knobs(pad="fuse"),
     Knobs(n_scale=2, m_scale=2, pad="gather"), Knobs(n_scale=2, m_scale=2, pad="fuse"),
     # a quarter of the tiles larger and a fourth stage: the winners of the wider search on an H100
@@ -46,24 +55,25 @@ MIN_GAIN = 0.03
 
 
 def _minimal_bytes(p: ConvProblem) -> int:
-    from ..reference import NUMPY_DTYPES
-    import numpy as np
-
     size = lambda shape, dt: int(np.prod(shape)) * np.dtype(NUMPY_DTYPES[dt]).itemsize  # noqa: E731
     return sum(size(s, d) for s, d in zip(p.arg_shapes, p.arg_dtypes)) + size(p.result_shape, p.result_dtype)
 
 
-def _compile_one(spec: dict, target: Target, out_dir: str, impl: str) -> tuple[str, Optional[str], Optional[str]]:
-    from ..backends.iree import compile_mlir
-    from ..passes import lower_to_mlir
-    from .knobs import compile_with_knobs
+def tuned_base(p: ConvProblem, target: Target) -> Knobs:
+    """The tuning database's knobs for p (candidates are laid over them), or none."""
+    tuned = lookup(p, target, iree_version())
+    return tuned.knobs if tuned is not None else Knobs()
 
+
+def _compile_one(spec: dict, target: Target, out_dir: str, impl: str) -> tuple[str, Optional[str], Optional[str]]:
     p = problem_from_spec(spec)
     path = Path(out_dir) / f"{p.name}.{impl.replace('@', '-at-')}.vmfb"
     try:
         knobs = None if impl == "convdsl" else parse_label(impl.split("@", 1)[1])
-        # a candidate's zero-border form and phase weight order change the IR, its tiles the configuration
-        mlir = lower_to_mlir([p], target, knobs={p.name: knobs} if knobs else None)
+        # a candidate's zero-border form and phase weight order change the IR (laid over the tuned entry's),
+        # its scales IREE's configuration
+        base = tuned_base(p, target)
+        mlir = lower_to_mlir([p], target, knobs={p.name: knobs.over(base) if knobs else base})
         if knobs is None:
             vmfb = compile_mlir(mlir, target)
         else:
@@ -76,7 +86,7 @@ def _compile_one(spec: dict, target: Target, out_dir: str, impl: str) -> tuple[s
 
 
 # Tiles tried for the Triton GEMM cores (form "extern"): rows x columns x reduction step, warps, stages.
-# Around the defaults (kernels/launch.py): smaller tiles for more blocks on small problems, wider ones
+# Around the defaults (policy.py): smaller tiles for more blocks on small problems, wider ones
 # for more reuse, a shorter reduction step with deeper pipelines.
 EXTERN_TILES: tuple[TileConfig, ...] = (
     TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 64, 8, 4), TileConfig(128, 64, 64, 4, 4),
@@ -103,26 +113,21 @@ DEPTHWISE_TILES = {
 def depthwise_tiles(p: ConvProblem) -> tuple[TileConfig, ...]:
     """DEPTHWISE_TILES for p's op; grad_weight's only where every warp has elements of its own: warps x 32 at
     most TAP_ROWS x channels, at least half of that (two elements per thread)."""
-    from ..kernels.launch import tap_rows
-
     if p.op != "grad_weight":
         return DEPTHWISE_TILES["grad_input"]
-    rows = tap_rows(p)
+    rows = policy.tap_rows(p)
     return tuple(t for t in DEPTHWISE_TILES["grad_weight"]
                  if rows * t.block_n // 64 <= t.warps and 32 * t.warps <= rows * t.block_n)
 
 
 def few_channel_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
     """Few channels per group.  Depthwise: the depthwise kernels' tiles.  Grouped (ResNeXt): packed GEMMs of
-    PACK groups (kernels/launch.default_pack) and twice that, small tiles around the packed C and K.  Both:
+    PACK groups (policy.default_pack) and twice that, small tiles around the packed C and K.  Both:
     the linalg gather form where it applies (extern off), which they replaced."""
-    from ..kernels.launch import default_pack
-    from ..passes import gather
-
-    out: list[Knobs] = [Knobs(extern=False)] if gather.applies(p) else []
+    out: list[Knobs] = [Knobs(extern=False)] if policy.gather_applies(p) else []
     if p.depthwise:
         return tuple(out + [Knobs(tiles=t.label()) for t in depthwise_tiles(p)])
-    first = default_pack(p)
+    first = policy.default_pack(p)
     if first < 2:
         return tuple(out)
     for pack in (first, 2 * first):
@@ -140,13 +145,11 @@ def few_channel_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def extern_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
+def extern_candidates(p: ConvProblem, target: Target) -> tuple[Knobs, ...]:
     """Tile sets for a kernel whose GEMM core is a Triton kernel: columns no wider than twice what the
     problem has (C for grad_input, taps x C for grad_weight), rows of grad_weight no taller than twice K;
     for grad_weight also the default tiles with half and twice the automatic split-K.  Few channels per
     group: few_channel_candidates."""
-    from ..kernels.launch import default_grad_weight_tiles, grad_weight_split
-
     if p.groups > 1 and min(p.in_channels, p.out_channels) < 32:
         return few_channel_candidates(p)
     wide = p.dtype == "f32"
@@ -159,8 +162,8 @@ def extern_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
             t = replace(t, block_k=min(t.block_k, 32), stages=min(t.stages, 3))
         out.append(t)
     if p.op == "grad_weight":
-        base = default_grad_weight_tiles(p)
-        parts, _ = grad_weight_split(p, base)
+        base = policy.default_grad_weight_tiles(p)
+        parts, _ = policy.grad_weight_split(p, base, target)
         out += [replace(base, split=s) for s in {max(1, parts // 2), min(64, parts * 2)} - {parts}]
     return tuple(dict.fromkeys(Knobs(tiles=t.label()) for t in out))
 
@@ -168,16 +171,14 @@ def extern_candidates(p: ConvProblem) -> tuple[Knobs, ...]:
 def candidates_for(p: ConvProblem, target: Optional[Target] = None) -> tuple[Knobs, ...]:
     """The knob sets worth compiling for `p` on `target`: tiles where the GEMM core is a Triton kernel,
     else IREE's knobs (the phase weight order only where there are phases)."""
-    if target is not None and plan_kernel(p, target, Knobs()).extern is not None:
-        return extern_candidates(p)
+    if target is not None and plan_kernel(p, target, tuned_base(p, target)).extern is not None:
+        return extern_candidates(p, target)
     phased = p.op in ("grad_input", "transposed")
     return tuple(k for k in CANDIDATES if k.k_inner is None or phased)
 
 
 def candidates(problems: Sequence[ConvProblem], target: Target, out_dir: Path, jobs: int = 2) -> Path:
     """Phase 1: compile IREE's default and every knob set for each kernel; write cases.json."""
-    from ..compiler import manifest, problem_to_spec
-
     out_dir.mkdir(parents=True, exist_ok=True)
     cases = []
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -204,7 +205,7 @@ def collect(results_path: Path, cases_path: Path, target: Target, db_path: Path 
     results = json.loads(results_path.read_text())["results"]
     specs = {c["name"]: c["spec"] for c in json.loads(cases_path.read_text())["cases"]}
     db = json.loads(db_path.read_text()) if db_path.exists() else {}
-    section = db.setdefault(target_key(target), {})
+    section = db.setdefault(target_key(target, iree_version()), {})
     chosen = {}
     for case in results:
         impls, spec = case.get("impls", {}), specs.get(case["name"])
@@ -222,7 +223,7 @@ def collect(results_path: Path, cases_path: Path, target: Target, db_path: Path 
         problem = problem_from_spec(spec)
         previous = section.get(signature(problem), {})
         if knobs.pad is None and previous.get("knobs", {}).get("pad"):
-            # the candidate was compiled with the entry's tuned zero-border form (plan.plan_kernel)
+            # the candidate was compiled with the entry's tuned zero-border form (tuned_base)
             knobs = replace(knobs, pad=previous["knobs"]["pad"])
         if knobs.k_inner is None and previous.get("knobs", {}).get("k_inner") is not None:
             knobs = replace(knobs, k_inner=previous["knobs"]["k_inner"])  # likewise the phase weight order

@@ -1,0 +1,177 @@
+"""A compiled module on its device: its kernels called with NumPy arrays, its manifest, and the target it
+was built for.  Needs only `iree.runtime`: deployed `.vmfb` files are loaded without the compiler.
+
+    mod = convdsl.compile("examples/resnext.conv", target="cpu")    # a CompiledModule (convdsl/compiler.py)
+    dx = mod.dgrad(dy, w)
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from . import __version__
+from .abi import ASYNC_SUFFIX, INTO_SUFFIX
+from .backends.iree import LoadedModule, iree_version
+from .problem import ConvProblem, problem_to_spec
+from .reference import NUMPY_DTYPES
+from .targets import Target, native_cuda_arch
+
+
+class ArgumentError(TypeError):
+    """A kernel was called with arguments of the wrong number, shape or dtype."""
+
+
+def resolve_target(target: Union[str, Target] = "cpu", arch: Optional[str] = None) -> Target:
+    """'auto' picks CUDA when a CUDA device is present, for that device's arch unless `arch` names one
+    (targets.native_cuda_arch: sm_90 on H100/H200, for wgmma cubins and the tiles tuned there), else the CPU.
+    An explicit 'cuda' keeps the portable default arch (sm_80 PTX, which runs on any recent NVIDIA GPU)."""
+    if isinstance(target, Target):
+        return target
+    if target == "auto":
+        target = "cuda" if cuda_available() else "cpu"
+        if target == "cuda" and arch is None:
+            arch = native_cuda_arch()
+    return Target.parse(target, arch)
+
+
+def cuda_available() -> bool:
+    try:
+        import iree.runtime as rt  # optional here: no runtime means no CUDA
+
+        return bool(rt.get_driver("cuda").query_available_devices())
+    except Exception:  # no driver, no device, or no libcuda: all mean "no CUDA here"
+        return False
+
+
+def manifest(problems: Sequence[ConvProblem], target: Target) -> dict:
+    """What `convdsl compile` writes beside the .vmfb: enough to call every function without convdsl."""
+    kernels = []
+    for p in problems:
+        kernels.append(
+            {
+                "function": p.name,
+                # the destination-passing twin: (args..., out, workspace) -> out, allocating nothing
+                "into_function": p.name + INTO_SUFFIX,
+                # the same with a wait and a signal fence after its arguments (IREE's coarse-fences model)
+                "into_async_function": p.name + INTO_SUFFIX + ASYNC_SUFFIX,
+                "op": p.op,
+                "problem": p.describe(),
+                # a dynamic batch (`batch = ?`) is written as null
+                "args": [
+                    {"name": n, "shape": _manifest_shape(p, s), "dtype": d, "layout": _layout_of(p, n)}
+                    for n, s, d in zip(p.arg_names, p.arg_shapes, p.arg_dtypes)
+                ],
+                "result": {"name": p.result_name, "shape": _manifest_shape(p, p.result_shape),
+                           "dtype": p.result_dtype, "layout": _layout_of(p, p.result_name)},
+                "flops": p.flops,
+                "spec": problem_to_spec(p),
+            }
+        )
+    return {
+        "target": target.backend,
+        "arch": target.arch,
+        "convdsl_version": __version__,
+        "iree_version": iree_version(),
+        "kernels": kernels,
+    }
+
+
+def _manifest_shape(p: ConvProblem, shape: tuple[int, ...]) -> list:
+    sizes: list = list(shape)
+    if p.dynamic_batch and shape != p.w_shape:
+        sizes[p.batch_axis("x")] = None
+    return sizes
+
+
+def _layout_of(p: ConvProblem, name: str) -> str:
+    if name in ("w", "dw"):
+        return p.layout_name("w")
+    if p.op == "transposed":
+        return p.layout_name("y" if name == "x" else "x")
+    return p.layout_name("y" if name in ("dy", "y") else "x")
+
+
+@dataclass
+class Kernel:
+    """One compiled function: checks its arguments, then runs on the module's device."""
+
+    problem: ConvProblem
+    module: "CompiledModule"
+
+    def __call__(self, *args: np.ndarray) -> np.ndarray:
+        self.check_args(args)
+        self._check_same_batch(args)
+        return self.module.loaded.call(self.problem.name, *args, out_dtype=self.problem.result_dtype)
+
+    def _check_same_batch(self, args: Sequence[np.ndarray]) -> None:
+        p = self.problem
+        if not p.dynamic_batch:
+            return
+        axis = p.batch_axis("x")
+        batches = {n: a.shape[axis] for n, s, a in zip(p.arg_names, p.arg_shapes, args) if s != p.w_shape}
+        if len(set(batches.values())) > 1:
+            raise ArgumentError(f"{p.name}: activation arguments must share one batch size, got {batches}")
+
+    def check_args(self, args: Sequence[np.ndarray]) -> None:
+        p = self.problem
+        sig = ", ".join(p.arg_names)
+        if len(args) != len(p.arg_names):
+            raise ArgumentError(f"{p.name}({sig}): expected {len(p.arg_names)} arrays, got {len(args)}")
+        for name, shape, dt, a in zip(p.arg_names, p.arg_shapes, p.arg_dtypes, args):
+            got_shape = tuple(getattr(a, "shape", ()))
+            if p.dynamic_batch and shape != p.w_shape and len(got_shape) == len(shape):
+                # `batch = ?`: any batch is fine, as long as every activation argument has the same one
+                axis = p.batch_axis("x")
+                shape = shape[:axis] + (got_shape[axis],) + shape[axis + 1:]
+            if got_shape != tuple(shape):
+                raise ArgumentError(
+                    f"{p.name}: argument {name!r} expected shape {list(shape)} ({_layout_of(p, name)}), "
+                    f"got {list(got_shape)}"
+                )
+            want = np.dtype(NUMPY_DTYPES[dt])
+            if np.dtype(getattr(a, "dtype", None)) != want:
+                raise ArgumentError(f"{p.name}: argument {name!r} expected dtype {dt} ({want}), got {a.dtype}")
+
+
+class CompiledModule:
+    """A .vmfb with one function per kernel, loaded on its target's device; kernels are attributes."""
+
+    def __init__(self, problems: Sequence[ConvProblem], target: Target, vmfb: bytes) -> None:
+        self.problems = {p.name: p for p in problems}
+        self.target = target
+        self.vmfb = vmfb
+        self._loaded: Optional[LoadedModule] = None
+
+    @property
+    def loaded(self) -> LoadedModule:
+        if self._loaded is None:
+            self._loaded = LoadedModule(self.vmfb, self.target)
+        return self._loaded
+
+    def __getattr__(self, name: str) -> Kernel:
+        problems = self.__dict__.get("problems", {})
+        if name in problems:
+            return Kernel(problems[name], self)
+        raise AttributeError(f"module has no kernel {name!r}; kernels: {', '.join(problems)}")
+
+    def __getitem__(self, name: str) -> Kernel:
+        return getattr(self, name)
+
+    @property
+    def kernels(self) -> list[str]:
+        return list(self.problems)
+
+    def manifest(self) -> dict:
+        return manifest(list(self.problems.values()), self.target)
+
+    def save(self, path: Union[str, Path]) -> Path:
+        """Write OUT.vmfb and OUT.json beside it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(self.vmfb)
+        path.with_suffix(".json").write_text(json.dumps(self.manifest(), indent=2) + "\n")
+        return path

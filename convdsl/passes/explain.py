@@ -1,0 +1,143 @@
+"""`convdsl explain`'s text: a kernel's plan in words (its form, the launches and their tiles, stride
+phases, split-K, zero borders, the operand precision)."""
+from __future__ import annotations
+
+import math
+
+from ..policy import PAD_FORMS
+from ..problem import ConvProblem
+from . import bf16x3
+from .plan import KernelPlan
+
+
+def describe_plan(self: KernelPlan) -> str:
+    p = self.problem
+    lines = [f"kernel {p.name}: {p.describe()}", f"  target: {self.target}", f"  form: {self.form}"]
+    lines.append(
+        "  args: " + ", ".join(
+            f"{n}: {p.layout_name('w') if n == 'w' else _act(p, n)} {list(s)} {dt}"
+            for n, s, dt in zip(p.arg_names, p.arg_shapes, p.arg_dtypes)
+        )
+        + f" -> {p.result_name} {list(p.result_shape)} {p.result_dtype}"
+    )
+    if self.extern is not None:
+        if self.channels_last is not None:
+            lines.append("  layout: NGCHW activations copied to NHWGC and back around the kernels below")
+            lines.extend(_describe_extern(self.channels_last))
+        else:
+            if self.extern.copied_channels_last:
+                lines.append(f"  layout: {', '.join(self.extern.copied_channels_last)} copied to NHWGC for the"
+                             " kernels below; the other activations read in place")
+            lines.extend(_describe_extern(self))
+        return "\n".join(lines)
+    if self.linalg_reason:
+        lines.append(f"  GEMM core: IREE's lowering of the linalg form ({self.linalg_reason})")
+    if self.compute_a:
+        lines.append(f"  compute: A in {self.compute_a}, B in {self.compute_b}, products summed in f32")
+    if self.bf16x3 is not None:
+        axis = bf16x3.reduction_axis(p)
+        lines.append(
+            f"  compute: bf16x3: f32 operands split into bf16 hi + lo, concatenated along {axis} as"
+            f" [A_hi|A_hi|A_lo] x [B_hi|B_lo|B_hi] ({axis} x 3); bf16 products summed in f32, in the kernel below"
+        )
+        lines.extend("  " + ln for ln in describe_plan(self.bf16x3).splitlines()[1:])
+        return "\n".join(lines)
+    if p.bf16x3:
+        lines.append(f"  compute: bf16x3 not applied: the {self.form} form is bound by memory; f32 on FMA units")
+    if p.tf32:
+        lines.append("  compute: tf32 allowed, not used: IREE's lowering of this form has no TF32 path; f32 products")
+    if self.phases:
+        live = [ph for ph in self.phases if not ph.empty]
+        lines.append(
+            f"  stride phases: {len(self.phases)} ({len(live)} computed, {len(self.phases) - len(live)} all-zero);"
+            f" dY zero border lo={list(self.dy_pad_lo)} hi={list(self.dy_pad_hi)}"
+        )
+        for ph in self.phases:
+            if ph.empty:
+                lines.append(f"    residue {list(ph.residue)}: no tap reaches it -> zeros, sizes {list(ph.sizes)}")
+                continue
+            taps = ["y%d in %s" % (i, list(range(d.y0, d.y0 + d.J * d.tap_step, d.tap_step)))
+                    for i, d in enumerate(ph.dims)]
+            lines.append(f"    residue {list(ph.residue)}: sizes {list(ph.sizes)}, taps {'; '.join(taps)}")
+    if self.x_pad_lo:
+        lines.append(f"  X window: pad lo={list(self.x_pad_lo)}, hi={list(self.x_pad_hi)} (negative = crop)")
+    if self.form != "gather" and (any(self.x_pad_lo + self.x_pad_hi) or any(self.dy_pad_lo + self.dy_pad_hi)):
+        lines.append(f"  zero border: {self.pad_form} ({PAD_FORMS[self.pad_form]})")
+    if len(self.phases) > 1:
+        lines.append("  phases interleaved into dX by one elementwise generic (no strided insert_slice)")
+    if self.weight_k_inner:
+        lines.append("  phase weights: [G, C, taps, K], the reduction channel innermost (contiguous GEMM B columns)")
+    if self.channels_last is not None:
+        lines.append("  layout: NGCHW activations copied to NHWGC and back around the kernel below (GPU)")
+        lines.extend("  " + ln for ln in describe_plan(self.channels_last).splitlines()[1:])
+    if self.dy_first:
+        lines.append("  operands: dY first (GPU 1x1 grad_weight: IREE's X-first matmul form computed garbage)")
+    if self.form == "gather":
+        lines.append("  gather: one generic, the other operand read by tensor.extract at computed positions,"
+                     " out-of-range taps masked")
+        if self.row_blocks:
+            lines.append(f"  partial sums: N x {self.row_blocks} row blocks of the first output dim,"
+                         " f32, added in order")
+    if self.split:
+        lines.append(
+            f"  split-K: S={self.split.parts} along {self.split.axis}, chunks {list(self.split.chunks)};"
+            f" f32 partials summed in chunk order"
+        )
+    return "\n".join(lines)
+
+
+
+def _act(p: ConvProblem, name: str) -> str:
+    if p.op == "transposed" and name == "x":
+        return p.layout_name("y")
+    return p.layout_name("x" if name in ("x", "d") else "y")
+
+
+# Triton's dot precisions as explain names them
+PRODUCTS = {"ieee": "exact 16-bit", "tf32x3": "3-pass TF32", "bf16x3": "3-pass bf16", "tf32": "1-pass TF32"}
+
+
+def _describe_extern(plan: KernelPlan) -> list[str]:
+    p, ext = plan.problem, plan.extern
+    assert ext is not None
+    lines = [f"  GEMM core: Triton kernels in IREE external dispatches, tiles {ext.tiles.label()}"]
+    if ext.tiles.pack > 1 and ext.launches[0].kernel in ("grad_input_phases", "grad_weight_partials"):
+        pack = ext.tiles.pack
+        lines.append(f"  packed groups: {pack} groups per GEMM (C={pack * p.in_channels}, K={pack * p.out_channels},"
+                     f" block-diagonal weight: {pack}x the useful products in matrix-instruction tiles)")
+    for launch in ext.launches:
+        c = dict(launch.constants)
+        lines_of_phases: list[str] = []
+        products = PRODUCTS.get(c.get("PRECISION", ""), "f32 FMA")
+        detail = f"grid {list(launch.grid)}, {launch.warps} warps, {products} products"
+        if launch.kernel == "grad_input_direct":
+            what = (f"direct sums of {math.prod(p.filter)} taps per dX element, a dY window of rows of"
+                    f" {c['BLOCK_W']} positions in registers (depthwise: bound by memory)")
+        elif launch.kernel == "grad_input_phases":
+            what = f"{c['PHASES']} stride phase(s) in one launch, heaviest first"
+            for ph in range(c["PHASES"]):
+                q, j, r = ([c[x][i][ph] for i in range(3)][3 - p.dims:] for x in ("Q", "J", "R"))
+                lines_of_phases.append(f"      residue {r}: positions {q}, taps {j}, programs "
+                                       f"[{c['FIRST'][ph]}, {c['FIRST'][ph + 1]})"
+                                       + (" (no tap: stores zeros)" if 0 in j else ""))
+        elif launch.kernel == "grad_weight_depthwise_rows":
+            what = (f"f32 partials {list(ext.partials_shape)}: S={launch.grid[1]} segments of {c['SEG']} dY rows"
+                    f" per plane, windows of {c['BLOCK_W']} positions, one accumulator per tap"
+                    f" ({math.prod(p.filter)}, every tap in each thread), sliding along the rows (the X rows"
+                    " shared with the next row kept in registers), summed in segment order by one linalg reduction")
+        elif launch.kernel == "grad_weight_depthwise":
+            across = f"{c['TAP_ROWS']} tap rows across threads" if c["TAP_ROWS"] > 1 else "every tap in each thread"
+            what = (f"f32 partials {list(ext.partials_shape)}: S={launch.grid[1]} chunks of {c['ROWS_PER']} dY rows"
+                    f" in windows of {c['BLOCK_W']} positions, one accumulator per tap ({math.prod(p.filter)},"
+                    f" {across}), summed in chunk order by one linalg reduction")
+        else:
+            what = (f"f32 partials {list(ext.partials_shape)}: split-K S={launch.grid[2]} chunks of {c['CHUNK']}"
+                    " reduction steps, summed in chunk order by one linalg reduction")
+        lines.append(f"    {launch.name}: {what}; {detail}")
+        lines += lines_of_phases
+    if p.tf32 and any(dict(la.constants).get("PRECISION") == "tf32x3" for la in ext.launches):
+        lines.append("  compute: tf32 allowed, not used: one pass measured slower for grad_weight (kernels/launch.py)")
+    if p.fp8_compute:
+        lines.append(f"  compute: operands rounded to {p.compute[0]} (first argument) and {p.compute[1]} (second)"
+                     " by one linalg pass each, stored in f16 (exact), products summed in f32")
+    return lines

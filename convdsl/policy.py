@@ -1,0 +1,401 @@
+"""Every planning decision in one place: which form a kernel takes, its tiles, packed groups, split-K, the
+zero-border form, the operand precision, and the knobs over IREE's own GPU configuration.
+
+The decisions are plain functions of the problem, the target (whose hardware facts, `Target.gpu`, size the
+grids) and the kernel's knobs (tuned or asked for; convdsl/tuning).  The passes ask these functions and build
+IR; convdsl/kernels builds the launches they decide; nothing here builds IR or reads the tuning database.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Optional
+
+from .kernels.launch import (MAX_ELEMENTS, Launch, arch_number, geometry, grad_input_direct_launch,
+                             grad_input_launch, grad_weight_depthwise_launch, grad_weight_launch, output_tiles,
+                             pad3, packable, packed_sizes, reduction_steps, split_chunks, tiles_within_images,
+                             triton_version, depthwise_channel_blocks)
+from .kernels.tiles import TileConfig, matrix_block, parse_tiles
+from .problem import ConvProblem
+from .targets import Target
+from .tuning.knobs import Knobs
+
+# --- which form ------------------------------------------------------------------------------------
+
+# Backends whose NGCHW kernels run channels-last between layout copies (IREE's GPU backends miscompiled
+# channel-first implicit GEMMs in f16/bf16).
+CHANNELS_LAST_BACKENDS = ("cuda", "rocm")
+
+# Channels per group (C*K) up to which the gather forms are used on GPUs; above it the GEMM forms win.
+MAX_GROUP_MACS = 16
+# The gather grad_input keeps one weight operand per (tap, k): a bound on the generic's operand count.
+MAX_WEIGHT_SLICES = 64
+# grad_weight: row blocks are chosen so that the partial sums number at least this many (enough
+# threads to fill an H100/H200: 132 SMs x 2048 threads = 270k), measured best near 600k.
+MIN_PARTIALS = 600_000
+
+
+def gather_applies(p: ConvProblem) -> bool:
+    """Is `p` a small-group gradient that the gather forms handle (static shapes, no fp8 compute)?"""
+    if p.groups == 1 or p.in_channels * p.out_channels > MAX_GROUP_MACS or p.dynamic_batch or p.fp8_compute:
+        return False
+    if p.op in ("grad_input", "transposed"):
+        return math.prod(p.filter) * p.out_channels <= MAX_WEIGHT_SLICES
+    # 3D grad_weight: IREE 3.13's CUDA backend fails on the 11-loop partial-sum generic ("failed to
+    # distribute"); it keeps the depthwise / GEMM form
+    return p.op == "grad_weight" and p.dims <= 2
+
+
+def gather_row_blocks(p: ConvProblem) -> int:
+    """B, the number of blocks the first output dim is cut into for the gather grad_weight's partial sums.
+
+    The smallest divisor B of O0 with N * B * |W| >= MIN_PARTIALS (all of O0 when none is enough):
+    each partial then sums R = O0 / B rows, as long a serial reduction per thread as the GPU allows.
+    """
+    o0 = p.output[0]
+    weights = math.prod(p.w_shape)
+    for b in range(1, o0 + 1):
+        if o0 % b == 0 and p.batch * b * weights >= MIN_PARTIALS:
+            return b
+    return o0
+
+
+def dy_first(p: ConvProblem, target: Target) -> bool:
+    """GPU 1x1 grad_weight: dY is the contraction's first operand.  With one tap it is IREE's plain matmul
+    path, which computed garbage for it with X first; with dY first the same contraction is right."""
+    return (p.op == "grad_weight" and math.prod(p.filter) == 1 and not p.depthwise
+            and target.backend in CHANNELS_LAST_BACKENDS)
+
+
+# The zero border around X or dY: the forms, and what each builds.
+PAD_FORMS = {
+    "insert": "zeros + tensor.insert_slice",
+    "gather": "one elementwise generic reading the interior with a guarded tensor.extract",
+    "fuse": "tensor.pad, fused by IREE into the contraction's dispatch",
+}
+
+
+def default_pad_form(problem: ConvProblem, target: Target) -> str:
+    # Measured on an H200 (benchmarks/results/*padforms*): IREE copies a fill + insert_slice (or an unfused
+    # tensor.pad) with an element-at-a-time "slow_memcpy" dispatch, 10x below copy bandwidth; a gather generic
+    # runs as a vectorised elementwise dispatch; a tensor.pad fused into the contraction (IREE's
+    # fuse-padding-into-consumer) costs no pass at all and was fastest for stride-1 f16/bf16 grad_input, but
+    # 3-6x slower for f32, whose convolutions do not run on matrix units.
+    if target.backend == "cpu":
+        return "insert"
+    sixteen_bit = problem.dtype in ("f16", "bf16") or problem.fp8_compute
+    if sixteen_bit and problem.op in ("grad_input", "transposed") and all(s == 1 for s in problem.stride):
+        return "fuse"
+    return "gather"
+
+
+# Why the phase weights of grad_input may be stored K-innermost.  The contraction is dX = dY . Wphase, with
+# the reduction over (taps, K).  IREE 3.13 lowers it to mma.sync m16n8k16.row.col without ldmatrix: each
+# thread loads its B fragment (pairs along the reduction) straight from shared memory, one 16-bit load per
+# element when Wphase is stored [G, K, taps, C] (the PTX of CK 3D dgrad: 64 ld.shared.b16 + 64 st.shared.b16
+# per 32 mma), 32-bit loads and 64-bit stores when K is innermost.  The weights are small and rebuilt by the
+# flip gather anyway, so the order costs nothing.  Measured on an H100, same process
+# (results/*exp-kinner*): 0.92-1.03x the time on the five strided cases (geomean 0.97), but 1.14x and 1.18x
+# on the stride-1 ResNet 1x1 and DeepLab dgrad, so it is used where there is more than one stride phase.
+# Only CUDA was measured (ROCm's MFMA loads differ), so only CUDA uses it.
+WEIGHT_K_INNER_BACKENDS = ("cuda",)
+
+
+def weight_k_inner(problem: ConvProblem, target: Target) -> bool:
+    strided = any(s > 1 for s in problem.stride)
+    return target.backend in WEIGHT_K_INNER_BACKENDS and not problem.depthwise and strided
+
+
+def pad_form(problem: ConvProblem, target: Target, knobs: Knobs) -> str:
+    """The zero-border form: the knobs' (tuned or a candidate's), else the rule's."""
+    if knobs.pad is not None and knobs.pad not in PAD_FORMS:
+        raise ValueError(f"pad: expected one of {', '.join(PAD_FORMS)}, got {knobs.pad!r}")
+    return knobs.pad if knobs.pad is not None else default_pad_form(problem, target)
+
+
+# --- the Triton GEMM cores (CUDA) -------------------------------------------------------------------
+
+def unsupported_reason(p: ConvProblem, target: Target) -> Optional[str]:
+    """Why this kernel keeps the linalg form on this target (None: the Triton GEMM core applies)."""
+    if target.backend != "cuda":
+        return f"the external kernels are CUDA kernels; target is {target.backend}"
+    if arch_number(target.arch) < 80:
+        return f"the kernels need sm_80 or newer (cp.async, bf16 mma); target is {target.arch}"
+    if p.op == "forward":
+        return "forward keeps the linalg form (no external kernel for it)"
+    if p.dynamic_batch:
+        return "batch = ?: the kernels are specialised to every size"
+    if p.epilogue.kind == "bilinear":
+        return "the bilinear epilogue's tensor is added by the linalg form"
+    if not p.depthwise and gather_applies(p) and default_pack(p) == 1:
+        return "few channels per group in a layout whose groups cannot be packed: the gather form is used"
+    sizes = (p.x_shape, p.y_shape, p.w_shape)
+    if any(math.prod(s) > MAX_ELEMENTS for s in sizes):
+        return "a tensor has 2^31 elements or more"
+    if triton_version() is None:
+        return "triton is not installed"
+    return None
+
+
+def extern_choice(problem: ConvProblem, target: Target, knobs: Knobs) -> tuple[bool, Optional[TileConfig], str]:
+    """(use, tiles, reason): whether the Triton GEMM cores are used, with which tiles (None: the kernel's
+    defaults), else why not.  The rule (unsupported_reason) decides unless the knobs' `extern` says otherwise."""
+    reason = unsupported_reason(problem, target) if target.backend == "cuda" else "cpu"
+    use = reason is None
+    if knobs.extern is not None:
+        if knobs.extern and reason is not None:
+            raise ValueError(f"extern: kernel {problem.name} cannot use the external kernels: {reason}")
+        use = knobs.extern
+        if not use:
+            reason = "extern = false (tuned or asked for)"
+    tiles = parse_tiles(knobs.tiles) if knobs.tiles is not None else None
+    return use, tiles, ("" if use else reason or "")
+
+
+def relayout_ngchw(p: ConvProblem, knobs: Knobs) -> bool:
+    """NGCHW with the Triton kernels: run them on NHWGC copies of the activations (the knobs' `relayout` may
+    ask for NGCHW read in place through its strides instead).  The copies win: channels strided by D*H*W
+    defeat the tiles' vector loads.  Measured on an H100 (results/*v15a*): Ascend's 3D dgrad 0.81 -> 0.14 ms
+    with the copies, CK's NGCHW wgrad 0.337 -> 0.336 ms."""
+    return knobs.relayout if knobs.relayout is not None else True
+
+
+def dot_precision(p: ConvProblem) -> str:
+    """Triton's dot precision for the GEMM cores."""
+    # f32: three-pass TF32 on the tensor cores (about f32's accuracy; error measured against the f64
+    # reference in the GPU tests); compute = "bf16x3": three bf16 products, as the linalg form does;
+    # compute = "tf32": one-pass TF32 (cuDNN's default for f32 convolutions) for grad_input, a third of the
+    # products.  Measured on an H100 (results/*tf32*): CK 15's 3D dgrad 11.45 -> 7.45 ms (error 6.9e-4), but
+    # CK's 3D grad_weight 19.7 -> 30.9 ms: with one-pass TF32 Triton copies both operands, stored MN-major,
+    # with 4-byte cp.async instead of 16-byte ones (144 against 36 per tile step, seen in the PTX), so
+    # grad_weight keeps three passes: the permission is not used where it does not pay
+    if p.dtype != "f32":
+        return "ieee"  # 16-bit operands: exact products, f32 accumulation
+    if p.bf16x3:
+        return "bf16x3"
+    return "tf32" if p.tf32 and p.op != "grad_weight" else "tf32x3"
+
+
+def default_pack(p: ConvProblem) -> int:
+    """Groups per GEMM for grouped kernels with few channels (C or K under 32, depthwise excepted: it has
+    its own kernels): enough that the packed C and K reach 32, as far as the group count divides, in layouts
+    where consecutive groups' channels are adjacent (packable).  Measured on an H100 (results/*tune5*),
+    ResNeXt's C = K = 4: 8 groups per GEMM took dgrad 0.187 -> 0.127 ms and wgrad 0.283 -> 0.175 ms
+    against 4 groups (the linalg gather form: 0.252 and 0.466); depthwise kernels packed 16 to a GEMM were
+    1.3x-1.8x slower than the depthwise kernels."""
+    small = min(p.in_channels, p.out_channels)
+    if p.groups == 1 or p.depthwise or small >= 32 or not packable(p):
+        return 1
+    pack = 1
+    while pack * small < 32 and p.groups % (2 * pack) == 0:
+        pack *= 2
+    return pack
+
+
+def direct_grad_input(p: ConvProblem) -> bool:
+    """Depthwise grad_input: direct sums.  Measured on an H100 (results/*v15b*): MobileNetV2's depthwise
+    dgrad 0.131 ms (linalg depthwise form 0.172, cuDNN 0.114); ResNeXt's C = K = 4 groups took 0.64-9.4 ms
+    with the tiles tried (its linalg gather form: 0.23), so grouped grad_input keeps the gather form."""
+    return p.op in ("grad_input", "transposed") and p.depthwise
+
+
+def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
+    """Tiles for shapes the tuning database does not hold, from the H100 search (results/*tune4*): columns as
+    wide as C up to 256 (DeepLab and w2v2 dgrad: 1.42x and 1.11x over 128), three stages for the widest;
+    few-channel groups packed (default_pack)."""
+    pack = default_pack(p)
+    _, c, k = packed_sizes(p, pack)
+    block_n = matrix_block(c, 256)
+    wide = p.dtype == "f32"
+    block_k = matrix_block(k, 32 if wide else 64)
+    return TileConfig(128, block_n, block_k, warps=8 if block_n >= 128 else 4,
+                      stages=3 if wide or block_n >= 128 else 4, pack=pack)
+
+
+def direct_grad_input_tiles(p: ConvProblem) -> TileConfig:
+    """grad_input_direct: chunks of at most block_m positions along the innermost dimension x block_n channels
+    over the warps (block_k unused), two channels per thread.  On an H100 (results/*dg1*, *dg2*) MobileNetV2's
+    depthwise dgrad took 0.093-0.094 ms with 32 x 128 and two warps, 0.102-0.104 with 16 x 64 and one warp;
+    0.112-0.118 before the window (a tile of positions x channels, every tap's dY value loaded)."""
+    block_n = 128 if p.groups >= 128 else 64 if p.groups >= 64 else 32
+    return TileConfig(32, block_n, 1, warps=max(1, block_n // 64), stages=1)
+
+
+def default_grad_weight_tiles(p: ConvProblem) -> TileConfig:
+    """Rows (K) as tall as K up to 128, 128 columns (taps x C); f32 with 64 columns and 4 warps, which
+    took CK's 3D f32 grad_weight from 39.0 to 22.2 ms on an H100 (results/*tune4*); few-channel groups
+    packed (default_pack)."""
+    pack = default_pack(p)
+    _, _, k = packed_sizes(p, pack)
+    block_m = matrix_block(k, 128)
+    if p.dtype == "f32":
+        return TileConfig(block_m, 64, 32, warps=4, stages=3, pack=pack)
+    return TileConfig(block_m, 128, 64, warps=8 if block_m >= 128 else 4, stages=3 if block_m >= 128 else 4,
+                      pack=pack)
+
+
+def resident_programs(tiles: TileConfig, element_bytes: int, target: Target) -> int:
+    """Programs of a GEMM kernel resident on one SM at once, as its pipeline's shared memory (stages x (A + B)
+    tiles; as ncu reported for these kernels) and its warps allow (registers are not known before compiling)."""
+    gpu = target.gpu
+    shared = tiles.stages * (tiles.block_m + tiles.block_n) * tiles.block_k * element_bytes
+    return max(1, min(gpu.shared_per_sm // (shared + gpu.shared_reserved_per_block),
+                      gpu.warps_per_sm // tiles.warps))
+
+
+def fullest_split(tiles_out: int, slots: int, most: int) -> int:
+    """The fewest chunks S <= most (the longest chunks) whose tiles_out x S programs keep the slots within 2% as
+    busy as the best S does."""
+    fill = {s: last_wave_fill(tiles_out * s, slots) for s in range(1, most + 1)}
+    best = max(fill.values())
+    return min(s for s, f in fill.items() if f >= best - 0.02)
+
+
+def last_wave_fill(programs: int, slots: int) -> float:
+    """The share of the resident slots the programs keep busy over their waves: 1.0 when they come in whole
+    waves.  Measured (ncu, H100): CK's NGCHW grad_weight ran 280 programs on 264 slots, a second wave of 16."""
+    waves = -(-programs // slots)
+    return programs / (waves * slots)
+
+
+def grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
+    """The split-K chunks S asked for: forced (tiles.split, then the problem's split_k), or the fewest chunks
+    whose programs fill the GPU's resident slots best (last_wave_fill), at most 256 chunks of at least 8
+    reduction steps (each chunk adds a weight-sized f32 partial to write and sum)."""
+    parts = tiles.split or p.split_k
+    if not parts:
+        slots = target.gpu.sm_count * resident_programs(tiles, 4 if p.dtype == "f32" else 2, target)
+        parts = fullest_split(output_tiles(p, tiles), slots, max(1, min(256, reduction_steps(p, tiles) // 8)))
+    return parts
+
+
+def grad_weight_split(p: ConvProblem, tiles: TileConfig, target: Target) -> tuple[int, int]:
+    """(S, CHUNK) of grad_weight's split-K: grad_weight_parts cut into whole chunks (launch.split_chunks)."""
+    return split_chunks(p, tiles, grad_weight_parts(p, tiles, target))
+
+
+# grad_weight_depthwise's filters with more taps than this spread their tap rows across threads (a thread
+# holding every tap of ConvNeXt's 7x7 needed 254 registers)
+TAPS_PER_THREAD_MOST = 16
+
+
+def tap_rows(p: ConvProblem) -> int:
+    """grad_weight_depthwise's TAP_ROWS: 1 (every tap in each thread) for small filters, else the filter's rows
+    (f0, f1) padded to a power of two (one thread per tap row and channel).  Measured on an H100 (results/*dwF*):
+    MobileNetV2's 3x3 0.114 ms with every tap a thread's against 0.118-0.142 ms with rows across threads;
+    ConvNeXt's 7x7 0.122 against 0.097."""
+    f = pad3(p.filter, 1)
+    if f[0] * f[1] * f[2] <= TAPS_PER_THREAD_MOST:
+        return 1
+    return 1 << (f[0] * f[1] - 1).bit_length()
+
+
+def depthwise_grad_weight_tiles(p: ConvProblem) -> TileConfig:
+    """grad_weight_depthwise: chunks of at most block_m positions along the innermost dimension (unrolled, cut
+    evenly: depthwise_chunk) x block_n channels, one element of the [TAP_ROWS, block_n] tensors per thread.
+    On an H100 (results/*dwE*, *dwF*): MobileNetV2's 3x3 0.106-0.114 ms with chunks of 8, 0.113 with 32;
+    ConvNeXt's 7x7 (tap rows across warps) 0.097 with 32 (a whole row of 28), 0.146-0.182 with 8 or 16."""
+    rows = tap_rows(p)
+    return TileConfig(8 if rows == 1 else 32, 32, 1, warps=min(16, rows), stages=1)
+
+
+def depthwise_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
+    """The chunks of dY rows asked for: tiles.split, else programs for 16 warps per SM (bound by memory and
+    latency: many loads in flight, and the partials few enough for one linalg sum)."""
+    blocks = depthwise_channel_blocks(p, tiles)
+    return tiles.split or 16 * target.gpu.sm_count // (blocks * tiles.warps)
+
+
+def slides_along_rows(p: ConvProblem) -> bool:
+    """grad_weight_depthwise_rows applies: every tap in each thread (tap_rows 1), and consecutive dY rows o1
+    share X rows (stride and dilation 1 along that dimension, at least two filter rows)."""
+    g = geometry(p)
+    return tap_rows(p) == 1 and g["S"][1] == 1 and g["D"][1] == 1 and g["F"][1] >= 2
+
+
+def dy_read_in_place(p: ConvProblem, tiles: TileConfig) -> bool:
+    """NGCHW grad_weight: whether the GEMM kernel reads dY in place, with only X copied channels-last.
+    X must be copied: its taps shift it along NGCHW's contiguous axis, which no vector load can follow.
+    dY is not shifted: where its reduction tiles lie within images, each is contiguous (the kernel's DY_IMAGE
+    addressing), so it needs no copy."""
+    return (p.op == "grad_weight" and p.layout == "NGCHW" and not (p.depthwise and tiles.pack == 1)
+            and tiles_within_images(p, tiles))
+
+
+def kernel_tiles(p: ConvProblem, tiles: Optional[TileConfig]) -> TileConfig:
+    """The tiles plan_launches uses for p: `tiles`, else the defaults of the kernel p runs on."""
+    if tiles is not None:
+        return tiles
+    if p.op == "grad_weight":
+        return depthwise_grad_weight_tiles(p) if p.depthwise else default_grad_weight_tiles(p)
+    return direct_grad_input_tiles(p) if direct_grad_input(p) else default_grad_input_tiles(p)
+
+
+def plan_launches(p: ConvProblem, tiles: Optional[TileConfig], target: Target, x_layout: Optional[str] = None
+                  ) -> tuple[TileConfig, tuple[Launch, ...], tuple[int, ...]]:
+    """(tiles, launches, f32 partials' shape for grad_weight) of one kernel, symbols named after it;
+    tiles None: the defaults of the kernel it uses (kernel_tiles).  x_layout: grad_weight's GEMM kernel reads
+    a copy of X in that layout (dy_read_in_place)."""
+    base = re.sub(r"\W", "_", p.name)
+    packed = tiles is not None and tiles.pack > 1  # depthwise too, as packed GEMMs, where tiles ask for it
+    if x_layout and (p.op != "grad_weight" or (p.depthwise and not packed)):
+        raise ValueError(f"x_layout: only grad_weight's GEMM kernel reads a copy of X ({p.name})")
+    tiles = kernel_tiles(p, tiles)
+    if p.op == "grad_weight" and p.depthwise and not packed:
+        launch, partials = grad_weight_depthwise_launch(p, tiles, base, depthwise_grad_weight_parts(p, tiles, target),
+                                                        slides_along_rows(p), tap_rows(p))
+        return tiles, (launch,), partials
+    if p.op == "grad_weight":
+        launch, partials = grad_weight_launch(p, tiles, base, grad_weight_parts(p, tiles, target), dot_precision(p),
+                                              x_layout)
+        return tiles, (launch,), partials
+    if direct_grad_input(p) and not packed:
+        return tiles, (grad_input_direct_launch(p, tiles, base),), ()
+    return tiles, (grad_input_launch(p, tiles, base, dot_precision(p)),), ()
+
+
+# --- knobs over IREE's own GPU configuration ------------------------------------------------------
+
+def iree_knobs(p: ConvProblem, target: Target) -> Knobs:
+    """Knobs for a shape the tuning database does not hold, generalised from the shapes tuned on an H200.
+
+    What the tuning run showed (benchmarks/results/*run5*): IREE's default tiles 128 output pixels
+    x 32 channels per workgroup.  Large f16/bf16 implicit GEMMs gained 1.3-2x from doubling both
+    tiles (n2-m2) and a little more from a third prefetch stage when the reduction is long; GEMMs
+    whose M is small per dispatch (a stride phase, a 1x1 layer at 14x14) gained only from n2 or m2;
+    small-K grad_weight (64 output channels) and f32 (no matrix units) gained nothing.  A wider search
+    on an H100 (results/*tune3*) moved the large grad_input GEMMs with 128+ dX channels to n4-m2.
+    Depthwise kernels have no matrix-unit config, so knobs do not apply.
+    """
+    sixteen_bit = p.dtype in ("f16", "bf16") or p.fp8_compute or p.bf16x3  # tf32: f32 on the linalg form
+    if target.backend == "cpu" or p.depthwise or not sixteen_bit:
+        return Knobs()
+    if p.op == "grad_weight":
+        if p.out_channels >= 128 and p.in_channels * math.prod(p.filter) >= 2048:
+            return Knobs(n_scale=2, m_scale=2)
+        return Knobs()
+    if p.op == "forward":
+        m, n, reduction = p.batch * math.prod(p.output), p.out_channels, p.in_channels * math.prod(p.filter)
+    else:
+        # grad_input / transposed: one GEMM per stride phase, each over ~1/prod(s) of dX and of the taps
+        m = p.batch * math.prod(-(-i // s) for i, s in zip(p.input, p.stride))
+        n = p.in_channels
+        reduction = p.out_channels * math.prod(p.filter) // math.prod(p.stride)
+    if n < 64:
+        return Knobs()
+    if m >= 60_000 and n >= 128 and p.op != "forward" and all(s == 1 for s in p.stride):
+        # the wider search on an H100 (results/*tune3*): with 128+ channels of dX, a 4x wider N tile
+        # beat n2-m2-p3 on DeepLab atrous (1.38x) and CK 17 (1.10x), but CK 17 is strided, and with the
+        # K-innermost phase weights that strided grad_input now uses it took 1.9x longer (run 12)
+        return Knobs(n_scale=4, m_scale=2)
+    if m >= 60_000:
+        return Knobs(n_scale=2, m_scale=2, prefetch=3 if reduction >= 1024 else None)
+    return Knobs(n_scale=2)
+
+
+def knobs_for(p: ConvProblem, target: Target, tuned: Optional[Knobs]) -> Knobs:
+    """A kernel's knobs: the tuning database's entry where it has one (`tuned`), else the rules'.  The CPU has
+    no knobs (IREE's CPU configuration is kept)."""
+    if target.backend == "cpu":
+        return Knobs()
+    return tuned if tuned is not None else iree_knobs(p, target)
