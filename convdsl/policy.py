@@ -11,6 +11,8 @@ import math
 import re
 from typing import Optional
 
+from dataclasses import dataclass
+
 from .kernels.launch import (MAX_ELEMENTS, Launch, arch_number, geometry, grad_input_direct_launch,
                              grad_input_launch, grad_weight_depthwise_launch, grad_weight_launch, output_tiles,
                              pad3, packable, packed_sizes, reduction_steps, split_chunks, tiles_within_images,
@@ -352,6 +354,42 @@ def plan_launches(p: ConvProblem, tiles: Optional[TileConfig], target: Target, x
     if direct_grad_input(p) and not packed:
         return tiles, (grad_input_direct_launch(p, tiles, base),), ()
     return tiles, (grad_input_launch(p, tiles, base, dot_precision(p)),), ()
+
+
+@dataclass(frozen=True)
+class ExternLaunches:
+    """The Triton launches of one kernel and what surrounds them: the tiles, the launches (one per kernel:
+    grad_input covers all its stride phases in one), the shape of grad_weight's f32 split-K partials
+    [S, G, K, taps(3D), C], and the NGCHW activations (by argument name) that are copied to NHWGC for the
+    launches (`problem` is then the NHWGC problem the launches were planned for, where every activation
+    is copied; the result is copied back)."""
+
+    problem: ConvProblem
+    tiles: TileConfig
+    launches: tuple[Launch, ...]
+    partials_shape: tuple[int, ...] = ()
+    copied_channels_last: tuple[str, ...] = ()
+
+
+def extern_launches(problem: ConvProblem, target: Target, knobs: Knobs) -> Optional[ExternLaunches]:
+    """The Triton GEMM cores' launches for `problem` on `target` with `knobs`, or None where the kernel keeps
+    the linalg form (extern_choice says why)."""
+    use, tiles, _ = extern_choice(problem, target, knobs)
+    if not use:
+        return None
+    if problem.layout == "NGCHW" and relayout_ngchw(problem, knobs):
+        # the kernels on NHWGC copies of the activations (contiguous channels)
+        inner = problem.with_(layout="NHWGC")
+        tiles = kernel_tiles(inner, tiles)
+        if dy_read_in_place(problem, tiles):
+            # grad_weight: only X copied; dY is read where it lies (one copy fewer)
+            _, launches, partials = plan_launches(problem, tiles, target, x_layout=inner.layout)
+            return ExternLaunches(problem, tiles, launches, partials, copied_channels_last=("x",))
+        _, launches, partials = plan_launches(inner, tiles, target)
+        copied = tuple(n for n, s in zip(problem.arg_names, problem.arg_shapes) if s != problem.w_shape)
+        return ExternLaunches(inner, tiles, launches, partials, copied_channels_last=copied)
+    tiles, launches, partials = plan_launches(problem, tiles, target)
+    return ExternLaunches(problem, tiles, launches, partials)
 
 
 # --- knobs over IREE's own GPU configuration ------------------------------------------------------

@@ -66,28 +66,23 @@ def plan_kernel(problem: ConvProblem, target: Target, knobs: Optional[Knobs] = N
     laid over them: Knobs.over); the fields they leave None follow policy's rules."""
     knobs = knobs if knobs is not None else Knobs()
     policy.pad_form(problem, target, knobs)  # a bad zero-border form is refused whichever form is taken
-    use, tiles, reason = policy.extern_choice(problem, target, knobs)
+    use, _, reason = policy.extern_choice(problem, target, knobs)
     if use:
-        return _plan_extern(problem, target, knobs, tiles)
+        return _plan_extern(problem, target, knobs)
     plan = _with_ir_knobs(_plan_by_rules(problem, target), knobs, target)
     return replace(plan, linalg_reason=reason) if target.backend == "cuda" else plan
 
 
-def _plan_extern(problem: ConvProblem, target: Target, knobs: Knobs, tiles: Optional[TileConfig]) -> KernelPlan:
-    if problem.layout == "NGCHW" and policy.relayout_ngchw(problem, knobs):
-        # the kernels on NHWGC copies of the activations (contiguous channels), made and undone by linalg
-        inner = problem.with_(layout="NHWGC")
-        tiles = policy.kernel_tiles(inner, tiles)
-        if policy.dy_read_in_place(problem, tiles):
-            # grad_weight: only X copied; dY is read where it lies (one copy fewer)
-            _, launches, partials = policy.plan_launches(problem, tiles, target, x_layout=inner.layout)
-            return KernelPlan(problem, target, "extern",
-                              extern=ExternPlan(tiles, launches, partials, copied_channels_last=("x",)))
-        _, launches, partials = policy.plan_launches(inner, tiles, target)
-        inner_plan = KernelPlan(inner, target, "extern", extern=ExternPlan(tiles, launches, partials))
-        return KernelPlan(problem, target, "extern", extern=inner_plan.extern, channels_last=inner_plan)
-    tiles, launches, partials = policy.plan_launches(problem, tiles, target)
-    return KernelPlan(problem, target, "extern", extern=ExternPlan(tiles, launches, partials))
+def _plan_extern(problem: ConvProblem, target: Target, knobs: Knobs) -> KernelPlan:
+    ext = policy.extern_launches(problem, target, knobs)
+    assert ext is not None  # extern_choice said use
+    if ext.problem is problem:
+        extern = ExternPlan(ext.tiles, ext.launches, ext.partials_shape, ext.copied_channels_last)
+        return KernelPlan(problem, target, "extern", extern=extern)
+    extern = ExternPlan(ext.tiles, ext.launches, ext.partials_shape)
+    # every activation copied channels-last: the NHWGC plan runs between two layout copies
+    inner_plan = KernelPlan(ext.problem, target, "extern", extern=extern)
+    return KernelPlan(problem, target, "extern", extern=extern, channels_last=inner_plan)
 
 
 def _plan_by_rules(problem: ConvProblem, target: Target) -> KernelPlan:
