@@ -20,6 +20,7 @@ users can see a hit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -75,15 +76,31 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "convdsl"
 
 
+@functools.lru_cache(maxsize=None)
+def source_digest() -> str:
+    """sha256 over convdsl's .py and .lark files: any edit to the compiler invalidates every entry (an editable
+    install keeps __version__ fixed while the lowering changes)."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    try:
+        files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".lark") and "__pycache__" not in p.parts)
+        for path in files:
+            h.update(path.relative_to(root).as_posix().encode() + b"\0")
+            h.update(path.read_bytes() + b"\0")
+    except OSError:  # e.g. a zipped install: fall back to __version__ alone rather than fail every compile
+        return "unavailable"
+    return h.hexdigest()
+
+
 def cache_key(material: dict) -> str:
     """sha256 hex of a canonical JSON description of everything that changes the compiled bytes."""
     text = json.dumps(material, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def entry_path(key: str) -> Path:
+def entry_path(key: str, suffix: str = ".vmfb") -> Path:
     # A two-character fan-out keeps any one folder small once thousands of kernels are cached.
-    return cache_dir() / key[:2] / f"{key}.vmfb"
+    return cache_dir() / key[:2] / f"{key}{suffix}"
 
 
 def _unlink(path: Path) -> None:
@@ -106,13 +123,13 @@ def loadable(vmfb: bytes) -> bool:
     return True
 
 
-def load(key: str, verify: bool = True) -> Optional[bytes]:
+def load(key: str, verify: bool = True, suffix: str = ".vmfb") -> Optional[bytes]:
     """The cached .vmfb for `key`, or None on a miss.  A damaged entry is deleted and reported as a miss.
 
     Damaged means: not our header, a payload whose sha256 differs (truncated, overwritten), or, with
     `verify`, bytes that IREE refuses to load (~1 ms, worth it next to a compile or a confusing crash).
     """
-    path = entry_path(key)
+    path = entry_path(key, suffix)
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -127,7 +144,7 @@ def load(key: str, verify: bool = True) -> Optional[bytes]:
         len(data) <= _HEADER_LEN
         or not data.startswith(_MAGIC)
         or hashlib.sha256(payload).digest() != data[len(_MAGIC):_HEADER_LEN]
-        or (verify and not loadable(payload))
+        or (verify and suffix == ".vmfb" and not loadable(payload))
     ):
         stats.damaged += 1
         stats.misses += 1
@@ -137,14 +154,15 @@ def load(key: str, verify: bool = True) -> Optional[bytes]:
     return payload
 
 
-def store(key: str, vmfb: bytes) -> Optional[Path]:
-    """Write the entry atomically; returns its path, or None (with a warning) if the cache is not writable."""
-    path = entry_path(key)
+def store(key: str, vmfb: bytes, suffix: str = ".vmfb") -> Optional[Path]:
+    """Write the entry atomically; returns its path, or None (with a warning) if the cache is not writable.
+    `suffix` names other kinds of entries (stream kernels: .stream.json)."""
+    path = entry_path(key, suffix)
     tmp: Optional[str] = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # The temporary file must be in the same folder: os.replace is only atomic within one filesystem.
-        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".vmfb", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=suffix, dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(_MAGIC + hashlib.sha256(vmfb).digest() + vmfb)
             f.flush()
@@ -172,7 +190,7 @@ def clear() -> int:
     removed = 0
     if not root.is_dir():
         return 0
-    for path in root.glob("??/*.vmfb"):
+    for path in root.glob("??/*"):
         _unlink(path)
         removed += 1
     return removed

@@ -13,14 +13,13 @@ The stages, in order (compile_vmfb):
 from __future__ import annotations
 
 import functools
-import hashlib
-from importlib.metadata import version as _package_version
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
 import convdsl
 
 from . import cache, policy
+from .cache import source_digest
 from .backends import iree as _iree
 from .backends.iree_config import compile_with_knobs
 from .frontend import parse, parse_file
@@ -70,22 +69,6 @@ def knobs_by_kernel(problems: Sequence[ConvProblem], target: Target) -> dict[str
 
 
 # --- 2. key ----------------------------------------------------------------------------------------------
-
-@functools.lru_cache(maxsize=None)
-def source_digest() -> str:
-    """sha256 over convdsl's .py and .lark files: any edit to the compiler invalidates every entry (an editable
-    install keeps __version__ fixed while the lowering changes)."""
-    root = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    try:
-        files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".lark") and "__pycache__" not in p.parts)
-        for path in files:
-            h.update(path.relative_to(root).as_posix().encode() + b"\0")
-            h.update(path.read_bytes() + b"\0")
-    except OSError:  # e.g. a zipped install: fall back to __version__ alone rather than fail every compile
-        return "unavailable"
-    return h.hexdigest()
-
 
 def key_material(problems: Sequence[ConvProblem], target: Target, knobs: dict[str, Knobs],
                  extra_flags: Sequence[str] = ()) -> dict:

@@ -349,3 +349,22 @@ def problem_from_spec(spec: dict) -> ConvProblem:
     fields["compute"] = tuple(fields["compute"]) if fields.get("compute") else None
     fields["epilogue"] = Epilogue(**fields["epilogue"])
     return ConvProblem(**fields)
+
+
+# fp8 compute types: (mantissa bits, smallest normal exponent) of e4m3 (fp8) and e5m2 (bf8)
+FP8_FORMATS = {"fp8": (3, -6), "bf8": (2, -14)}
+
+
+def activation_axes(p: ConvProblem, channel: str) -> list[str]:
+    """Logical axes of X (channel 'ch' = C) or dY (channel 'ch' = K) in the problem's layout order."""
+    sp = [f"sp{i}" for i in range(p.dims)]
+    if p.layout == "NHWGC":
+        return ["n", *sp, "g", channel]
+    if p.layout == "GNHWC":
+        return ["g", "n", *sp, channel]
+    return ["n", "g", channel, *sp]  # NGCHW
+
+
+def weight_axes(p: ConvProblem) -> list[str]:
+    taps = [f"t{i}" for i in range(p.dims)]
+    return ["g", "k", *taps, "c"] if p.weight_layout == "GKYXC" else ["g", "k", "c", *taps]

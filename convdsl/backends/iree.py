@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from importlib.metadata import PackageNotFoundError, version
 import os
 import shlex
 import tempfile
@@ -21,9 +22,11 @@ class CompileError(RuntimeError):
 
 
 def iree_version() -> str:
-    from importlib.metadata import version
-
-    return version("iree-base-compiler")
+    """The installed IREE compiler's version, or "not installed" (a machine that only runs modules)."""
+    try:
+        return version("iree-base-compiler")
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def failure_dir() -> Path:

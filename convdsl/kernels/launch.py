@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..algebra import Phase, grad_input_phases
-from ..problem import ConvProblem
+from ..problem import FP8_FORMATS, ConvProblem
 from .tiles import TileConfig, matrix_block
 
 # Kernel parameters Triton appends after the declared ones (global and profile scratch pointers).
@@ -30,7 +30,7 @@ ELEMENT = {"f16": "fp16", "bf16": "bf16", "f32": "fp32"}
 
 @dataclass(frozen=True)
 class Launch:
-    kernel: str  # a @triton.jit function of convdsl/kernels/igemm.py
+    kernel: str  # a @triton.jit function of convdsl/kernels/igemm.py (or elementwise.py: ELEMENTWISE_KERNELS)
     name: str  # the exported symbol (unique within a module)
     pointer_types: tuple[str, ...]  # Triton element types of the bindings, in kernel order
     constants: tuple[tuple[str, object], ...]
@@ -340,9 +340,9 @@ def compile_launch(launch: Launch, arch: str) -> Binary:
     import triton  # an optional dependency: planned only where it is installed (policy.unsupported_reason)
     from triton.backends.compiler import GPUTarget
 
-    from . import igemm  # imports triton: only where a launch is compiled
+    from . import elementwise, igemm  # import triton: only where a launch is compiled
 
-    fn = getattr(igemm, launch.kernel)
+    fn = getattr(elementwise if launch.kernel in ELEMENTWISE_KERNELS else igemm, launch.kernel)
     arg_names = fn.arg_names
     pointers = arg_names[: len(launch.pointer_types)]
     signature = {name: "*" + t for name, t in zip(pointers, launch.pointer_types)}
@@ -377,6 +377,38 @@ def compile_launch(launch: Launch, arch: str) -> Binary:
     else:
         data, kind = ptx.encode(), "ptx"
     return Binary(entry, data, kind, threads=32 * launch.warps, shared_bytes=int(meta.shared), params=params)
+
+
+# --- the steps around the GEMM cores, for runtimes that launch the kernels themselves (kernels/elementwise.py)
+
+ELEMENTWISE_KERNELS = ("sum_partials", "round_fp8")
+ELEMENTWISE_BLOCK = 1024
+# sum_partials: programs to aim for (two per SM of the largest GPUs)
+SUM_PROGRAMS = 264
+# (mantissa bits, smallest normal exponent) of the fp8 compute types: problem.FP8_FORMATS
+
+
+def sum_partials_launch(p: ConvProblem, partials_shape: tuple[int, ...], base: str) -> Launch:
+    """dW from grad_weight's f32 partials [S, G, K, F0, F1, F2, C] (depthwise: [S, G, 1, F0, F1, F2, 1]): the
+    sum in chunk order, the scale epilogue and the cast to the result type, in the weight's layout."""
+    parts, elements = partials_shape[0], math.prod(partials_shape[1:])
+    alpha = float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0
+    # columns per program: as many as keep SUM_PROGRAMS programs busy (a small weight with many chunks, as
+    # depthwise kernels have, still spreads over the GPU), 16 to 256; rows per step fill a 4096-element tile
+    block_e = min(256, max(16, 1 << max(0, (elements // SUM_PROGRAMS).bit_length() - 1)))
+    block_s = min(matrix_block(parts), 4096 // block_e)
+    consts = dict(E=elements, S=parts, T=math.prod(p.filter), C=p.in_channels,
+                  C_FIRST=p.weight_layout == "GKCYX", ALPHA=alpha, BLOCK_S=block_s, BLOCK_E=block_e)
+    return Launch("sum_partials", f"{base}_sum", ("fp32", ELEMENT[p.result_dtype]), tuple(consts.items()),
+                  (-(-elements // block_e), 1, 1), 4, 1)
+
+
+def round_fp8_launch(elements: int, dtype: str, kind: str, base: str) -> Launch:
+    """`elements` values of `dtype` rounded to the fp8 type `kind` (fp8 = e4m3, bf8 = e5m2), stored in f16."""
+    mbits, emin = FP8_FORMATS[kind]
+    consts = dict(N=elements, MBITS=mbits, EMIN=emin, BLOCK=ELEMENTWISE_BLOCK)
+    return Launch("round_fp8", f"{base}_round_{kind}", (ELEMENT[dtype], "fp16"), tuple(consts.items()),
+                  (-(-elements // ELEMENTWISE_BLOCK), 1, 1), 4, 1)
 
 
 MAX_ELEMENTS = 2**31 - 1  # the kernels index with 32-bit offsets

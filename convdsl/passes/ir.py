@@ -12,7 +12,7 @@ from typing import Callable, Mapping, Sequence, Union
 from iree.compiler import ir
 from iree.compiler.dialects import arith, linalg, math as math_d, tensor
 
-from ..problem import ConvProblem
+from ..problem import FP8_FORMATS, ConvProblem, activation_axes, weight_axes  # noqa: F401 - re-exported
 
 PARALLEL = "parallel"
 REDUCTION = "reduction"
@@ -45,21 +45,6 @@ def _dynamic(sizes: Sequence[Size]) -> list[ir.Value]:
 
 def tensor_type(shape: Sequence[Size], elem: ir.Type) -> ir.RankedTensorType:
     return ir.RankedTensorType.get(_static(shape), elem)
-
-
-def activation_axes(p: ConvProblem, channel: str) -> list[str]:
-    """Logical axes of X (channel 'ch' = C) or dY (channel 'ch' = K) in the problem's layout order."""
-    sp = [f"sp{i}" for i in range(p.dims)]
-    if p.layout == "NHWGC":
-        return ["n", *sp, "g", channel]
-    if p.layout == "GNHWC":
-        return ["g", "n", *sp, channel]
-    return ["n", "g", channel, *sp]  # NGCHW
-
-
-def weight_axes(p: ConvProblem) -> list[str]:
-    taps = [f"t{i}" for i in range(p.dims)]
-    return ["g", "k", *taps, "c"] if p.weight_layout == "GKYXC" else ["g", "k", "c", *taps]
 
 
 class Space:
@@ -263,7 +248,6 @@ def pad_gather(value: ir.Value, low: Sequence[int], high: Sequence[int], out_sha
 
 
 # fp8 formats as (mantissa bits, smallest normal exponent): CK's fp8 = e4m3, bf8 = e5m2
-FP8_FORMATS = {"fp8": (3, -6), "bf8": (2, -14)}
 
 
 def round_to_fp8_grid(value: ir.Value, kind: str) -> ir.Value:

@@ -1,0 +1,186 @@
+"""convdsl's stream kernels called from PyTorch, against cuDNN on the same tensors, on one CUDA GPU.
+
+Build the kernels where Triton is (no GPU needed), then run the comparison on the GPU machine:
+
+    python3 benchmarks/torch_bench.py build --arch sm_90 --out build-torch/suite.convk
+    python3 benchmarks/torch_bench.py run --bundle build-torch/suite.convk --out results/
+
+`run` checks every result against a float64 reference (cuDNN on upcast inputs) and times, per case:
+  - queued: 100 calls back to back and one synchronisation, per call (convdsl and cuDNN);
+  - synchronised: one call then a synchronisation, median (convdsl and cuDNN);
+  - kernels: CUDA-event time of the queued calls, per call; host overhead = queued - kernels;
+  - enqueue: host time to queue one call (no synchronisation).
+It writes results/torch-<device>-<date>.json and prints a table; the ratios are cuDNN time / convdsl time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.suite import load_suite  # noqa: E402
+from convdsl.problem import ConvProblem  # noqa: E402
+from convdsl.targets import Target  # noqa: E402
+
+QUEUED = 100
+
+
+def build(arch: str, out: Path, names: list[str]) -> int:
+    from convdsl import stream
+
+    target = Target("cuda", arch)
+    kernels, skipped = [], []
+    for case in load_suite(names=names or None):
+        reason = stream.unsupported_reason(case.problem, target)
+        if reason:
+            skipped.append((case.name, reason))
+            continue
+        kernels.append(stream.stream_kernel(case.problem, target))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stream.save_bundle(kernels, out)
+    print(f"wrote {out}: {len(kernels)} stream kernels for {arch}")
+    for name, reason in skipped:
+        print(f"  no stream kernel for {name}: {reason}")
+    return 0
+
+
+def _case_dict(p: ConvProblem) -> dict:
+    from convdsl.module import manifest
+
+    kernel = manifest([p], Target("cuda", "sm_90"))["kernels"][0]
+    return {"name": p.name, "op": p.op, "spec": kernel["spec"], "args": kernel["args"], "result": kernel["result"],
+            "flops": p.flops}
+
+
+def _median_ms(fn, reps: int) -> float:
+    import torch
+
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _queued(fn, reps: int = 5) -> dict:
+    """Per call: wall time of QUEUED calls and one synchronisation, their CUDA-event time, and the host time to
+    queue them (median over reps)."""
+    import torch
+
+    walls, events, enqueues = [], [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        a.record()
+        for _ in range(QUEUED):
+            fn()
+        b.record()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        walls.append((t2 - t0) / QUEUED * 1e3)
+        enqueues.append((t1 - t0) / QUEUED * 1e3)
+        events.append(a.elapsed_time(b) / QUEUED)
+    return {"ms": statistics.median(walls), "kernel_ms": statistics.median(events),
+            "enqueue_ms": statistics.median(enqueues)}
+
+
+def run(bundle: Path, out_dir: Path, names: list[str]) -> int:
+    import torch
+
+    from benchmarks.gpu_bench import TorchConv, random_args, reference, rel_error, tolerance
+    from convdsl import stream
+    from convdsl.torch.stream import StreamRunner
+
+    kernels = {k.problem.name: k for k in stream.load_bundle(bundle)}
+    device = torch.device("cuda", 0)
+    rows = []
+    for case in load_suite(names=names or None):
+        k = kernels.get(case.name)
+        if k is None:
+            rows.append({"name": case.name, "skipped": "no stream kernel in the bundle"})
+            continue
+        cd = _case_dict(case.problem)
+        try:
+            conv = TorchConv(cd)
+        except NotImplementedError as err:
+            rows.append({"name": case.name, "skipped": str(err)})
+            continue
+        runner = StreamRunner(k, device)
+        args = random_args(cd, seed=1)
+        got = runner(*args)
+        torch.cuda.synchronize()
+        ref, ref_dtype = reference(cd, conv, args)
+        err = rel_error(got, ref)
+        del ref
+        targs = conv.to_torch(args)
+        like = conv.like(targs[0].dtype)
+        cudnn = conv.fn(like)
+        row = {"name": case.name, "op": case.problem.op, "dtype": case.problem.dtype, "flops": case.problem.flops,
+               "error": err, "tolerance": tolerance(cd), "ok": err <= tolerance(cd), "ref_dtype": ref_dtype,
+               "stream": k.describe()}
+        for name, fn in (("convdsl", lambda: runner(*args)), ("cudnn", lambda: cudnn(*targs))):
+            fn()
+            row[name] = {"queued": _queued(fn), "sync_ms": _median_ms(fn, 20)}
+        row["queued_ratio"] = row["cudnn"]["queued"]["ms"] / row["convdsl"]["queued"]["ms"]
+        row["sync_ratio"] = row["cudnn"]["sync_ms"] / row["convdsl"]["sync_ms"]
+        row["host_overhead_us"] = (row["convdsl"]["queued"]["ms"] - row["convdsl"]["queued"]["kernel_ms"]) * 1e3
+        rows.append(row)
+        q = row["convdsl"]["queued"]
+        print(f"{case.name:<24} err {err:.1e} {'ok ' if row['ok'] else 'BAD'} queued {q['ms']:.4f} ms "
+              f"(kernels {q['kernel_ms']:.4f}, enqueue {q['enqueue_ms'] * 1e3:.1f} us) cuDNN "
+              f"{row['cudnn']['queued']['ms']:.4f} -> {row['queued_ratio']:.2f}x; sync {row['sync_ratio']:.2f}x",
+              flush=True)
+        del args, targs, got
+        torch.cuda.empty_cache()
+    timed = [r for r in rows if "queued_ratio" in r]
+    geo = lambda xs: math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else float("nan")  # noqa: E731
+    summary = {"cases": len(rows), "timed": len(timed), "correct": sum(r["ok"] for r in timed),
+               "geomean_queued": geo([r["queued_ratio"] for r in timed]),
+               "geomean_sync": geo([r["sync_ratio"] for r in timed]),
+               "min_queued": min((r["queued_ratio"] for r in timed), default=float("nan")),
+               "max_host_overhead_us": max((r["host_overhead_us"] for r in timed), default=float("nan")),
+               "median_enqueue_us": statistics.median(r["convdsl"]["queued"]["enqueue_ms"] * 1e3 for r in timed)
+               if timed else float("nan")}
+    versions = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                "cudnn": torch.backends.cudnn.version(), "cuda": torch.version.cuda,
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device_name = versions["device"].replace(" ", "_")
+    path = out_dir / f"torch-{device_name}-{versions['date'][:10]}.json"
+    path.write_text(json.dumps({"versions": versions, "summary": summary, "results": rows}, indent=1) + "\n")
+    print(json.dumps(summary))
+    print(f"wrote {path}")
+    return 0 if summary["correct"] == summary["timed"] else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="plan and compile the suite's stream kernels into one bundle file")
+    b.add_argument("--arch", default="sm_90")
+    b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--cases", nargs="*", default=[])
+    r = sub.add_parser("run", help="on a CUDA GPU: check and time the bundle's kernels against cuDNN")
+    r.add_argument("--bundle", type=Path, required=True)
+    r.add_argument("--out", type=Path, default=Path("results"))
+    r.add_argument("--cases", nargs="*", default=[])
+    args = ap.parse_args(argv)
+    if args.command == "build":
+        return build(args.arch, args.out, args.cases)
+    return run(args.bundle, args.out, args.cases)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The CUDA driver API through ctypes: load a compiled kernel and launch it on a stream that the caller owns.
+
+Only `libcuda` is needed (no CUDA runtime, no Triton, no framework), so kernels compiled ahead of time run
+on any machine with an NVIDIA driver.  The caller passes the raw `CUstream` handle of its own stream
+(PyTorch: `torch.cuda.current_stream().cuda_stream`), so launches are ordered with its other work, return
+at once, and are captured by CUDA graphs like any other launch on that stream.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+# cuFuncSetAttribute: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_MAX_DYNAMIC_SHARED = 8
+# a block may take 48 KiB of dynamic shared memory without asking for more
+_DEFAULT_SHARED_LIMIT = 48 * 1024
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed; the message names the call and the driver's error."""
+
+
+_lib: Optional[ctypes.CDLL] = None
+_lock = threading.Lock()
+
+
+def _driver() -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is None:
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError as err:
+                raise CudaDriverError(f"the CUDA driver (libcuda.so.1) could not be loaded: {err}") from err
+            lib.cuLaunchKernel.argtypes = [
+                ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            lib.cuLaunchKernel.restype = ctypes.c_int
+            _check(lib, lib.cuInit(0), "cuInit")
+            _lib = lib
+        return _lib
+
+
+def _check(lib: ctypes.CDLL, status: int, call: str) -> None:
+    if status != 0:
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(status, ctypes.byref(name))
+        raise CudaDriverError(f"{call} failed: {name.value.decode() if name.value else status}")
+
+
+def _ensure_context(device: int) -> None:
+    """Make the device's primary context current on this thread (the one PyTorch and the runtime API use)."""
+    lib = _driver()
+    current = ctypes.c_void_p()
+    _check(lib, lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+    if current.value:
+        return
+    handle, ctx = ctypes.c_int(), ctypes.c_void_p()
+    _check(lib, lib.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
+    _check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), handle), "cuDevicePrimaryCtxRetain")
+    _check(lib, lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+@dataclass
+class LoadedFunction:
+    """One kernel entry point, loaded in the current context: launch it with `launch`."""
+
+    name: str
+    handle: ctypes.c_void_p
+    threads: int
+    shared_bytes: int
+    params: int
+
+    def __post_init__(self) -> None:
+        # one 8-byte slot per parameter, reused by every launch: the driver copies the values at launch time
+        self._slots = [ctypes.c_uint64(0) for _ in range(self.params)]
+        self._pointers = (ctypes.c_void_p * self.params)(
+            *[ctypes.cast(ctypes.byref(s), ctypes.c_void_p) for s in self._slots])
+        self._launch = _driver().cuLaunchKernel
+
+    def launch(self, grid: tuple[int, int, int], stream: int, pointers: Sequence[int]) -> None:
+        """Queue the kernel on `stream` (a CUstream handle) with these device pointers; the parameters after
+        them (Triton's scratch pointers, never read: scratch size 0) are passed as 0."""
+        slots = self._slots
+        for i, ptr in enumerate(pointers):
+            slots[i].value = ptr
+        status = self._launch(self.handle, grid[0], grid[1], grid[2], self.threads, 1, 1, self.shared_bytes,
+                              stream, self._pointers, None)
+        if status != 0:
+            _check(_driver(), status, f"cuLaunchKernel({self.name})")
+
+
+def load_function(image: bytes, kind: str, name: str, threads: int, shared_bytes: int, params: int,
+                  device: int = 0) -> LoadedFunction:
+    """Load a cubin or PTX image (`kind`; the driver JIT-compiles PTX for the device) and get its entry point."""
+    lib = _driver()
+    _ensure_context(device)
+    module, function = ctypes.c_void_p(), ctypes.c_void_p()
+    data = image + b"\0" if kind == "ptx" else image  # PTX is read as a NUL-terminated string
+    _check(lib, lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(data)), f"cuModuleLoadData({name})")
+    _check(lib, lib.cuModuleGetFunction(ctypes.byref(function), module, name.encode()),
+           f"cuModuleGetFunction({name})")
+    if shared_bytes > _DEFAULT_SHARED_LIMIT:
+        _check(lib, lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED, shared_bytes),
+               f"cuFuncSetAttribute({name}, max dynamic shared memory {shared_bytes})")
+    return LoadedFunction(name, function, threads, shared_bytes, params)

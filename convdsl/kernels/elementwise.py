@@ -1,0 +1,56 @@
+"""The steps around the GEMM cores, as Triton kernels, for runtimes that launch the cores themselves (the
+stream path, convdsl/stream.py): inside an IREE module the same steps are linalg (passes/lower.py).
+
+  sum_partials:  dW = cast(alpha * sum over s of P[s]) -- grad_weight's f32 split-K partials [S, E] summed in a
+                 fixed order (rows s = j, j + BLOCK_S, ... per lane j, then the lanes by one tree: the same order
+                 on every call, so the result is bitwise-reproducible), stored in the weight's layout: GKYXC
+                 keeps the partials' (g, k, taps, c) order; GKCYX moves c before the taps:
+                 offset (g, k) * C*T + c * T + t.  Each program sums BLOCK_E columns over all S rows.
+  round_fp8:     each value rounded to the nearest fp8 (e4m3) or bf8 (e5m2) value, ties to even, stored in
+                 f16 (exact): v -> rint(v * 2^-q) * 2^q, q = max(e, emin) - m, e the f32 exponent; both
+                 scalings are exact.  rint(w) for |w| < 2^22 is (w + 1.5 * 2^23) - 1.5 * 2^23 in f32: the
+                 addition rounds to an integer, ties to even (here |w| < 2^(m+1)).  Values beyond the fp8 range
+                 are not saturated (as the linalg pass).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def sum_partials(p, out, E: tl.constexpr, S: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
+                 C_FIRST: tl.constexpr, ALPHA: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    inside = e < E
+    rows = tl.arange(0, BLOCK_S)
+    lanes = tl.zeros([BLOCK_S, BLOCK_E], dtype=tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + rows
+        lanes += tl.load(p + s[:, None] * E + e[None, :], mask=(s[:, None] < S) & inside[None, :], other=0.0)
+    acc = tl.sum(lanes, axis=0) * ALPHA
+    if C_FIRST:
+        c = e % C
+        t = (e // C) % T
+        offset = (e // (C * T)) * (C * T) + c * T + t
+    else:
+        offset = e
+    tl.store(out + offset, acc.to(out.dtype.element_ty), mask=inside)
+
+
+# 1.5 * 2^23: adding it to an f32 of magnitude under 2^22 leaves no fraction bits (round to nearest even)
+RINT_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def round_fp8(x, y, N: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < N
+    v = tl.load(x + i, mask=inside, other=0.0).to(tl.float32)
+    biased = (v.to(tl.int32, bitcast=True) >> 23) & 255
+    q = tl.maximum(biased, EMIN + 127) - MBITS
+    up = ((254 - q) << 23).to(tl.float32, bitcast=True)
+    down = (q << 23).to(tl.float32, bitcast=True)
+    scaled = v * up
+    whole = (scaled + RINT_MAGIC) - RINT_MAGIC
+    tl.store(y + i, (whole * down).to(tl.float16), mask=inside)

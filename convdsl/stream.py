@@ -1,0 +1,213 @@
+"""Stream kernels: a kernel's Triton launches, compiled ahead of time, with what a framework needs to run them
+on its own CUDA stream (convdsl/torch/stream.py does it for PyTorch).
+
+    kernel = stream_kernel(problem, Target("cuda", "sm_90"))     # planned and compiled once, cached on disk
+    save_bundle([kernel, ...], "kernels.convk")                  # a deployable file: no Triton needed to load it
+    register_bundle(load_bundle("kernels.convk"))                # later stream_kernel() calls find them here
+
+They are the kernels the IREE modules embed: the same decisions (policy.extern_launches, with the tuning
+database's knobs, looked up as the compile driver does) and the same binaries (kernels.launch.compile_launch).
+Around the GEMM core the module's linalg steps become launches too (kernels/elementwise.py): the fp8 rounding
+of the operands, grad_weight's split-K sum in chunk order with its epilogue and cast; NHWGC copies of NGCHW
+activations are left to the framework (a permuted copy).
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+from . import cache, policy
+from .backends.iree import iree_version
+from .kernels.launch import Binary, Launch, compile_launch, round_fp8_launch, sum_partials_launch, triton_version
+from .problem import ConvProblem, problem_from_spec, problem_to_spec
+from .targets import Target
+from .tuning import db
+from .tuning.knobs import Knobs
+
+__all__ = ["Knobs", "StreamKernel", "StreamLaunch", "load_bundle", "plan_stream_kernel", "register_bundle",
+           "save_bundle", "stream_kernel", "unsupported_reason"]
+
+BUNDLE_FORMAT = "convdsl-stream-kernels/1"
+_SUFFIX = ".stream.json"
+
+
+@dataclass(frozen=True)
+class StreamLaunch:
+    launch: Launch
+    binary: Binary
+
+
+@dataclass(frozen=True)
+class StreamKernel:
+    """One kernel's launches and what surrounds them.  `planned` is the problem the launches were planned for:
+    `problem` itself, or its NHWGC twin where the arguments named in `copied` are copied to NHWGC first (and
+    the result, if it is an activation, copied back)."""
+
+    problem: ConvProblem
+    arch: str
+    planned: ConvProblem
+    copied: tuple[str, ...]
+    launches: tuple[StreamLaunch, ...]  # the GEMM core (one launch)
+    partials_shape: tuple[int, ...]
+    tiles: str
+    knobs_source: str
+    sum: Optional[StreamLaunch] = None  # grad_weight: the split-K sum, epilogue and cast
+    rounds: tuple[StreamLaunch, ...] = ()  # fp8 compute: operand A's rounding, then B's
+
+    @property
+    def result_copied(self) -> bool:
+        """Whether the launches write an NHWGC result that is then copied to the problem's layout."""
+        return bool(self.copied) and self.problem.op != "grad_weight"
+
+    def describe(self) -> str:
+        names = ", ".join(sl.launch.kernel for sl in self.launches)
+        copies = f"; {', '.join(self.copied)} copied to NHWGC" if self.copied else ""
+        return (f"stream path: Triton kernels {names} (tiles {self.tiles}, {self.arch}){copies}; "
+                f"knobs from the {self.knobs_source}")
+
+
+def _knobs(p: ConvProblem, target: Target) -> tuple[Knobs, str]:
+    tuned = db.lookup(p, target, iree_version())  # not installed: the newest entry serves
+    if tuned is not None:
+        return tuned.knobs, tuned.source
+    return policy.knobs_for(p, target, None), "rules (policy.py)"
+
+
+def unsupported_reason(p: ConvProblem, target: Target) -> Optional[str]:
+    """Why `p` has no stream kernel on `target` (None: it has one)."""
+    if target.backend != "cuda":
+        return f"stream kernels are CUDA kernels; target is {target.backend}"
+    knobs, _ = _knobs(p, target)
+    use, _, reason = policy.extern_choice(p, target, knobs)
+    return None if use else reason
+
+
+def kernel_key(p: ConvProblem, arch: str) -> str:
+    """Everything that changes a stream kernel: the problem, the arch, convdsl's source and the Triton that
+    compiles it (None where Triton is absent: such a machine only runs what was compiled elsewhere)."""
+    material = {"format": BUNDLE_FORMAT, "problem": p.record(), "arch": arch, "source": cache.source_digest(),
+                "triton": triton_version()}
+    return cache.cache_key(material)
+
+
+def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str = "knobs given",
+                       compile: bool = False) -> StreamKernel:
+    """The stream kernel's launches as policy decides them with `knobs`; compiled for target.arch with
+    `compile` (else the binaries are empty: Triton's interpreter runs the launches from their source)."""
+    ext = policy.extern_launches(p, target, knobs)
+    if ext is None:
+        raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {unsupported_reason(p, target)}")
+
+    def compiled(la: Launch) -> StreamLaunch:
+        binary = compile_launch(la, target.arch) if compile else Binary(la.name, b"", "none", 32 * la.warps, 0, 0)
+        return StreamLaunch(la, binary)
+
+    base = ext.launches[0].name
+    summed = compiled(sum_partials_launch(p, ext.partials_shape, base)) if p.op == "grad_weight" else None
+    rounds = ()
+    if p.fp8_compute:
+        rounds = tuple(compiled(round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}"))
+                       for i, (shape, dtype, kind) in enumerate(zip(p.arg_shapes, p.arg_dtypes, p.compute)))
+    return StreamKernel(p, target.arch, ext.problem, ext.copied_channels_last, tuple(map(compiled, ext.launches)),
+                        ext.partials_shape, ext.tiles.label(), source, summed, rounds)
+
+
+def _build(p: ConvProblem, target: Target) -> StreamKernel:
+    knobs, source = _knobs(p, target)
+    return plan_stream_kernel(p, target, knobs, source, compile=True)
+
+
+_registered: dict[tuple[str, str], StreamKernel] = {}
+
+
+def _bundle_key(p: ConvProblem, arch: str) -> tuple[str, str]:
+    return json.dumps(p.record(), sort_keys=True), arch
+
+
+def register_bundle(kernels: Iterable[StreamKernel]) -> None:
+    """Make these kernels (from load_bundle) the ones stream_kernel returns for their problems and arch."""
+    for k in kernels:
+        _registered[_bundle_key(k.problem, k.arch)] = k
+
+
+def stream_kernel(p: ConvProblem, target: Target) -> StreamKernel:
+    """The stream kernel of `p` on `target`: a registered bundle's, else the disk cache's, else compiled
+    (with Triton) and cached."""
+    found = _registered.get(_bundle_key(p, target.arch))
+    if found is not None:
+        return found
+    key = kernel_key(p, target.arch)
+    data = cache.load(key, verify=False, suffix=_SUFFIX)
+    if data is not None:
+        try:
+            return _from_record(json.loads(data))
+        except (ValueError, KeyError, TypeError):
+            cache.evict(key)
+    kernel = _build(p, target)
+    cache.store(key, json.dumps(_to_record(kernel)).encode(), suffix=_SUFFIX)
+    return kernel
+
+
+# --- the bundle format ------------------------------------------------------------------------------
+
+def _to_record(k: StreamKernel) -> dict:
+    return {
+        "problem": problem_to_spec(k.problem), "arch": k.arch, "planned": problem_to_spec(k.planned),
+        "copied": list(k.copied), "partials_shape": list(k.partials_shape), "tiles": k.tiles,
+        "knobs_source": k.knobs_source, "triton": triton_version(),
+        "launches": [_launch_record(sl) for sl in k.launches],
+        "sum": _launch_record(k.sum) if k.sum else None,
+        "rounds": [_launch_record(sl) for sl in k.rounds],
+    }
+
+
+def _launch_record(sl: StreamLaunch) -> dict:
+    return {
+        "kernel": sl.launch.kernel, "name": sl.launch.name, "pointer_types": list(sl.launch.pointer_types),
+        "grid": list(sl.launch.grid), "warps": sl.launch.warps, "stages": sl.launch.stages,
+        "binary": {"name": sl.binary.name, "kind": sl.binary.kind, "threads": sl.binary.threads,
+                   "shared_bytes": sl.binary.shared_bytes, "params": sl.binary.params,
+                   "data": base64.b64encode(sl.binary.data).decode()},
+    }
+
+
+def _launch_from_record(la: dict) -> StreamLaunch:
+    b = la["binary"]
+    # the launch's compile-time constants live in the binary; the runtime needs only its grid and name
+    launch = Launch(la["kernel"], la["name"], tuple(la["pointer_types"]), (), tuple(la["grid"]), la["warps"],
+                    la["stages"])
+    binary = Binary(b["name"], base64.b64decode(b["data"]), b["kind"], b["threads"], b["shared_bytes"], b["params"])
+    return StreamLaunch(launch, binary)
+
+
+def _from_record(r: dict) -> StreamKernel:
+    problem = problem_from_spec(r["problem"])
+    planned = problem_from_spec(r["planned"])
+    return StreamKernel(problem, r["arch"], problem if planned == problem else planned, tuple(r["copied"]),
+                        tuple(_launch_from_record(la) for la in r["launches"]), tuple(r["partials_shape"]),
+                        r["tiles"], r["knobs_source"], _launch_from_record(r["sum"]) if r["sum"] else None,
+                        tuple(_launch_from_record(la) for la in r["rounds"]))
+
+
+def save_bundle(kernels: Iterable[StreamKernel], path: Union[str, Path]) -> Path:
+    """Write the kernels to one JSON file (binaries in base64)."""
+    path = Path(path)
+    records = [_to_record(k) for k in kernels]
+    digest = hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()
+    path.write_text(json.dumps({"format": BUNDLE_FORMAT, "sha256": digest, "kernels": records}) + "\n")
+    return path
+
+
+def load_bundle(path: Union[str, Path]) -> list[StreamKernel]:
+    data = json.loads(Path(path).read_text())
+    if data.get("format") != BUNDLE_FORMAT:
+        raise ValueError(f"{path}: expected a {BUNDLE_FORMAT} bundle, got format {data.get('format')!r}")
+    digest = hashlib.sha256(json.dumps(data["kernels"], sort_keys=True).encode()).hexdigest()
+    if digest != data.get("sha256"):
+        raise ValueError(f"{path}: the bundle's checksum does not match its contents (truncated or edited)")
+    return [_from_record(r) for r in data["kernels"]]

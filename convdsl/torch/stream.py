@@ -1,0 +1,113 @@
+"""Stream kernels (convdsl/stream.py) run on PyTorch's current CUDA stream.
+
+A call queues its work and returns: no host synchronisation, results and workspace (split-K partials, fp8
+roundings, NHWGC copies) from PyTorch's caching allocator, every step ordered on the caller's stream and
+capturable in a CUDA graph.  The kernels are launched through the CUDA driver (backends/cuda_driver.py), so
+the Triton that PyTorch brings is not used and need not match the one that compiled them.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..backends.cuda_driver import LoadedFunction, load_function
+from ..problem import activation_axes
+from ..stream import StreamKernel, StreamLaunch
+
+TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# every binding of the kernels starts 16-byte aligned (kernels/launch.POINTER_ALIGNMENT)
+ALIGNMENT = 16
+
+try:  # the current stream's raw handle without building a Stream object (a few microseconds a call)
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover - other PyTorch builds
+    def _raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def _permutation(src: Sequence[str], dst: Sequence[str]) -> list[int]:
+    return [list(src).index(a) for a in dst]
+
+
+# A launch as the runner calls it: (stream handle, tensors in binding order) -> None
+Launcher = Callable[..., None]
+
+
+class DriverLaunch:
+    """A stream launch loaded through the CUDA driver: its tensors passed as device pointers."""
+
+    def __init__(self, sl: StreamLaunch, device: int) -> None:
+        b = sl.binary
+        self.grid = sl.launch.grid
+        self.function: LoadedFunction = load_function(b.data, b.kind, b.name, b.threads, b.shared_bytes, b.params,
+                                                      device)
+
+    def __call__(self, stream: int, *tensors: torch.Tensor) -> None:
+        self.function.launch(self.grid, stream, [t.data_ptr() for t in tensors])
+
+
+class StreamRunner:
+    """A stream kernel loaded on one CUDA device, called with tensors in its problem's layouts (contiguous)."""
+
+    def __init__(self, kernel: StreamKernel, device: torch.device,
+                 launcher: Optional[Callable[[StreamLaunch], Launcher]] = None) -> None:
+        """launcher: how a launch is made callable; by default through the CUDA driver on `device` (tests pass
+        one that runs the kernels in Triton's interpreter)."""
+        self.kernel = kernel
+        self.device = device
+        if launcher is None:
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
+            torch.cuda.init()
+            with torch.cuda.device(self.index):
+                (self.core,) = [DriverLaunch(sl, self.index) for sl in kernel.launches]
+                self.sum = DriverLaunch(kernel.sum, self.index) if kernel.sum else None
+                self.rounds = [DriverLaunch(sl, self.index) for sl in kernel.rounds]
+            self._stream = lambda: _raw_stream(self.index)
+        else:
+            (self.core,) = [launcher(sl) for sl in kernel.launches]
+            self.sum = launcher(kernel.sum) if kernel.sum else None
+            self.rounds = [launcher(sl) for sl in kernel.rounds]
+            self._stream = lambda: 0
+        p = kernel.problem
+        channels_last = p.with_(layout="NHWGC")
+        # the channel axis is named alike for X and dY: a permutation only moves axes
+        to_nhwgc = _permutation(activation_axes(p, "ch"), activation_axes(channels_last, "ch"))
+        self._copied = {p.arg_names.index(name): to_nhwgc for name in kernel.copied}
+        self._back = _permutation(activation_axes(channels_last, "ch"), activation_axes(p, "ch"))
+        self._result_shape = kernel.planned.result_shape
+        self._result_dtype = TORCH_DTYPES[p.result_dtype]
+
+    def __call__(self, *args: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        k = self.kernel
+        stream = self._stream()
+        operands = list(args[:2])
+        for i, a in enumerate(operands):
+            if i in self._copied:
+                operands[i] = a.permute(self._copied[i]).contiguous()
+            elif not a.is_contiguous() or a.data_ptr() % ALIGNMENT:
+                operands[i] = a.contiguous() if not a.is_contiguous() else a.clone()
+        for i, launch in enumerate(self.rounds):  # fp8 compute: each operand rounded once, stored in f16
+            rounded = torch.empty(operands[i].shape, dtype=torch.float16, device=self.device)
+            launch(stream, operands[i], rounded)
+            operands[i] = rounded
+        if self.sum is not None:  # grad_weight: f32 partials, then their sum in chunk order
+            partials = torch.empty(k.partials_shape, dtype=torch.float32, device=self.device)
+            self.core(stream, operands[0], operands[1], partials)
+            direct = out is not None and out.is_contiguous() and out.data_ptr() % ALIGNMENT == 0
+            result = out if direct else torch.empty(k.problem.result_shape, dtype=self._result_dtype,
+                                                     device=self.device)
+            self.sum(stream, partials, result)
+        else:
+            direct = (out is not None and not k.result_copied and out.is_contiguous()
+                      and out.data_ptr() % ALIGNMENT == 0)
+            result = out if direct else torch.empty(self._result_shape, dtype=self._result_dtype, device=self.device)
+            self.core(stream, operands[0], operands[1], result)
+            if k.result_copied:
+                result = result.permute(self._back)
+                if out is None:
+                    return result.contiguous()
+        if out is not None and result is not out:
+            out.copy_(result)
+            return out
+        return result

@@ -1,0 +1,110 @@
+"""The stream path (convdsl/stream.py, convdsl/torch/stream.py): the launches a framework queues on its own
+stream compute what the IREE module computes.  Numerics run in Triton's interpreter on the CPU (a subprocess,
+tests/stream_interpreter.py): the GEMM core, the fp8 roundings and the split-K sum with its epilogue, around the
+runner's layout copies; the launches are the ones policy plans for the module (same tiles, same split)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from convdsl import stream
+from convdsl.kernels.tiles import parse_tiles
+from convdsl.problem import ConvProblem, Epilogue, problem_to_spec
+from convdsl.reference import tolerance
+from convdsl.targets import Target
+
+pytest.importorskip("triton")
+torch = pytest.importorskip("torch")
+
+HOPPER = Target("cuda", "sm_90")
+HERE = Path(__file__).resolve().parent
+BASE = ConvProblem(op="grad_weight", dims=2, groups=2, batch=2, in_channels=5, out_channels=6, input=(7, 6),
+                   filter=(3, 2), stride=(1, 1), dilation=(1, 1), pad_lo=(1, 0), pad_hi=(1, 1), dtype="f16",
+                   name="k")
+SMALL = "t16x16x16w4s2"
+
+CASES = [
+    # grad_weight: split-K partials summed by sum_partials, both weight layouts, the scale epilogue, f32 result
+    (BASE.with_(weight_layout="GKCYX", out_dtype="f32", epilogue=Epilogue("scale", 0.5)), SMALL + "k3"),
+    (BASE.with_(dtype="bf16", stride=(2, 1)), SMALL + "k2"),
+    # NGCHW grad_weight: X copied to NHWGC by the runner, dY read in place
+    (BASE.with_(layout="NGCHW", input=(8, 8), filter=(3, 3), pad_hi=(1, 1), pad_lo=(1, 1)), "t16x16x16w4s2k2"),
+    # fp8 compute: both operands rounded by round_fp8 first
+    (BASE.with_(compute=("bf8", "fp8"), out_dtype="f32"), SMALL + "k2"),
+    # grad_input: NGCHW copies both ways, strided (several phases), f32 three-pass TF32
+    (BASE.with_(op="grad_input", layout="NGCHW", stride=(2, 1), dtype="f32"), SMALL),
+    (BASE.with_(op="transposed", stride=(2, 2), epilogue=Epilogue("scale", 2.0)), SMALL),
+    # depthwise: the direct grad_input kernel and the rows grad_weight kernel with its many chunks
+    (BASE.with_(op="grad_input", groups=8, in_channels=1, out_channels=1, filter=(3, 3), pad_lo=(1, 1),
+                pad_hi=(1, 1)), None),
+    (BASE.with_(groups=8, in_channels=1, out_channels=1, filter=(3, 3), pad_lo=(1, 1), pad_hi=(1, 1)), None),
+]
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    jobs = [{"spec": problem_to_spec(p.with_(name=f"c{i}")), "tiles": t} for i, (p, t) in enumerate(CASES)]
+    done = subprocess.run([sys.executable, str(HERE / "stream_interpreter.py")], input=json.dumps(jobs),
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r["name"]: r for r in json.loads(done.stdout)}
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_stream_kernel_matches_the_reference(interpreted, index):
+    p, _ = CASES[index]
+    r = interpreted[f"c{index}"]
+    assert r["shape_ok"] and r["unwritten"] == 0, r
+    assert r["error"] <= tolerance(p), f"{p.describe()}: relative error {r['error']:.2e}"
+    assert r["repeat_equal"], "two calls on the same inputs differ: the split-K sum must be reproducible"
+
+
+def test_stream_launches_are_the_modules_launches():
+    # the stream kernel's GEMM core is the launch the IREE module embeds: same plan, same tiles, same split
+    from convdsl.passes.plan import plan_kernel
+    from convdsl.tuning.knobs import Knobs
+
+    for p, tiles in CASES:
+        knobs = Knobs(tiles=tiles) if tiles else Knobs()
+        kernel = stream.plan_stream_kernel(p, HOPPER, knobs)
+        plan = plan_kernel(p, HOPPER, knobs)
+        assert tuple(sl.launch for sl in kernel.launches) == plan.extern.launches
+        assert (kernel.sum is not None) == (p.op == "grad_weight")
+        assert len(kernel.rounds) == (2 if p.fp8_compute else 0)
+
+
+def test_unsupported_problems_say_why():
+    assert "CUDA" in stream.unsupported_reason(BASE, Target("cpu", "host"))
+    assert "batch" in stream.unsupported_reason(BASE.with_(dynamic_batch=True), HOPPER)
+    assert stream.unsupported_reason(BASE, HOPPER) is None
+
+
+def test_bundle_round_trip_and_damage(tmp_path):
+    p = BASE.with_(weight_layout="GKCYX")
+    kernel = stream.plan_stream_kernel(p, HOPPER, stream.Knobs(tiles=SMALL + "k2"), compile=True)
+    path = stream.save_bundle([kernel], tmp_path / "k.convk")
+    (back,) = stream.load_bundle(path)
+    assert back.problem == p and back.copied == kernel.copied and back.partials_shape == kernel.partials_shape
+    assert [sl.binary for sl in back.launches] == [sl.binary for sl in kernel.launches]
+    assert back.sum.binary == kernel.sum.binary and back.sum.launch.grid == kernel.sum.launch.grid
+    stream.register_bundle([back])
+    assert stream.stream_kernel(p, HOPPER) is back  # a registered bundle serves before the cache or Triton
+    text = path.read_text()
+    path.write_text(text.replace('"grid": [', '"grid": [1, ', 1))
+    with pytest.raises(ValueError, match="checksum"):
+        stream.load_bundle(path)
+
+
+def test_sum_launch_spreads_small_weights_over_the_gpu():
+    from convdsl.kernels.launch import sum_partials_launch
+
+    dw = BASE.with_(groups=144, in_channels=1, out_channels=1, filter=(3, 3))
+    launch = sum_partials_launch(dw, (3584, 144, 1, 1, 3, 3, 1), "k")
+    assert launch.grid[0] >= 40  # 1296 weights in blocks of 16 to 32: not one program per 1024 weights
+    c = dict(launch.constants)
+    assert c["BLOCK_S"] * c["BLOCK_E"] <= 4096 and c["S"] == 3584
+    assert parse_tiles(SMALL).block_m == 16
