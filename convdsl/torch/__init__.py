@@ -1,0 +1,17 @@
+"""convdsl in PyTorch: convolutions and their gradients as `torch.library` operators with autograd, drop-in
+modules, and `convert(model)`.
+
+    import convdsl.torch as ct
+    model = ct.convert(torchvision_model)           # its torch.nn convolutions now run convdsl's kernels
+    conv = ct.Conv2d(64, 64, 3, padding=1, groups=32)
+
+On CUDA the kernels are launched on PyTorch's current stream (no host synchronisation, CUDA-graph capturable);
+on the CPU they run the IREE module.  See convdsl/torch/runtime.py for the layouts and the paths.
+"""
+from __future__ import annotations
+
+from .modules import Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, convert
+from .ops import conv_transpose, convolution, convolution_grad_input, convolution_grad_weight
+
+__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "convert",
+           "conv_transpose", "convolution", "convolution_grad_input", "convolution_grad_weight"]

@@ -1,0 +1,176 @@
+"""convdsl's convolutions as PyTorch operators (`torch.library` custom ops, `torch.ops.convdsl.*`).
+
+    y  = torch.ops.convdsl.convolution(x, w, bias, stride, pad_lo, pad_hi, dilation, groups)
+    dx = torch.ops.convdsl.convolution_grad_input(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups)
+    dw = torch.ops.convdsl.convolution_grad_weight(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups)
+    y  = torch.ops.convdsl.conv_transpose(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups)
+
+Tensors are PyTorch's: activations (N, G*C, *spatial), weights (G*K, C, *filter) (transposed convolutions:
+(G*C_in, C_out, *filter), as torch.nn.ConvTranspose).  Their memory format picks convdsl's layout without a copy:
+a contiguous activation is NGCHW, a channels-last one NHWGC; a contiguous weight is GKCYX, a channels-last one
+GKYXC.  Results come back in the input's memory format.  Each op has a fake implementation (shapes only) so
+that torch.compile traces it without a graph break, and convolution / conv_transpose have autograd formulas
+made of the other ops, so that training runs on convdsl's kernels in both directions.
+
+Where a call runs (runtime.run): on CUDA, the stream kernels on PyTorch's current stream where they apply
+(convdsl/stream.py), else the IREE module through DLPack; on the CPU, the IREE module.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..problem import ConvProblem
+from . import runtime
+
+LIB = "convdsl"
+
+
+def _ints(values: Sequence[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+def output_size(size: Sequence[int], filt: Sequence[int], stride: Sequence[int], pad_lo: Sequence[int],
+                pad_hi: Sequence[int], dilation: Sequence[int]) -> list[int]:
+    """O = (I + lo + hi - d*(R-1) - 1) // s + 1 per spatial dimension."""
+    return [(i + lo + hi - d * (r - 1) - 1) // s + 1
+            for i, r, s, lo, hi, d in zip(size, filt, stride, pad_lo, pad_hi, dilation)]
+
+
+def transposed_output_size(size: Sequence[int], filt: Sequence[int], stride: Sequence[int], pad_lo: Sequence[int],
+                           pad_hi: Sequence[int], output_padding: Sequence[int], dilation: Sequence[int]) -> list[int]:
+    """The transposed convolution's output: (I - 1)*s - lo - hi + d*(R-1) + output_padding + 1."""
+    return [(i - 1) * s - lo - hi + d * (r - 1) + op + 1
+            for i, r, s, lo, hi, op, d in zip(size, filt, stride, pad_lo, pad_hi, output_padding, dilation)]
+
+
+def _memory_format(t: torch.Tensor) -> torch.memory_format:
+    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if t.dim() == 5 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _empty_like_format(shape: Sequence[int], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(list(shape), dtype=dtype, device=like.device, memory_format=_memory_format(like))
+
+
+# --- forward -------------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{LIB}::convolution", mutates_args=())
+def convolution(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
+                pad_lo: list[int], pad_hi: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    y = runtime.run("forward", x, w, spatial=x.shape[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
+                    pad_hi=pad_hi, dilation=dilation, groups=groups)
+    if bias is not None:
+        y = y.add_(bias.view(1, -1, *([1] * (y.dim() - 2))).to(y.dtype))
+    return y
+
+
+@convolution.register_fake
+def _(x, w, bias, stride, pad_lo, pad_hi, dilation, groups):
+    out = output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, dilation)
+    return _empty_like_format([x.shape[0], w.shape[0], *out], x, runtime.result_dtype(x))
+
+
+def _convolution_setup(ctx, inputs, output) -> None:
+    x, w, bias, stride, pad_lo, pad_hi, dilation, groups = inputs
+    ctx.save_for_backward(x, w)
+    ctx.has_bias = bias is not None
+    ctx.conv = (stride, pad_lo, pad_hi, dilation, groups)
+
+
+def _convolution_backward(ctx, dy):
+    x, w = ctx.saved_tensors
+    stride, pad_lo, pad_hi, dilation, groups = ctx.conv
+    dx = dw = db = None
+    if ctx.needs_input_grad[0]:
+        dx = convolution_grad_input(dy, w, list(x.shape), stride, pad_lo, pad_hi, dilation, groups)
+    if ctx.needs_input_grad[1]:
+        dw = convolution_grad_weight(x, dy, list(w.shape), stride, pad_lo, pad_hi, dilation, groups)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        db = dy.sum(dim=[0, *range(2, dy.dim())])
+    return dx, dw, db, None, None, None, None, None
+
+
+convolution.register_autograd(_convolution_backward, setup_context=_convolution_setup)
+
+
+# --- the gradients -----------------------------------------------------------------------------------------
+
+@torch.library.custom_op(f"{LIB}::convolution_grad_input", mutates_args=())
+def convolution_grad_input(dy: torch.Tensor, w: torch.Tensor, input_size: list[int], stride: list[int],
+                           pad_lo: list[int], pad_hi: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    return runtime.run("grad_input", dy, w, spatial=input_size[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
+                       pad_hi=pad_hi, dilation=dilation, groups=groups)
+
+
+@convolution_grad_input.register_fake
+def _(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups):
+    return _empty_like_format(input_size, dy, runtime.result_dtype(dy))
+
+
+@torch.library.custom_op(f"{LIB}::convolution_grad_weight", mutates_args=())
+def convolution_grad_weight(x: torch.Tensor, dy: torch.Tensor, weight_size: list[int], stride: list[int],
+                            pad_lo: list[int], pad_hi: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    return runtime.run("grad_weight", x, dy, spatial=x.shape[2:], filt=weight_size[2:], stride=stride,
+                       pad_lo=pad_lo, pad_hi=pad_hi, dilation=dilation, groups=groups)
+
+
+@convolution_grad_weight.register_fake
+def _(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups):
+    return _empty_like_format(weight_size, x, runtime.result_dtype(x))
+
+
+# --- the transposed convolution ------------------------------------------------------------------------
+# conv_transpose(x, w) is grad_input of the convolution that maps its output back to x: that convolution's
+# input is the transposed convolution's output, its weight (G*K, C, ...) is the transposed one's (G*C_in,
+# C_out, ...) as it stands.  So its backward is that convolution's forward (for x) and grad_weight (for w).
+
+@torch.library.custom_op(f"{LIB}::conv_transpose", mutates_args=())
+def conv_transpose(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
+                   pad_lo: list[int], pad_hi: list[int], output_padding: list[int], dilation: list[int],
+                   groups: int) -> torch.Tensor:
+    out = transposed_output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, output_padding, dilation)
+    # output_padding < stride: the convolution of `out` positions with these paddings has x's positions again
+    y = runtime.run("grad_input", x, w, spatial=out, filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
+                    pad_hi=pad_hi, dilation=dilation, groups=groups)
+    if bias is not None:
+        y = y.add_(bias.view(1, -1, *([1] * (y.dim() - 2))).to(y.dtype))
+    return y
+
+
+@conv_transpose.register_fake
+def _(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups):
+    out = transposed_output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, output_padding, dilation)
+    return _empty_like_format([x.shape[0], w.shape[1] * groups, *out], x, runtime.result_dtype(x))
+
+
+def _transpose_setup(ctx, inputs, output) -> None:
+    x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups = inputs
+    ctx.save_for_backward(x, w)
+    ctx.has_bias = bias is not None
+    ctx.conv = (stride, pad_lo, pad_hi, dilation, groups)
+
+
+def _transpose_backward(ctx, dy):
+    x, w = ctx.saved_tensors
+    stride, pad_lo, pad_hi, dilation, groups = ctx.conv
+    dx = dw = db = None
+    if ctx.needs_input_grad[0]:
+        dx = convolution(dy, w, None, stride, pad_lo, pad_hi, dilation, groups)
+    if ctx.needs_input_grad[1]:
+        dw = convolution_grad_weight(dy, x, list(w.shape), stride, pad_lo, pad_hi, dilation, groups)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        db = dy.sum(dim=[0, *range(2, dy.dim())])
+    return dx, dw, db, None, None, None, None, None, None
+
+
+conv_transpose.register_autograd(_transpose_backward, setup_context=_transpose_setup)
+
+
+def problem_of(op: str, a: torch.Tensor, b: torch.Tensor, **conv) -> ConvProblem:
+    """The ConvProblem a call runs (for `explain`-style questions from Python)."""
+    return runtime.problem_for(op, a, b, **conv)

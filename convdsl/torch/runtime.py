@@ -1,0 +1,160 @@
+"""Where a PyTorch call runs, and the mapping from PyTorch's tensors to convdsl's problems and layouts.
+
+Activations (N, G*C, *spatial): contiguous -> NGCHW, viewed (N, G, C, *spatial); channels-last -> NHWGC,
+viewed (N, *spatial, G, C).  Weights (G*K, C, *filter): contiguous -> GKCYX, viewed (G, K, C, *filter);
+channels-last -> GKYXC, viewed (G, K, *filter, C).  None of these views copies.  A second activation in the
+other memory format than the first is made like the first (a copy), as cuDNN does.
+
+Paths: on CUDA the stream kernels (convdsl/stream.py) on PyTorch's current stream where they apply, else the
+IREE module through DLPack (it synchronises); on the CPU the IREE module.  `logging.getLogger("convdsl.torch")`
+says at debug level which path each new problem takes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+
+from .. import stream
+from ..api import KERNEL_NAME, get_kernel
+from ..interop import torch_call
+from ..module import native_cuda_arch
+from ..problem import ConvProblem
+from ..targets import Target
+from .stream import StreamRunner
+
+log = logging.getLogger("convdsl.torch")
+
+DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def result_dtype(t: torch.Tensor) -> torch.dtype:
+    return t.dtype
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    if t.dim() == 4:
+        return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+    if t.dim() == 5:
+        return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d)
+    return False
+
+
+def _format_of(t: torch.Tensor) -> torch.memory_format:
+    return {4: torch.channels_last, 5: torch.channels_last_3d}[t.dim()] if _channels_last(t) else \
+        torch.contiguous_format
+
+
+def activation_view(t: torch.Tensor, groups: int, layout: str) -> torch.Tensor:
+    """(N, G*C, *sp) as convdsl's `layout` (NGCHW or NHWGC), a view of the same memory."""
+    n, gc, *sp = t.shape
+    if layout == "NHWGC":
+        return t.permute(0, *range(2, t.dim()), 1).view(n, *sp, groups, gc // groups)
+    return t.view(n, groups, gc // groups, *sp)
+
+
+def weight_view(w: torch.Tensor, groups: int, layout: str) -> torch.Tensor:
+    gk, c, *f = w.shape
+    if layout == "GKYXC":
+        return w.permute(0, *range(2, w.dim()), 1).view(groups, gk // groups, *f, c)
+    return w.view(groups, gk // groups, c, *f)
+
+
+def _activation_result(r: torch.Tensor, layout: str, dims: int) -> torch.Tensor:
+    """convdsl's result (NGCHW or NHWGC) as PyTorch's (N, G*K, *sp), without a copy."""
+    if layout == "NHWGC":
+        n, *sp, g, k = r.shape
+        return r.view(n, *sp, g * k).permute(0, dims + 1, *range(1, dims + 1))
+    n, g, k, *sp = r.shape
+    return r.view(n, g * k, *sp)
+
+
+def _weight_result(r: torch.Tensor, layout: str, dims: int) -> torch.Tensor:
+    if layout == "GKYXC":
+        g, k, *f, c = r.shape
+        return r.view(g * k, *f, c).permute(0, dims + 1, *range(1, dims + 1))
+    g, k, c, *f = r.shape
+    return r.view(g * k, c, *f)
+
+
+def problem_for(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], filt: Sequence[int],
+                stride: Sequence[int], pad_lo: Sequence[int], pad_hi: Sequence[int], dilation: Sequence[int],
+                groups: int) -> ConvProblem:
+    """The problem of a call: op's arguments (a, b) as PyTorch tensors, sizes the tensors cannot say passed."""
+    dims = a.dim() - 2
+    layout = "NHWGC" if _channels_last(a) else "NGCHW"  # the first argument is an activation for every op
+    # the weight's layout follows its memory format; grad_weight's result follows the activations' (a model
+    # in channels-last has channels-last weights)
+    weight_channels_last = _channels_last(b) if op in ("forward", "grad_input") else layout == "NHWGC"
+    weight_layout = "GKYXC" if weight_channels_last else "GKCYX"
+    dtype = DTYPES[a.dtype]
+    if op == "forward":
+        c, k = a.shape[1] // groups, b.shape[0] // groups
+    elif op == "grad_input":
+        c, k = b.shape[1], b.shape[0] // groups  # dy = a has G*K channels
+    else:  # grad_weight(x, dy)
+        c, k = a.shape[1] // groups, b.shape[1] // groups
+    compute = "tf32" if dtype == "f32" and a.is_cuda and torch.backends.cudnn.allow_tf32 else None
+    return ConvProblem(
+        op=op, dims=dims, groups=groups, batch=a.shape[0], in_channels=c, out_channels=k, input=tuple(spatial),
+        filter=tuple(filt), stride=tuple(stride), dilation=tuple(dilation), pad_lo=tuple(pad_lo),
+        pad_hi=tuple(pad_hi), layout=layout, weight_layout=weight_layout, dtype=dtype, compute=compute,
+        name=KERNEL_NAME)
+
+
+_runners: dict[tuple, StreamRunner] = {}
+_targets: dict[int, Target] = {}
+
+
+def _cuda_target(device: torch.device) -> Target:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    target = _targets.get(index)
+    if target is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        arch = native_cuda_arch(index) or "sm_80"
+        target = _targets.setdefault(index, Target("cuda", arch))
+        log.debug("device %d (compute capability %d.%d): target %s", index, major, minor, target)
+    return target
+
+
+def _stream_runner(p: ConvProblem, device: torch.device) -> Optional[StreamRunner]:
+    key = (p, device.index)
+    if key in _runners:
+        return _runners[key]
+    target = _cuda_target(device)
+    reason = stream.unsupported_reason(p, target)
+    runner = None
+    if reason is None:
+        runner = StreamRunner(stream.stream_kernel(p, target), device)
+        log.debug("%s: %s", p.describe(), runner.kernel.describe())
+    else:
+        log.debug("%s: IREE module through DLPack (synchronised): %s", p.describe(), reason)
+    _runners[key] = runner
+    return runner
+
+
+def run(op: str, a: torch.Tensor, b: torch.Tensor, **conv) -> torch.Tensor:
+    """op's result as a PyTorch tensor in a's memory format."""
+    groups = conv["groups"]
+    a, b = a.detach(), b.detach()  # the kernels read the values; autograd is the ops' business
+    if _format_of(b) != _format_of(a) and op == "grad_weight":
+        b = b.contiguous(memory_format=_format_of(a))  # dy like x
+    elif op != "grad_weight" and b.dim() == a.dim() and _channels_last(a) != _channels_last(b):
+        b = b.contiguous(memory_format=_format_of(a))  # the weight in the activations' format
+    if not (a.is_contiguous() or _channels_last(a)):
+        a = a.contiguous()
+    if not (b.is_contiguous() or _channels_last(b)):
+        b = b.contiguous()
+    p = problem_for(op, a, b, **conv)
+    av = activation_view(a, groups, p.layout)
+    bv = weight_view(b, groups, p.weight_layout) if op != "grad_weight" else activation_view(b, groups, p.layout)
+    runner = _stream_runner(p, a.device) if a.is_cuda else None
+    if runner is not None:
+        r = runner(av, bv)
+    else:
+        kernel = get_kernel(p, _cuda_target(a.device) if a.is_cuda else Target("cpu", "host"))
+        r = torch_call(kernel.module, p.name, av, bv)
+    if op == "grad_weight":
+        return _weight_result(r, p.weight_layout, p.dims)
+    return _activation_result(r, p.layout, p.dims)
