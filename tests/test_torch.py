@@ -1,0 +1,178 @@
+"""convdsl.torch on the CPU: every op (forward, grad_input and grad_weight through autograd, transposed), ranks
+1D/2D/3D, groups (one, several, depthwise), stride, dilation, padding ('same' with an even kernel: asymmetric),
+both memory formats, with and without bias, against torch.nn's convolutions in float64; torch.compile of a
+model built from the modules; DistributedDataParallel over gloo; torch.nn's errors for bad calls."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from torch import nn  # noqa: E402
+
+import convdsl.torch as ct  # noqa: E402
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+CL = {2: torch.channels_last, 3: torch.channels_last_3d}
+
+# (module class name, constructor arguments, input shape, memory format or None, dtype)
+CASES = [
+    ("Conv1d", dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1, groups=2), (2, 4, 11), None),
+    ("Conv2d", dict(in_channels=8, out_channels=12, kernel_size=3, stride=2, padding=1, groups=4), (2, 8, 9, 10),
+     None),
+    ("Conv2d", dict(in_channels=8, out_channels=12, kernel_size=3, stride=2, padding=1, groups=4), (2, 8, 9, 10),
+     "cl"),
+    ("Conv2d", dict(in_channels=6, out_channels=6, kernel_size=3, padding="same", dilation=2, groups=6,
+                    bias=False), (2, 6, 8, 7), "cl"),  # depthwise, dilated
+    ("Conv2d", dict(in_channels=4, out_channels=6, kernel_size=(2, 4), padding="same"), (1, 4, 6, 9), None),
+    ("Conv2d", dict(in_channels=4, out_channels=6, kernel_size=3, padding="valid", stride=(1, 2)), (2, 4, 7, 9),
+     None),
+    ("Conv3d", dict(in_channels=4, out_channels=4, kernel_size=3, stride=2, padding=1, groups=2), (1, 4, 5, 6, 7),
+     None),
+    ("Conv3d", dict(in_channels=4, out_channels=4, kernel_size=3, stride=2, padding=1, groups=2), (1, 4, 5, 6, 7),
+     "cl"),
+    ("ConvTranspose1d", dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1, output_padding=1),
+     (2, 4, 7), None),
+    ("ConvTranspose2d", dict(in_channels=6, out_channels=4, kernel_size=3, stride=2, padding=1, output_padding=1,
+                             groups=2), (2, 6, 5, 7), "cl"),
+    ("ConvTranspose3d", dict(in_channels=4, out_channels=4, kernel_size=2, stride=2, bias=False), (1, 4, 3, 4, 3),
+     None),
+]
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.detach().double() - want.detach()).norm() / want.detach().norm().clamp_min(1e-300))
+
+
+def _pair(name: str, kwargs: dict, dtype: torch.dtype):
+    ref = getattr(nn, name)(**kwargs).double()
+    mod = getattr(ct, name)(**kwargs).to(dtype)
+    mod.load_state_dict({k: v.to(dtype) for k, v in ref.state_dict().items()})
+    ref.load_state_dict({k: v.double() for k, v in mod.state_dict().items()})  # the same (rounded) weights
+    return mod, ref
+
+
+@pytest.mark.parametrize("name, kwargs, shape, fmt", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_module_matches_torch_nn(name, kwargs, shape, fmt, dtype):
+    mod, ref = _pair(name, kwargs, dtype)
+    memory = CL[len(shape) - 2] if fmt else torch.contiguous_format
+    mod = mod.to(memory_format=memory)
+    x = torch.randn(shape).to(dtype).to(memory_format=memory).requires_grad_()
+    xr = x.detach().double().requires_grad_()
+    y, yr = mod(x), ref(xr)
+    assert y.shape == yr.shape and y.dtype == dtype
+    assert y.is_contiguous(memory_format=memory)  # the result keeps the input's memory format
+    g = torch.randn(y.shape)
+    y.backward(g.to(dtype))
+    yr.backward(g.double())
+    tol = TOLERANCE[dtype]
+    assert _rel(y, yr) <= tol
+    assert _rel(x.grad, xr.grad) <= tol
+    assert _rel(mod.weight.grad, ref.weight.grad) <= tol
+    if kwargs.get("bias", True):
+        assert _rel(mod.bias.grad, ref.bias.grad) <= tol
+
+
+def test_bf16_module():
+    mod, ref = _pair("Conv2d", dict(in_channels=8, out_channels=8, kernel_size=3, padding=1), torch.bfloat16)
+    x = torch.randn(2, 8, 6, 6).to(torch.bfloat16).requires_grad_()
+    xr = x.detach().double().requires_grad_()
+    y, yr = mod(x), ref(xr)
+    g = torch.randn(y.shape)
+    y.backward(g.to(torch.bfloat16))
+    yr.backward(g.double())
+    for got, want in ((y, yr), (x.grad, xr.grad), (mod.weight.grad, ref.weight.grad)):
+        assert got.dtype == torch.bfloat16 and _rel(got, want) <= TOLERANCE[torch.bfloat16]
+
+
+def test_unbatched_input_and_output_size():
+    mod, ref = _pair("ConvTranspose2d", dict(in_channels=4, out_channels=2, kernel_size=3, stride=2), torch.float32)
+    x = torch.randn(4, 5, 5)
+    assert _rel(mod(x), ref(x.double())) <= 1e-5  # (C, H, W) as torch.nn takes it
+    assert mod(x.unsqueeze(0), output_size=[12, 12]).shape == ref(x.unsqueeze(0).double(), output_size=[12, 12]).shape
+
+
+def _model(conv_cls=nn.Conv2d) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(conv_cls(3, 8, 3, padding=1), nn.ReLU(), conv_cls(8, 8, 3, stride=2, padding=1, groups=4),
+                         nn.ReLU(), conv_cls(8, 4, 1), nn.Flatten(), nn.Linear(64, 3))  # for 8x8 inputs
+
+
+def test_convert_swaps_convolutions_and_keeps_outputs():
+    model = _model()
+    x = torch.randn(2, 3, 8, 8)
+    want = model(x)
+    converted = ct.convert(model)
+    kinds = [type(m) for m in converted.modules() if isinstance(m, nn.Conv2d)]
+    assert kinds == [ct.Conv2d] * 3
+    assert _rel(converted(x), want.detach().double()) <= 1e-5
+    reflect = nn.Conv2d(3, 3, 3, padding=1, padding_mode="reflect")
+    assert type(ct.convert(nn.Sequential(reflect))[0]) is nn.Conv2d  # only zero padding is swapped
+
+
+def test_torch_compile_fullgraph():
+    model = ct.convert(_model())
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    y.sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    model(x).sum().backward()
+    assert _rel(y, model(x).detach().double()) <= 1e-6 and _rel(grad, x.grad.double()) <= 1e-6
+
+
+def test_bad_calls_raise_torch_nn_errors():
+    conv = ct.Conv2d(4, 6, 3)
+    with pytest.raises(RuntimeError, match="Expected 3D .unbatched. or 4D"):
+        conv(torch.randn(1, 1, 4, 8, 8))
+    with pytest.raises(RuntimeError, match="should be the same"):
+        conv(torch.randn(1, 4, 8, 8, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="expected input.* to have 4 channels, but got 5"):
+        conv(torch.randn(1, 5, 8, 8))
+    with pytest.raises(ValueError, match="divisible by groups"):
+        ct.Conv2d(4, 6, 3, groups=3)
+    with pytest.raises(RuntimeError, match="float32, float16 and bfloat16"):
+        conv.double()(torch.randn(1, 4, 8, 8, dtype=torch.float64))
+    odd = ct.Conv2d(4, 6, 3)
+    odd.padding_mode = "circular"
+    with pytest.raises(ValueError, match="padding_mode"):
+        odd(torch.randn(1, 4, 8, 8))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, batch: torch.Tensor, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = nn.parallel.DistributedDataParallel(ct.convert(_model()))
+        shard = batch.chunk(world)[rank]
+        model(shard).square().mean().backward()
+        out[rank] = [p.grad.clone() for p in model.parameters()]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_data_parallel_over_gloo():
+    torch.manual_seed(1)
+    batch = torch.randn(4, 3, 8, 8)
+    single = ct.convert(_model())
+    single(batch).square().mean().backward()
+    want = [p.grad for p in single.parameters()]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_ddp_worker, args=(2, _free_port(), batch, out), nprocs=2, join=True)
+        got = out[0]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert _rel(g, w.double()) <= 1e-5  # DDP's averaged gradients equal the whole batch's
