@@ -26,7 +26,7 @@ from convdsl.targets import Target  # noqa: E402
 TARGETS = ("cuda:sm_90", "cuda:sm_80", "cpu:host", "rocm:gfx942")
 
 
-_BLOB = re.compile(r'dense<"0x([0-9A-F]+)">')
+_BLOB = re.compile(r'dense<"0x([0-9A-F]+)">( : vector<\d+xi8>)?')
 _DEBUG = re.compile(r"^\s*(\.loc|\.file)\b.*$|^\s*\.section\s+\.debug.*?^\s*}", re.M | re.S)
 
 
@@ -34,6 +34,7 @@ def _without_debug_lines(match: re.Match) -> str:
     data = bytes.fromhex(match.group(1))
     if not data.startswith(b"//"):  # a cubin
         return match.group(0)
+    # the PTX without its debug lines (their line numbers follow the kernels' source), and so without its size
     return "ptx:" + hashlib.sha256(_DEBUG.sub("", data.decode()).encode()).hexdigest()
 
 
