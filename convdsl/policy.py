@@ -13,7 +13,7 @@ from typing import Optional
 
 from dataclasses import dataclass
 
-from .kernels.launch import (MAX_ELEMENTS, Launch, arch_number, geometry, grad_input_direct_launch,
+from .kernels.launch import (MAX_ELEMENTS, Launch, arch_number, forward_launch, geometry, grad_input_direct_launch,
                              grad_input_launch, grad_weight_depthwise_launch, grad_weight_launch, output_tiles,
                              pad3, packable, packed_sizes, reduction_steps, split_chunks, tiles_within_images,
                              triton_version, depthwise_channel_blocks)
@@ -123,8 +123,8 @@ def unsupported_reason(p: ConvProblem, target: Target) -> Optional[str]:
         return f"the external kernels are CUDA kernels; target is {target.backend}"
     if arch_number(target.arch) < 80:
         return f"the kernels need sm_80 or newer (cp.async, bf16 mma); target is {target.arch}"
-    if p.op == "forward":
-        return "forward keeps the linalg form (no external kernel for it)"
+    if p.op == "forward" and p.depthwise:
+        return "depthwise forward keeps the linalg form (no direct kernel for it)"
     if p.dynamic_batch:
         return "batch = ?: the kernels are specialised to every size"
     if p.epilogue.kind == "bilinear":
@@ -163,7 +163,7 @@ def relayout_ngchw(p: ConvProblem, knobs: Knobs) -> bool:
 
 
 def dot_precision(p: ConvProblem) -> str:
-    """Triton's dot precision for the GEMM cores."""
+    """Triton's dot precision for the GEMM cores (forward and grad_input take one-pass TF32 where allowed)."""
     # f32: three-pass TF32 on the tensor cores (about f32's accuracy; error measured against the f64
     # reference in the GPU tests); compute = "bf16x3": three bf16 products, as the linalg form does;
     # compute = "tf32": one-pass TF32 (cuDNN's default for f32 convolutions) for grad_input, a third of the
@@ -328,6 +328,9 @@ def kernel_tiles(p: ConvProblem, tiles: Optional[TileConfig]) -> TileConfig:
     """The tiles plan_launches uses for p: `tiles`, else the defaults of the kernel p runs on."""
     if tiles is not None:
         return tiles
+    if p.op == "forward":
+        # forward runs on grad_input's GEMM kernel with the channels' roles swapped: columns K, reduction C
+        return default_grad_input_tiles(p.with_(in_channels=p.out_channels, out_channels=p.in_channels))
     if p.op == "grad_weight":
         return depthwise_grad_weight_tiles(p) if p.depthwise else default_grad_weight_tiles(p)
     return direct_grad_input_tiles(p) if direct_grad_input(p) else default_grad_input_tiles(p)
@@ -351,6 +354,8 @@ def plan_launches(p: ConvProblem, tiles: Optional[TileConfig], target: Target, x
         launch, partials = grad_weight_launch(p, tiles, base, grad_weight_parts(p, tiles, target), dot_precision(p),
                                               x_layout)
         return tiles, (launch,), partials
+    if p.op == "forward":
+        return tiles, (forward_launch(p, tiles, base, dot_precision(p)),), ()
     if direct_grad_input(p) and not packed:
         return tiles, (grad_input_direct_launch(p, tiles, base),), ()
     return tiles, (grad_input_launch(p, tiles, base, dot_precision(p)),), ()

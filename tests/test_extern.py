@@ -433,7 +433,7 @@ def test_rule_and_overrides():
     linalg = plan_kernel(p, HOPPER, Knobs(extern=False))
     assert linalg.form == "implicit-gemm" and "extern = false" in describe_plan(linalg)
     for other, why in (
-        (p.with_(op="forward"), "forward"),
+        (p.with_(op="forward", groups=8, in_channels=1, out_channels=1), "depthwise forward"),
         (p.with_(dynamic_batch=True), "batch = ?"),
         (p.with_(epilogue=Epilogue("bilinear", 1.0, 0.5)), "bilinear"),
         (p.with_(op="grad_weight", groups=8, in_channels=4, out_channels=4, layout="GNHWC"), "few channels"),

@@ -42,6 +42,16 @@ CASES = [
     (BASE.with_(op="grad_input", groups=8, in_channels=1, out_channels=1, filter=(3, 3), pad_lo=(1, 1),
                 pad_hi=(1, 1)), None),
     (BASE.with_(groups=8, in_channels=1, out_channels=1, filter=(3, 3), pad_lo=(1, 1), pad_hi=(1, 1)), None),
+    # forward on grad_input's kernel (one phase, read stride): strided and dilated, asymmetric padding, f32
+    # (three-pass TF32) and bf16, NGCHW through copies, packed few-channel groups, 1D and 3D
+    (BASE.with_(op="forward", stride=(2, 1), dilation=(1, 2), dtype="f32"), SMALL),
+    (BASE.with_(op="forward", dtype="bf16", layout="NGCHW", epilogue=Epilogue("scale", 0.5)), SMALL),
+    (BASE.with_(op="forward", groups=8, in_channels=4, out_channels=4, filter=(3, 3), pad_lo=(1, 1),
+                pad_hi=(1, 1)), None),
+    (BASE.with_(op="forward", dims=1, input=(13,), filter=(3,), stride=(2,), dilation=(1,), pad_lo=(1,),
+                pad_hi=(0,), layout="GNHWC"), SMALL),
+    (BASE.with_(op="forward", dims=3, input=(4, 5, 6), filter=(2, 3, 2), stride=(1, 2, 1), dilation=(1, 1, 2),
+                pad_lo=(0, 1, 1), pad_hi=(1, 1, 0), weight_layout="GKCYX"), SMALL),
 ]
 
 
@@ -75,6 +85,19 @@ def test_stream_launches_are_the_modules_launches():
         assert tuple(sl.launch for sl in kernel.launches) == plan.extern.launches
         assert (kernel.sum is not None) == (p.op == "grad_weight")
         assert len(kernel.rounds) == (2 if p.fp8_compute else 0)
+
+
+def test_forward_takes_the_triton_kernel_and_compiles_for_cuda():
+    from convdsl.backends.iree import compile_mlir
+    from convdsl.passes import lower_to_mlir
+    from convdsl.passes.explain import describe_plan
+    from convdsl.passes.plan import plan_kernel
+
+    p = BASE.with_(op="forward")
+    plan = plan_kernel(p, HOPPER)
+    assert plan.form == "extern" and "forward as one implicit GEMM" in describe_plan(plan)
+    assert "depthwise forward" in stream.unsupported_reason(p.with_(groups=8, in_channels=1, out_channels=1), HOPPER)
+    assert len(compile_mlir(lower_to_mlir([p], Target("cuda", "sm_80")), Target("cuda", "sm_80"))) > 0
 
 
 def test_unsupported_problems_say_why():

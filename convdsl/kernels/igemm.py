@@ -10,9 +10,11 @@ Every problem is canonicalised to 3 spatial dimensions (leading dimensions of si
 is addressed through element strides, so one kernel serves 1D/2D/3D and every layout (NHWGC, GNHWC,
 NGCHW; GKYXC, GKCYX).  All shapes are compile-time constants: Triton folds the index arithmetic.
 
-Index algebra (per spatial dimension d; shared/design/conv-algebra.md, convdsl/algebra.py):
+Index algebra (per spatial dimension d; docs/algebra.md, convdsl/algebra.py):
   grad_input, one stride phase (residue r):  dX[i = r + s*q] = sum over taps j < J, channels k of
       dY[o = q + off - j*o_step] * W[y = y0 + j*tap_step]        (o outside [0, O) reads zero)
+  forward, the same kernel with one phase (r = 0, unit write stride), the roles of the channels swapped and a
+      read stride:  Y[q] = sum over taps j, channels c of X[i = s*q - lo + j*d] * W[j]  (off = -lo, o_step = -d)
   grad_weight:  dW[k, y, c] = sum over n, o of dY[n, o, k] * X[n, i = o*s + y*d - lo, c]
       (i outside [0, I) reads zero), the sum over (n, o) cut into S chunks of whole BLOCK_R steps,
       each chunk's f32 partial sum stored apart and added in chunk order afterwards (deterministic).
@@ -37,9 +39,9 @@ def grad_input_phases(
     # sizes: channels, batch; dY spatial O and stride S per dimension (3 each)
     C: tl.constexpr, K: tl.constexpr, N: tl.constexpr, O: tl.constexpr, S: tl.constexpr,
     # the stride phases: phase p owns programs [FIRST[p], FIRST[p + 1]) (heaviest first); per dimension d and
-    # phase p (Q[d][p] ...): positions Q and taps J; dX position i = R + S*q; dY position o = q + OFF - j*OSTEP;
-    # tap y = Y0 + j*TSTEP
-    PHASES: tl.constexpr, FIRST: tl.constexpr,
+    # phase p (Q[d][p] ...): positions Q and taps J; dX position i = R + S*q; dY position o = RS*q + OFF - j*OSTEP;
+    # tap y = Y0 + j*TSTEP.  RS (read stride) is 1 for grad_input; forward runs as one phase with RS = its stride
+    PHASES: tl.constexpr, FIRST: tl.constexpr, RS: tl.constexpr,
     Q: tl.constexpr, J: tl.constexpr, R: tl.constexpr, OFF: tl.constexpr, OSTEP: tl.constexpr, Y0: tl.constexpr,
     TSTEP: tl.constexpr,
     # element strides: dY (n, g, k, o0, o1, o2), W (g, k, c, y0, y1, y2), dX (n, g, c, i0, i1, i2)
@@ -96,9 +98,9 @@ def grad_input_phases(
                 j2 = j % J[2][p]
                 j1 = (j // J[2][p]) % J[1][p]
                 j0 = j // (J[2][p] * J[1][p])
-                o0 = q0 + (OFF[0][p] - j0 * OSTEP[0][p])
-                o1 = q1 + (OFF[1][p] - j1 * OSTEP[1][p])
-                o2 = q2 + (OFF[2][p] - j2 * OSTEP[2][p])
+                o0 = q0 * RS[0] + (OFF[0][p] - j0 * OSTEP[0][p])
+                o1 = q1 * RS[1] + (OFF[1][p] - j1 * OSTEP[1][p])
+                o2 = q2 * RS[2] + (OFF[2][p] - j2 * OSTEP[2][p])
                 row_ok = m_ok & (o0 >= 0) & (o0 < O[0]) & (o1 >= 0) & (o1 < O[1]) & (o2 >= 0) & (o2 < O[2])
                 k_ok = k < K
                 a_ptrs = dy_row[:, None] + (o0 * DY[3] + o1 * DY[4] + o2 * DY[5])[:, None] + (k * DY[2])[None, :]

@@ -144,7 +144,7 @@ def grad_input_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: s
                                    ("Y0", "y0"), ("TSTEP", "tap_step"))}
     consts = dict(
         C=c, K=k, N=p.batch, O=pad3(p.output, 1), S=pad3(p.stride, 1),
-        PHASES=len(phases), FIRST=tuple(first), **per_phase,
+        PHASES=len(phases), FIRST=tuple(first), RS=(1, 1, 1), **per_phase,
         DY=dy_str, W=w_str, DX=dx_str,
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
         PRECISION=precision, PACK=tiles.pack,
@@ -154,6 +154,38 @@ def grad_input_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: s
     elem = operand_element(p)
     return Launch("grad_input_phases", f"{base}_phases", (elem, elem, ELEMENT[p.result_dtype]),
                   tuple(consts.items()), (first[-1], groups, 1), tiles.warps, tiles.stages)
+
+
+def forward_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str) -> Launch:
+    """Forward as grad_input_phases with one phase: rows are Y's positions q (written at i = q), columns its K
+    channels, the reduction runs over taps j and the C channels of X, read at s*q - lo + j*d (the read stride RS
+    = s, off = -lo, o_step = -d).  The kernel's dY is X, its dX is Y, and the weight's k and c strides swap so
+    that W[g, k, y, c] is read as the kernel's W[g, c, y, k]."""
+    tiles.check_matrix()
+    groups, k_out, c_red = packed_sizes(p.with_(in_channels=p.out_channels, out_channels=p.in_channels), tiles.pack)
+    x_str = _pack_strides(activation_strides(p, p.input, p.in_channels), tiles.pack)
+    y_str = _pack_strides(activation_strides(p, p.output, p.out_channels), tiles.pack)
+    w = weight_strides(p)
+    w_swapped = (w[0], w[2], w[1], w[3], w[4], w[5])
+    taps, out3 = pad3(p.filter, 1), pad3(p.output, 1)
+    lo, dil = pad3(p.pad_lo, 0), pad3(p.dilation, 1)
+    rows = p.batch * math.prod(out3)
+    programs = -(-rows // tiles.block_m) * -(-k_out // tiles.block_n)
+    one = lambda values: tuple((v,) for v in values)  # noqa: E731 - one phase: Q[d][0] ...
+    consts = dict(
+        C=k_out, K=c_red, N=p.batch, O=pad3(p.input, 1), S=(1, 1, 1),
+        PHASES=1, FIRST=(0, programs), RS=pad3(p.stride, 1),
+        Q=one(out3), J=one(taps), R=one((0, 0, 0)), OFF=one(tuple(-v for v in lo)), OSTEP=one(tuple(-d for d in dil)),
+        Y0=one((0, 0, 0)), TSTEP=one((1, 1, 1)),
+        DY=x_str, W=w_swapped, DX=y_str,
+        ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
+        PRECISION=precision, PACK=tiles.pack,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        NUM_STAGES=tiles.stages,
+    )
+    elem = operand_element(p)
+    return Launch("grad_input_phases", f"{base}_forward", (elem, elem, ELEMENT[p.result_dtype]),
+                  tuple(consts.items()), (programs, groups, 1), tiles.warps, tiles.stages)
 
 
 def geometry(p: ConvProblem) -> dict[str, tuple[int, int, int]]:

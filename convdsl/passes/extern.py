@@ -82,6 +82,12 @@ def grad_input(launch: Launch, binary: Binary, p: ConvProblem, dy: ir.Value, w: 
     return dispatch(launch, binary, [dy, w], result_type)
 
 
+def forward(launch: Launch, binary: Binary, p: ConvProblem, x: ir.Value, w: ir.Value) -> ir.Value:
+    """Y: one dispatch of grad_input's GEMM kernel run as a forward convolution (kernels/launch.forward_launch)."""
+    result_type = tensor_type(list(p.y_shape), element_type(p.result_dtype))
+    return dispatch(launch, binary, [x, w], result_type)
+
+
 def grad_weight(launch: Launch, binary: Binary, partials_shape: tuple[int, ...], p: ConvProblem,
                 x: ir.Value, dy: ir.Value, epilogue) -> ir.Value:
     """dW = epilogue(sum over s of P[s]): the kernel's f32 partials [S, G, K, taps..., C] summed in chunk

@@ -118,7 +118,9 @@ def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, 
     if p.op == "grad_weight":
         return extern.grad_weight(launch, binaries[launch.name], ext.partials_shape, p, args[0], args[1],
                                   lambda total: _epilogue(p, total, None))
-    # grad_input / transposed: the kernel applies a scale epilogue and stores in the result type
+    # forward, grad_input, transposed: the kernel applies a scale epilogue and stores in the result type
+    if p.op == "forward":
+        return extern.forward(launch, binaries[launch.name], p, args[0], args[1])
     return extern.grad_input(launch, binaries[launch.name], p, args[0], args[1])
 
 
