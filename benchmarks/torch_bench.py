@@ -165,6 +165,36 @@ def run(bundle: Path, out_dir: Path, names: list[str]) -> int:
     return 0 if summary["correct"] == summary["timed"] else 1
 
 
+def profile(bundle: Path, name: str) -> int:
+    """Where the host time of a queued call goes: cProfile over 2000 calls of one case, top 25 by own time."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    from benchmarks.gpu_bench import random_args
+    from convdsl import stream
+    from convdsl.torch.stream import StreamRunner
+
+    k = {k.problem.name: k for k in stream.load_bundle(bundle)}[name]
+    runner = StreamRunner(k, torch.device("cuda", 0))
+    args = random_args(_case_dict(k.problem), seed=1)
+    for _ in range(20):
+        runner(*args)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(2000):
+        runner(*args)
+    prof.disable()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    print(f"{name}: {(t1 - t0) / 2000 * 1e6:.1f} us per call queued (under cProfile)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -176,7 +206,12 @@ def main(argv=None) -> int:
     r.add_argument("--bundle", type=Path, required=True)
     r.add_argument("--out", type=Path, default=Path("results"))
     r.add_argument("--cases", nargs="*", default=[])
+    pr = sub.add_parser("profile", help="on a CUDA GPU: where one case's host time per call goes")
+    pr.add_argument("--bundle", type=Path, required=True)
+    pr.add_argument("case")
     args = ap.parse_args(argv)
+    if args.command == "profile":
+        return profile(args.bundle, args.case)
     if args.command == "build":
         return build(args.arch, args.out, args.cases)
     return run(args.bundle, args.out, args.cases)

@@ -67,21 +67,21 @@ def test_every_pad_form_compiles_for_cuda(name, form):
 
 
 def test_auto_compiles_for_the_cuda_device_present(monkeypatch):
-    import convdsl.compiler as compiler
-    from convdsl.compiler import resolve_target
+    import convdsl.module as module
+    from convdsl.module import resolve_target
     from convdsl.targets import arch_for_capability, native_cuda_arch
 
     # the compute capability decides: Hopper gets sm_90 (wgmma cubins, its tuned tiles), Ada sm_89, Ampere
     # sm_80; older or newer chips get the portable default (newer ones cannot run sm_90a cubins)
     assert [arch_for_capability(*cc) for cc in ((9, 0), (8, 9), (8, 6), (8, 0), (7, 5), (10, 0))] == \
         ["sm_90", "sm_89", "sm_80", "sm_80", None, None]
-    monkeypatch.setattr(compiler, "cuda_available", lambda: True)
-    monkeypatch.setattr(compiler, "native_cuda_arch", lambda: "sm_90")
+    monkeypatch.setattr(module, "cuda_available", lambda: True)
+    monkeypatch.setattr(module, "native_cuda_arch", lambda: "sm_90")
     assert resolve_target("auto") == Target("cuda", "sm_90")
     assert resolve_target("auto", "sm_89") == Target("cuda", "sm_89")  # an explicit arch wins
     assert resolve_target("cuda") == Target("cuda", "sm_80")  # an explicit backend keeps the portable default
-    monkeypatch.setattr(compiler, "native_cuda_arch", lambda: None)
+    monkeypatch.setattr(module, "native_cuda_arch", lambda: None)
     assert resolve_target("auto") == Target("cuda", "sm_80")
-    monkeypatch.setattr(compiler, "cuda_available", lambda: False)
+    monkeypatch.setattr(module, "cuda_available", lambda: False)
     assert resolve_target("auto") == Target("cpu", "host")
     assert native_cuda_arch() in (None, "sm_80", "sm_89", "sm_90")  # here: the machine's own answer
