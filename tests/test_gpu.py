@@ -60,7 +60,7 @@ def test_torch_tensors_run_without_copies(stem: str):
     """convdsl.interop.torch_call on CUDA tensors (f16, bf16, f32): the same bits as the usual call."""
     import torch
 
-    from convdsl.compiler import CompiledModule
+    from convdsl.module import CompiledModule
     from convdsl.interop import torch_call
     from convdsl.targets import Target
 

@@ -10,7 +10,7 @@ import pytest
 from convdsl.abi import ASYNC_SUFFIX, INTO_SUFFIX
 from convdsl.backends.iree import LoadedModule, compile_mlir
 from convdsl.backends.into_call import IntoCall, allocate_result
-from convdsl.compiler import manifest
+from convdsl.module import manifest
 from convdsl.passes import lower_to_mlir
 from convdsl.problem import ConvProblem, Epilogue
 from convdsl.reference import random_inputs, reference, relative_error, tolerance

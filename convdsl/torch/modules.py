@@ -31,7 +31,7 @@ def check_call(module: nn.Module, x: torch.Tensor, transposed: bool) -> None:
         raise RuntimeError(f"Expected {dims + 1}D (unbatched) or {dims + 2}D (batched) input to {name}, but got "
                            f"input of size: {list(x.shape)}")
     w = module.weight
-    if x.dtype != w.dtype:
+    if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):  # autocast casts both
         raise RuntimeError(f"Input type ({x.dtype}) and weight type ({w.dtype}) should be the same")
     if x.dtype not in _SUPPORTED:
         raise RuntimeError(f"{name}: convdsl computes float32, float16 and bfloat16, got input of type {x.dtype}")

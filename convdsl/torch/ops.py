@@ -71,6 +71,8 @@ def convolution(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], 
 
 @convolution.register_fake
 def _(x, w, bias, stride, pad_lo, pad_hi, dilation, groups):
+    runtime.note("forward", x, w, spatial=x.shape[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
+                 pad_hi=pad_hi, dilation=dilation, groups=groups)
     out = output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, dilation)
     return _empty_like_format([x.shape[0], w.shape[0], *out], x, runtime.result_dtype(x))
 
@@ -109,6 +111,8 @@ def convolution_grad_input(dy: torch.Tensor, w: torch.Tensor, input_size: list[i
 
 @convolution_grad_input.register_fake
 def _(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups):
+    runtime.note("grad_input", dy, w, spatial=input_size[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
+                 pad_hi=pad_hi, dilation=dilation, groups=groups)
     return _empty_like_format(input_size, dy, runtime.result_dtype(dy))
 
 
@@ -121,6 +125,8 @@ def convolution_grad_weight(x: torch.Tensor, dy: torch.Tensor, weight_size: list
 
 @convolution_grad_weight.register_fake
 def _(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups):
+    runtime.note("grad_weight", x, dy, spatial=x.shape[2:], filt=weight_size[2:], stride=stride, pad_lo=pad_lo,
+                 pad_hi=pad_hi, dilation=dilation, groups=groups)
     return _empty_like_format(weight_size, x, runtime.result_dtype(x))
 
 
@@ -145,6 +151,8 @@ def conv_transpose(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor
 @conv_transpose.register_fake
 def _(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups):
     out = transposed_output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, output_padding, dilation)
+    runtime.note("grad_input", x, w, spatial=out, filt=w.shape[2:], stride=stride, pad_lo=pad_lo, pad_hi=pad_hi,
+                 dilation=dilation, groups=groups)
     return _empty_like_format([x.shape[0], w.shape[1] * groups, *out], x, runtime.result_dtype(x))
 
 
@@ -169,6 +177,30 @@ def _transpose_backward(ctx, dy):
 
 
 conv_transpose.register_autograd(_transpose_backward, setup_context=_transpose_setup)
+
+
+# Under autocast the convolutions run in the autocast dtype of the region (bf16 or f16), as torch.nn's do:
+# autocast leaves custom operators alone unless they register a kernel for its dispatch key.  The casts are
+# ordinary ops, so autograd carries the gradients back to the parameters' dtype.
+_library = torch.library.Library(LIB, "FRAGMENT")
+
+
+def _register_autocast(op, device_type: str) -> None:
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
+
+    def kernel(_keyset, *args):
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = [a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return op(*cast)
+
+    _library.impl(op._name.split("::")[-1], kernel, "Autocast" + torch._C._dispatch_key_for_device(device_type),
+                  with_keyset=True)
+
+
+for _op in (convolution, conv_transpose):
+    for _device in ("cuda", "cpu"):
+        _register_autocast(_op, _device)
 
 
 def problem_of(op: str, a: torch.Tensor, b: torch.Tensor, **conv) -> ConvProblem:

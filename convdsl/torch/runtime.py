@@ -11,8 +11,10 @@ says at debug level which path each new problem takes.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Optional, Sequence
+import os
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -95,7 +97,8 @@ def problem_for(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[
         c, k = b.shape[1], b.shape[0] // groups  # dy = a has G*K channels
     else:  # grad_weight(x, dy)
         c, k = a.shape[1] // groups, b.shape[1] // groups
-    compute = "tf32" if dtype == "f32" and a.is_cuda and torch.backends.cudnn.allow_tf32 else None
+    cuda = a.is_cuda or (_recording is not None and _recording_for_cuda)
+    compute = "tf32" if dtype == "f32" and cuda and torch.backends.cudnn.allow_tf32 else None
     return ConvProblem(
         op=op, dims=dims, groups=groups, batch=a.shape[0], in_channels=c, out_channels=k, input=tuple(spatial),
         filter=tuple(filt), stride=tuple(stride), dilation=tuple(dilation), pad_lo=tuple(pad_lo),
@@ -105,6 +108,46 @@ def problem_for(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[
 
 _runners: dict[tuple, StreamRunner] = {}
 _targets: dict[int, Target] = {}
+_recording: Optional[list[ConvProblem]] = None
+_recording_for_cuda = False
+_bundles_registered = False
+
+# Stream-kernel bundles compiled elsewhere (convdsl.stream.save_bundle), loaded before anything is compiled:
+# a GPU machine without Triton or IREE's compiler runs what a build machine compiled.
+BUNDLES_ENV = "CONVDSL_STREAM_BUNDLES"
+
+
+def _register_bundles() -> None:
+    global _bundles_registered
+    if _bundles_registered:
+        return
+    _bundles_registered = True
+    for path in filter(None, os.environ.get(BUNDLES_ENV, "").split(os.pathsep)):
+        stream.register_bundle(stream.load_bundle(path))
+        log.debug("stream kernels from %s", path)
+
+
+@contextlib.contextmanager
+def recording(as_cuda: bool = True) -> Iterator[list[ConvProblem]]:
+    """The problems the calls inside make, shapes only: run a model on fake tensors (FakeTensorMode, on the
+    CPU too) inside it to learn which kernels to compile ahead, e.g. into a bundle for a machine without a
+    compiler.  as_cuda: record the problems as CUDA calls make them (f32 follows cudnn.allow_tf32)."""
+    global _recording, _recording_for_cuda
+    previous, _recording = (_recording, _recording_for_cuda), []
+    _recording_for_cuda = as_cuda
+    try:
+        yield _recording
+    finally:
+        _recording, _recording_for_cuda = previous
+
+
+def note(op: str, a: torch.Tensor, b: torch.Tensor, **conv) -> None:
+    """Record the problem of a call traced on fake tensors (the ops' fake implementations call this)."""
+    if _recording is not None:
+        a, b = _as_laid_out(op, a, b)
+        p = problem_for(op, a, b, **conv)
+        if p not in _recording:
+            _recording.append(p)
 
 
 def _cuda_target(device: torch.device) -> Target:
@@ -122,6 +165,7 @@ def _stream_runner(p: ConvProblem, device: torch.device) -> Optional[StreamRunne
     key = (p, device.index)
     if key in _runners:
         return _runners[key]
+    _register_bundles()
     target = _cuda_target(device)
     reason = stream.unsupported_reason(p, target)
     runner = None
@@ -134,18 +178,23 @@ def _stream_runner(p: ConvProblem, device: torch.device) -> Optional[StreamRunne
     return runner
 
 
-def run(op: str, a: torch.Tensor, b: torch.Tensor, **conv) -> torch.Tensor:
-    """op's result as a PyTorch tensor in a's memory format."""
-    groups = conv["groups"]
-    a, b = a.detach(), b.detach()  # the kernels read the values; autograd is the ops' business
+def _as_laid_out(op: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two arguments in one of the mapped memory formats, the second like the first."""
     if _format_of(b) != _format_of(a) and op == "grad_weight":
         b = b.contiguous(memory_format=_format_of(a))  # dy like x
-    elif op != "grad_weight" and b.dim() == a.dim() and _channels_last(a) != _channels_last(b):
+    elif op != "grad_weight" and _channels_last(a) != _channels_last(b):
         b = b.contiguous(memory_format=_format_of(a))  # the weight in the activations' format
     if not (a.is_contiguous() or _channels_last(a)):
         a = a.contiguous()
     if not (b.is_contiguous() or _channels_last(b)):
         b = b.contiguous()
+    return a, b
+
+
+def run(op: str, a: torch.Tensor, b: torch.Tensor, **conv) -> torch.Tensor:
+    """op's result as a PyTorch tensor in a's memory format."""
+    groups = conv["groups"]
+    a, b = _as_laid_out(op, a.detach(), b.detach())  # the kernels read the values; autograd is the ops' own
     p = problem_for(op, a, b, **conv)
     av = activation_view(a, groups, p.layout)
     bv = weight_view(b, groups, p.weight_layout) if op != "grad_weight" else activation_view(b, groups, p.layout)

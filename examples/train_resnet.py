@@ -1,0 +1,221 @@
+"""Train a ResNet-50 on synthetic data with convdsl's convolutions or cuDNN's, and compare.
+
+    python3 examples/train_resnet.py --backend convdsl --steps 300 --out convdsl.json
+    python3 examples/train_resnet.py --backend cudnn --steps 300 --out cudnn.json
+    python3 examples/train_resnet.py --compare convdsl.json cudnn.json
+
+To run on a GPU machine without a compiler, compile the kernels of one training step ahead into a bundle
+(the shapes are traced on fake tensors, so this needs no GPU) and point convdsl at it:
+
+    python3 examples/train_resnet.py --bundle-out resnet50.convk --arch sm_90
+    CONVDSL_STREAM_BUNDLES=resnet50.convk python3 examples/train_resnet.py --backend convdsl
+
+On CUDA the step runs in bf16 autocast with channels-last tensors (the way cuDNN is fastest); on the CPU, for a
+quick check, in f32 (`--steps 2 --batch 2 --image-size 32`).  The data are made here from a fixed seed (nothing
+is downloaded): images drawn per class around a class template, so the loss falls as the model learns.  Both
+backends start from the same weights and see the same batches; `--compare` reports how far apart the loss
+curves are and the images per second of each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import convdsl.torch as ct  # noqa: E402
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, groups: int = 1, width_per_group: int = 64):
+        super().__init__()
+        width = int(planes * (width_per_group / 64.0)) * groups
+        self.conv1 = nn.Conv2d(inplanes, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, groups=groups, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, planes * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or inplanes != planes * 4:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes * 4, 1, stride=stride, bias=False),
+                                            nn.BatchNorm2d(planes * 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet-50 layout (ResNeXt-50 32x4d with groups=32, width_per_group=4)."""
+
+    def __init__(self, layers=(3, 4, 6, 3), classes: int = 100, groups: int = 1, width_per_group: int = 64):
+        super().__init__()
+        self.inplanes = 64
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(64),
+                                  nn.ReLU(inplace=True), nn.MaxPool2d(3, stride=2, padding=1))
+        stages = []
+        for i, (planes, blocks) in enumerate(zip((64, 128, 256, 512), layers)):
+            stage = []
+            for b in range(blocks):
+                stage.append(Bottleneck(self.inplanes, planes, 2 if (b == 0 and i > 0) else 1, groups,
+                                        width_per_group))
+                self.inplanes = planes * 4
+            stages.append(nn.Sequential(*stage))
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)))
+
+
+def synthetic_batches(steps: int, batch: int, size: int, classes: int, device: torch.device, seed: int):
+    """The same batches for every run: class templates plus noise, labels uniform."""
+    g = torch.Generator().manual_seed(seed)
+    templates = torch.randn(classes, 3, size, size, generator=g)
+    pool = []
+    for _ in range(min(steps, 16)):  # a pool of batches reused in order: the step time excludes data making
+        labels = torch.randint(0, classes, (batch,), generator=g)
+        images = templates[labels] + 0.8 * torch.randn(batch, 3, size, size, generator=g)
+        pool.append((images.to(device), labels.to(device)))
+    for i in range(steps):
+        yield pool[i % len(pool)]
+
+
+def train(args: argparse.Namespace) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    torch.manual_seed(args.seed)
+    groups, width = (32, 4) if args.resnext else (1, 64)
+    model = ResNet(groups=groups, width_per_group=width, classes=args.classes)
+    if args.backend == "convdsl":
+        ct.convert(model)
+    cuda = device.type == "cuda"
+    fmt = torch.channels_last if cuda else torch.contiguous_format
+    model = model.to(device).to(memory_format=fmt)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = loss_fn(model(images), labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    if args.compile:
+        step = torch.compile(step)
+    losses, times = [], []
+    t_last = time.perf_counter()
+    for i, (images, labels) in enumerate(synthetic_batches(args.steps, args.batch, args.image_size, args.classes,
+                                                           device, args.seed)):
+        loss = step(images.contiguous(memory_format=fmt), labels)
+        losses.append(loss.detach())
+        if (i + 1) % args.log_every == 0 or i + 1 == args.steps:
+            if cuda:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            times.append((now - t_last) / args.log_every)
+            t_last = now
+            print(f"step {i + 1:5d} loss {float(loss):.4f} {args.batch / times[-1]:8.1f} images/s", flush=True)
+    # the first interval holds compilation and warm-up: images per second from the others
+    steady = times[1:] if len(times) > 1 else times
+    result = {"backend": args.backend, "compile": args.compile, "steps": args.steps, "batch": args.batch,
+              "image_size": args.image_size, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+              "torch": torch.__version__, "losses": [float(x) for x in losses],
+              "images_per_s": args.batch / statistics.median(steady)}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result) + "\n")
+    return result
+
+
+def build_bundle(args: argparse.Namespace) -> int:
+    """Trace one training step on fake tensors (on the CPU: no GPU, no compute) and compile the stream kernels
+    of every convolution it makes, forward and backward, into one bundle file."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from convdsl import stream
+    from convdsl.targets import Target
+    from convdsl.torch import runtime
+
+    groups, width = (32, 4) if args.resnext else (1, 64)
+    model = ct.convert(ResNet(groups=groups, width_per_group=width, classes=args.classes))
+    model = model.to(memory_format=torch.channels_last)
+    with runtime.recording(as_cuda=True) as problems, FakeTensorMode(allow_non_fake_inputs=True):
+        images = torch.randn(args.batch, 3, args.image_size, args.image_size)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.CrossEntropyLoss()(model(images.contiguous(memory_format=torch.channels_last)),
+                                         torch.zeros(args.batch, dtype=torch.long))
+        loss.backward()
+    target = Target("cuda", args.arch)
+    kernels = [stream.stream_kernel(p, target) for p in problems if stream.unsupported_reason(p, target) is None]
+    stream.save_bundle(kernels, args.bundle_out)
+    print(f"wrote {args.bundle_out}: {len(kernels)} stream kernels of {len(problems)} convolution calls")
+    return 0
+
+
+def compare(a_path: Path, b_path: Path, window: int) -> int:
+    """The loss curves agree where the running means over `window` steps differ by at most 5% of the first
+    loss plus twice the run-to-run noise (the standard deviation within the window), at every step."""
+    a, b = json.loads(a_path.read_text()), json.loads(b_path.read_text())
+    la, lb = a["losses"], b["losses"]
+    n = min(len(la), len(lb))
+    worst = 0.0
+    ok = True
+    for i in range(window, n + 1):
+        wa, wb = la[i - window:i], lb[i - window:i]
+        gap = abs(statistics.fmean(wa) - statistics.fmean(wb))
+        allowed = 0.05 * la[0] + 2 * max(statistics.pstdev(wa), statistics.pstdev(wb))
+        worst = max(worst, gap / allowed)
+        ok &= gap <= allowed
+    print(f"{a['backend']}: {a['images_per_s']:.1f} images/s, {b['backend']}: {b['images_per_s']:.1f} images/s, "
+          f"ratio {a['images_per_s'] / b['images_per_s']:.3f}")
+    print(f"loss: first {la[0]:.3f} / {lb[0]:.3f}, last {statistics.fmean(la[-window:]):.3f} / "
+          f"{statistics.fmean(lb[-window:]):.3f}; largest gap {worst:.2f} of the allowed -> "
+          f"{'agree' if ok else 'DIFFER'}")
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=("convdsl", "cudnn"), default="convdsl",
+                    help="whose convolutions (cudnn: torch.nn's own, cuDNN on CUDA)")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--classes", type=int, default=100)
+    ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=20)
+    ap.add_argument("--resnext", action="store_true", help="ResNeXt-50 32x4d instead of ResNet-50")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the training step")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA is present")
+    ap.add_argument("--out", type=Path, help="write the loss curve and images/s here (JSON)")
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="compare two --out files")
+    ap.add_argument("--window", type=int, default=20, help="--compare: steps per running mean")
+    ap.add_argument("--bundle-out", type=Path, help="compile one step's kernels ahead into this bundle file")
+    ap.add_argument("--arch", default="sm_90", help="--bundle-out: the CUDA arch to compile for")
+    args = ap.parse_args(argv)
+    if args.bundle_out:
+        return build_bundle(args)
+    if args.compare:
+        return compare(*args.compare, args.window)
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

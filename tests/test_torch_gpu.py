@@ -1,0 +1,130 @@
+"""convdsl.torch on a CUDA device: results against cuDNN and a float64 reference in f32 (TF32 allowed and
+not), f16 and bf16, both memory formats; the stream path taken; a CUDA-graph capture and replay; no host
+synchronisation in a training step.  The stream kernels are compiled by the Triton found here, or come from
+a bundle named in CONVDSL_STREAM_BUNDLES."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import convdsl.torch as ct  # noqa: E402
+from convdsl.torch import runtime  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+MODULES = [
+    ("Conv2d", dict(in_channels=64, out_channels=64, kernel_size=3, padding=1), (8, 64, 28, 28)),
+    ("Conv2d", dict(in_channels=64, out_channels=128, kernel_size=3, stride=2, padding=1), (8, 64, 28, 28)),
+    ("Conv2d", dict(in_channels=128, out_channels=128, kernel_size=3, padding=1, groups=32), (8, 128, 14, 14)),
+    ("Conv2d", dict(in_channels=64, out_channels=256, kernel_size=1), (8, 64, 14, 14)),
+    ("ConvTranspose2d", dict(in_channels=64, out_channels=32, kernel_size=4, stride=2, padding=1), (4, 64, 14, 14)),
+    ("Conv3d", dict(in_channels=32, out_channels=32, kernel_size=3, padding=1), (2, 32, 8, 12, 12)),
+    ("Conv1d", dict(in_channels=64, out_channels=64, kernel_size=3, stride=2), (8, 64, 101)),
+]
+# (dtype, TF32 allowed): tolerance of the relative L2 error against float64
+PRECISIONS = {("f32", False): 1e-4, ("f32", True): 5e-3, ("f16", False): 1e-2, ("bf16", False): 1e-2}
+DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.detach().double() - want.detach()).norm() / want.detach().norm().clamp_min(1e-300))
+
+
+def _format(dims: int, channels_last: bool):
+    return {4: torch.channels_last, 5: torch.channels_last_3d}.get(dims, torch.contiguous_format) \
+        if channels_last else torch.contiguous_format
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS), ids=lambda p: f"{p[0]}{'-tf32' if p[1] else ''}")
+@pytest.mark.parametrize("channels_last", [True, False], ids=["cl", "contiguous"])
+@pytest.mark.parametrize("name, kwargs, shape", MODULES, ids=[f"{m[0]}-{i}" for i, m in enumerate(MODULES)])
+def test_against_cudnn_and_float64(name, kwargs, shape, precision, channels_last, monkeypatch):
+    dtype_name, tf32 = precision
+    dtype = DTYPES[dtype_name]
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
+    fmt = _format(len(shape), channels_last)
+    torch.manual_seed(0)
+    ref = getattr(nn, name)(**kwargs).cuda()
+    mine = getattr(ct, name)(**kwargs).cuda()
+    mine.load_state_dict(ref.state_dict())
+    exact = getattr(nn, name)(**kwargs).cuda().double()
+    exact.load_state_dict({k: v.double() for k, v in ref.state_dict().items()})
+    ref, mine = ref.to(dtype).to(memory_format=fmt), mine.to(dtype).to(memory_format=fmt)
+    x = torch.randn(shape, device="cuda").to(dtype).to(memory_format=fmt)
+    outs = {}
+    for label, m in (("cudnn", ref), ("convdsl", mine), ("exact", exact)):
+        xi = (x.double() if label == "exact" else x.clone()).requires_grad_()
+        y = m(xi)
+        g = torch.randn(y.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        y.backward(g.to(y.dtype).contiguous(memory_format=fmt) if y.dim() in (4, 5) else g.to(y.dtype))
+        outs[label] = (y, xi.grad, m.weight.grad, m.bias.grad)
+    tol = PRECISIONS[precision]
+    for i, what in enumerate(("output", "grad_input", "grad_weight", "grad_bias")):
+        mine_err = _rel(outs["convdsl"][i], outs["exact"][i])
+        cudnn_err = _rel(outs["cudnn"][i], outs["exact"][i])
+        assert mine_err <= max(tol, 2 * cudnn_err), f"{what}: {mine_err:.2e} (cuDNN {cudnn_err:.2e})"
+    assert outs["convdsl"][0].is_contiguous(memory_format=fmt)
+
+
+def test_the_stream_path_is_taken():
+    conv = ct.Conv2d(64, 64, 3, padding=1).cuda().half().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 64, 16, 16, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
+    conv(x.requires_grad_()).sum().backward()
+    runners = [r for (p, _), r in runtime._runners.items() if p.batch == 4 and p.input == (16, 16)]
+    assert len(runners) == 3 and all(r is not None for r in runners)  # forward, grad_input, grad_weight
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return ct.convert(nn.Sequential(
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, stride=2, padding=1, groups=8), nn.ReLU(),
+        nn.ConvTranspose2d(64, 32, 2, stride=2), nn.ReLU(), nn.Conv2d(32, 8, 1))).cuda().half().to(
+        memory_format=torch.channels_last)
+
+
+def test_cuda_graph_capture_and_replay():
+    model = _model()
+    static_x = torch.randn(8, 32, 16, 16, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: load the kernels, fill the allocator's pools
+        for _ in range(3):
+            model(static_x).float().square().mean().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = model(static_x)
+        static_y.float().square().mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    for _ in range(2):
+        fresh = torch.randn_like(static_x)
+        static_x.copy_(fresh)
+        for g in grads:
+            g.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for p in model.parameters():
+            p.grad = None
+        eager_y = model(fresh)
+        eager_y.float().square().mean().backward()
+        assert _rel(static_y, eager_y.double()) <= 1e-3
+        for g, p in zip(grads, model.parameters()):
+            assert _rel(g, p.grad.double()) <= 1e-2
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+
+
+def test_no_host_synchronisation_in_a_training_step():
+    model = _model()
+    x = torch.randn(8, 32, 16, 16, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
+    model(x).float().square().mean().backward()  # first call: kernels loaded
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            model(x).float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
