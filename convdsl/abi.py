@@ -23,3 +23,7 @@ INTO_SUFFIX = "$into"
 ASYNC_SUFFIX = "$async"
 TRANSIENTS_SIZE_CONSTANT = "iree.abi.transients.size.constant"
 TRANSIENTS_SIZE_FUNCTION = "iree.abi.transients.size"
+
+# The function name inside every module the functional API and the PyTorch operators compile: one fixed name
+# lets every call with the same problem share one cache entry.
+KERNEL_NAME = "kernel"

@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
+from .abi import KERNEL_NAME
 from .compiler import cache_key, compile_vmfb
 from .module import ArgumentError, CompiledModule, Kernel, resolve_target
 from .problem import F32_COMPUTES, DYNAMIC_BATCH_NOMINAL, COMPUTE_TYPES, DTYPES, LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue, ProblemError
@@ -42,9 +43,6 @@ __all__ = [
     "clear_memory_cache",
 ]
 
-# The function name inside every functional module.  It is part of the compiled module and so of the
-# cache key: one fixed name lets every call with the same problem share one entry.
-KERNEL_NAME = "kernel"
 
 IntOrInts = Union[int, Sequence[int]]
 Padding = Union[int, Sequence[int], Sequence[Sequence[int]]]

@@ -117,7 +117,10 @@ def train(args: argparse.Namespace) -> dict:
         return loss
 
     if args.compile:
-        step = torch.compile(step)
+        # reduce-overhead: the step replays as CUDA graphs (convdsl's launches are capturable like cuDNN's)
+        step = torch.compile(step, mode=args.compile_mode)
+    if args.profile:
+        return _profile(step, args, device, fmt)
     losses, times = [], []
     t_last = time.perf_counter()
     for i, (images, labels) in enumerate(synthetic_batches(args.steps, args.batch, args.image_size, args.classes,
@@ -133,13 +136,29 @@ def train(args: argparse.Namespace) -> dict:
             print(f"step {i + 1:5d} loss {float(loss):.4f} {args.batch / times[-1]:8.1f} images/s", flush=True)
     # the first interval holds compilation and warm-up: images per second from the others
     steady = times[1:] if len(times) > 1 else times
-    result = {"backend": args.backend, "compile": args.compile, "steps": args.steps, "batch": args.batch,
+    result = {"backend": args.backend, "compile": args.compile and (args.compile_mode or "default"), "steps": args.steps, "batch": args.batch,
               "image_size": args.image_size, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
               "torch": torch.__version__, "losses": [float(x) for x in losses],
               "images_per_s": args.batch / statistics.median(steady)}
     if args.out:
         Path(args.out).write_text(json.dumps(result) + "\n")
     return result
+
+
+def _profile(step, args: argparse.Namespace, device: torch.device, fmt) -> dict:
+    """The GPU kernels of a few steps after warm-up, by total time (where a step's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batches = list(synthetic_batches(6, args.batch, args.image_size, args.classes, device, args.seed))
+    for images, labels in batches[:3]:
+        step(images.contiguous(memory_format=fmt), labels)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for images, labels in batches[3:]:
+            step(images.contiguous(memory_format=fmt), labels)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+    return {}
 
 
 def build_bundle(args: argparse.Namespace) -> int:
@@ -202,7 +221,9 @@ def main(argv=None) -> int:
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--resnext", action="store_true", help="ResNeXt-50 32x4d instead of ResNet-50")
     ap.add_argument("--compile", action="store_true", help="torch.compile the training step")
+    ap.add_argument("--compile-mode", default=None, help="torch.compile's mode, e.g. reduce-overhead")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA is present")
+    ap.add_argument("--profile", action="store_true", help="print the GPU kernels of three steps by total time")
     ap.add_argument("--out", type=Path, help="write the loss curve and images/s here (JSON)")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="compare two --out files")
     ap.add_argument("--window", type=int, default=20, help="--compare: steps per running mean")

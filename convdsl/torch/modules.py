@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .ops import conv_transpose, convolution
+from .ops import call_conv_transpose, call_convolution
 
 
 def _same_padding(kernel_size, dilation) -> tuple[list[int], list[int]]:
@@ -67,7 +67,8 @@ class _ConvMixin:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_call(self, x, transposed=False)
         lo, hi = self._padding_lo_hi()
-        return convolution(x, self.weight, self.bias, list(self.stride), lo, hi, list(self.dilation), self.groups)
+        return call_convolution(x, self.weight, self.bias, list(self.stride), lo, hi, list(self.dilation),
+                                self.groups)
 
 
 class Conv1d(_ConvMixin, nn.Conv1d):
@@ -91,8 +92,8 @@ class _ConvTransposeMixin:
         dims = len(self.kernel_size)
         output_padding = self._output_padding(x, output_size, list(self.stride), list(self.padding),
                                               list(self.kernel_size), dims, list(self.dilation))
-        return conv_transpose(x, self.weight, self.bias, list(self.stride), list(self.padding), list(self.padding),
-                              list(output_padding), list(self.dilation), self.groups)
+        return call_conv_transpose(x, self.weight, self.bias, list(self.stride), list(self.padding),
+                                   list(self.padding), list(output_padding), list(self.dilation), self.groups)
 
 
 class ConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):

@@ -59,14 +59,43 @@ def _empty_like_format(shape: Sequence[int], like: torch.Tensor, dtype: torch.dt
 
 # --- forward -------------------------------------------------------------------------------------------
 
-@torch.library.custom_op(f"{LIB}::convolution", mutates_args=())
-def convolution(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
-                pad_lo: list[int], pad_hi: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+def _forward(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], stride, pad_lo, pad_hi, dilation,
+             groups: int) -> torch.Tensor:
     y = runtime.run("forward", x, w, spatial=x.shape[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
                     pad_hi=pad_hi, dilation=dilation, groups=groups)
     if bias is not None:
         y = y.add_(bias.view(1, -1, *([1] * (y.dim() - 2))).to(y.dtype))
     return y
+
+
+def _grad_input(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups) -> torch.Tensor:
+    return runtime.run("grad_input", dy, w, spatial=input_size[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
+                       pad_hi=pad_hi, dilation=dilation, groups=groups)
+
+
+def _grad_weight(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups) -> torch.Tensor:
+    return runtime.run("grad_weight", x, dy, spatial=x.shape[2:], filt=weight_size[2:], stride=stride,
+                       pad_lo=pad_lo, pad_hi=pad_hi, dilation=dilation, groups=groups)
+
+
+def _transposed(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups) -> torch.Tensor:
+    out = transposed_output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, output_padding, dilation)
+    # output_padding < stride: the convolution of `out` positions with these paddings has x's positions again
+    y = runtime.run("grad_input", x, w, spatial=out, filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
+                    pad_hi=pad_hi, dilation=dilation, groups=groups)
+    if bias is not None:
+        y = y.add_(bias.view(1, -1, *([1] * (y.dim() - 2))).to(y.dtype))
+    return y
+
+
+def _bias_grad(dy: torch.Tensor) -> torch.Tensor:
+    return dy.sum(dim=[0, *range(2, dy.dim())])
+
+
+@torch.library.custom_op(f"{LIB}::convolution", mutates_args=())
+def convolution(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
+                pad_lo: list[int], pad_hi: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    return _forward(x, w, bias, stride, pad_lo, pad_hi, dilation, groups)
 
 
 @convolution.register_fake
@@ -93,7 +122,7 @@ def _convolution_backward(ctx, dy):
     if ctx.needs_input_grad[1]:
         dw = convolution_grad_weight(x, dy, list(w.shape), stride, pad_lo, pad_hi, dilation, groups)
     if ctx.has_bias and ctx.needs_input_grad[2]:
-        db = dy.sum(dim=[0, *range(2, dy.dim())])
+        db = _bias_grad(dy)
     return dx, dw, db, None, None, None, None, None
 
 
@@ -105,8 +134,7 @@ convolution.register_autograd(_convolution_backward, setup_context=_convolution_
 @torch.library.custom_op(f"{LIB}::convolution_grad_input", mutates_args=())
 def convolution_grad_input(dy: torch.Tensor, w: torch.Tensor, input_size: list[int], stride: list[int],
                            pad_lo: list[int], pad_hi: list[int], dilation: list[int], groups: int) -> torch.Tensor:
-    return runtime.run("grad_input", dy, w, spatial=input_size[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
-                       pad_hi=pad_hi, dilation=dilation, groups=groups)
+    return _grad_input(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups)
 
 
 @convolution_grad_input.register_fake
@@ -119,8 +147,7 @@ def _(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups):
 @torch.library.custom_op(f"{LIB}::convolution_grad_weight", mutates_args=())
 def convolution_grad_weight(x: torch.Tensor, dy: torch.Tensor, weight_size: list[int], stride: list[int],
                             pad_lo: list[int], pad_hi: list[int], dilation: list[int], groups: int) -> torch.Tensor:
-    return runtime.run("grad_weight", x, dy, spatial=x.shape[2:], filt=weight_size[2:], stride=stride,
-                       pad_lo=pad_lo, pad_hi=pad_hi, dilation=dilation, groups=groups)
+    return _grad_weight(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups)
 
 
 @convolution_grad_weight.register_fake
@@ -139,13 +166,7 @@ def _(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups):
 def conv_transpose(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
                    pad_lo: list[int], pad_hi: list[int], output_padding: list[int], dilation: list[int],
                    groups: int) -> torch.Tensor:
-    out = transposed_output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, output_padding, dilation)
-    # output_padding < stride: the convolution of `out` positions with these paddings has x's positions again
-    y = runtime.run("grad_input", x, w, spatial=out, filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
-                    pad_hi=pad_hi, dilation=dilation, groups=groups)
-    if bias is not None:
-        y = y.add_(bias.view(1, -1, *([1] * (y.dim() - 2))).to(y.dtype))
-    return y
+    return _transposed(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups)
 
 
 @conv_transpose.register_fake
@@ -172,7 +193,7 @@ def _transpose_backward(ctx, dy):
     if ctx.needs_input_grad[1]:
         dw = convolution_grad_weight(dy, x, list(w.shape), stride, pad_lo, pad_hi, dilation, groups)
     if ctx.has_bias and ctx.needs_input_grad[2]:
-        db = dy.sum(dim=[0, *range(2, dy.dim())])
+        db = _bias_grad(dy)
     return dx, dw, db, None, None, None, None, None, None
 
 
@@ -201,6 +222,76 @@ def _register_autocast(op, device_type: str) -> None:
 for _op in (convolution, conv_transpose):
     for _device in ("cuda", "cpu"):
         _register_autocast(_op, _device)
+
+
+# --- eager calls --------------------------------------------------------------------------------------------
+# The custom operators' Python dispatch (autograd wrapper, redispatch, argument defaults) costs far more host
+# time per call than a convolution's launch; outside torch.compile the modules call the same computations
+# through a plain autograd.Function instead (docs/decisions.md#eager-autograd-function).  Under torch.compile
+# they call the operators, which it traces.
+
+class EagerConvolution(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, stride, pad_lo, pad_hi, dilation, groups):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = bias is not None
+        ctx.conv = (stride, pad_lo, pad_hi, dilation, groups)
+        return _forward(x, w, bias, stride, pad_lo, pad_hi, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _grad_input(dy, w, list(x.shape), *ctx.conv)
+        if ctx.needs_input_grad[1]:
+            dw = _grad_weight(x, dy, list(w.shape), *ctx.conv)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = _bias_grad(dy)
+        return dx, dw, db, None, None, None, None, None
+
+
+class EagerConvTranspose(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = bias is not None
+        ctx.conv = (stride, pad_lo, pad_hi, dilation, groups)
+        return _transposed(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _forward(dy, w, None, *ctx.conv)
+        if ctx.needs_input_grad[1]:
+            dw = _grad_weight(dy, x, list(w.shape), *ctx.conv)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = _bias_grad(dy)
+        return dx, dw, db, None, None, None, None, None, None
+
+
+def _autocast(device_type: str, *tensors):
+    """The floating tensors in the autocast region's dtype (what the operators' autocast kernel does)."""
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+
+
+def call_convolution(x, w, bias, stride, pad_lo, pad_hi, dilation, groups) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return convolution(x, w, bias, stride, pad_lo, pad_hi, dilation, groups)
+    x, w, bias = _autocast(x.device.type, x, w, bias)
+    return EagerConvolution.apply(x, w, bias, stride, pad_lo, pad_hi, dilation, groups)
+
+
+def call_conv_transpose(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return conv_transpose(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups)
+    x, w, bias = _autocast(x.device.type, x, w, bias)
+    return EagerConvTranspose.apply(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups)
 
 
 def problem_of(op: str, a: torch.Tensor, b: torch.Tensor, **conv) -> ConvProblem:

@@ -14,12 +14,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
 
 from .. import stream
-from ..api import KERNEL_NAME, get_kernel
+from ..abi import KERNEL_NAME
 from ..interop import torch_call
 from ..module import native_cuda_arch
 from ..problem import ConvProblem
@@ -178,6 +179,14 @@ def _stream_runner(p: ConvProblem, device: torch.device) -> Optional[StreamRunne
     return runner
 
 
+def _iree_kernel(p: ConvProblem, device: torch.device):
+    # IREE's compiler is needed only here: a machine that runs stream kernels compiled elsewhere imports
+    # convdsl.torch without it
+    from ..api import get_kernel
+
+    return get_kernel(p, _cuda_target(device) if device.type == "cuda" else Target("cpu", "host"))
+
+
 def _as_laid_out(op: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The two arguments in one of the mapped memory formats, the second like the first."""
     if _format_of(b) != _format_of(a) and op == "grad_weight":
@@ -191,19 +200,39 @@ def _as_laid_out(op: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tenso
     return a, b
 
 
-def run(op: str, a: torch.Tensor, b: torch.Tensor, **conv) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Call:
+    """What a call with these shapes, strides and options does, worked out once: its problem and runner."""
+
+    problem: ConvProblem
+    runner: Optional[StreamRunner]
+
+
+# per (op, shapes, strides, dtype, device, options, TF32 flag): the call's problem and runner, so that a repeated
+# call (every training step) builds no problem and asks no policy
+_calls: dict[tuple, _Call] = {}
+
+
+def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], filt: Sequence[int],
+        stride: Sequence[int], pad_lo: Sequence[int], pad_hi: Sequence[int], dilation: Sequence[int],
+        groups: int) -> torch.Tensor:
     """op's result as a PyTorch tensor in a's memory format."""
-    groups = conv["groups"]
     a, b = _as_laid_out(op, a.detach(), b.detach())  # the kernels read the values; autograd is the ops' own
-    p = problem_for(op, a, b, **conv)
+    key = (op, a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, tuple(spatial), tuple(filt),
+           tuple(stride), tuple(pad_lo), tuple(pad_hi), tuple(dilation), groups,
+           a.is_cuda and torch.backends.cudnn.allow_tf32)
+    call = _calls.get(key)
+    if call is None:
+        p = problem_for(op, a, b, spatial=spatial, filt=filt, stride=stride, pad_lo=pad_lo, pad_hi=pad_hi,
+                        dilation=dilation, groups=groups)
+        call = _calls.setdefault(key, _Call(p, _stream_runner(p, a.device) if a.is_cuda else None))
+    p = call.problem
     av = activation_view(a, groups, p.layout)
     bv = weight_view(b, groups, p.weight_layout) if op != "grad_weight" else activation_view(b, groups, p.layout)
-    runner = _stream_runner(p, a.device) if a.is_cuda else None
-    if runner is not None:
-        r = runner(av, bv)
+    if call.runner is not None:
+        r = call.runner(av, bv)
     else:
-        kernel = get_kernel(p, _cuda_target(a.device) if a.is_cuda else Target("cpu", "host"))
-        r = torch_call(kernel.module, p.name, av, bv)
+        r = torch_call(_iree_kernel(p, a.device).module, p.name, av, bv)
     if op == "grad_weight":
         return _weight_result(r, p.weight_layout, p.dims)
     return _activation_result(r, p.layout, p.dims)
