@@ -32,17 +32,31 @@ from convdsl.targets import Target  # noqa: E402
 QUEUED = 100
 
 
+def problems(names: list[str]) -> list[ConvProblem]:
+    """The suite's kernels, then the forward convolution of each distinct shape (named <case>_fwd)."""
+    out = [case.problem for case in load_suite(names=names or None)]
+    seen = set()
+    for p in list(out):
+        fwd = p.with_(op="forward", name=f"{p.name}_fwd", split_k=None, out_dtype=None)
+        key = fwd.with_(name="").record()
+        key = repr(key)
+        if key not in seen:
+            seen.add(key)
+            out.append(fwd)
+    return out
+
+
 def build(arch: str, out: Path, names: list[str]) -> int:
     from convdsl import stream
 
     target = Target("cuda", arch)
     kernels, skipped = [], []
-    for case in load_suite(names=names or None):
-        reason = stream.unsupported_reason(case.problem, target)
+    for p in problems(names):
+        reason = stream.unsupported_reason(p, target)
         if reason:
-            skipped.append((case.name, reason))
+            skipped.append((p.name, reason))
             continue
-        kernels.append(stream.stream_kernel(case.problem, target))
+        kernels.append(stream.stream_kernel(p, target))
     out.parent.mkdir(parents=True, exist_ok=True)
     stream.save_bundle(kernels, out)
     print(f"wrote {out}: {len(kernels)} stream kernels for {arch}")
@@ -106,16 +120,16 @@ def run(bundle: Path, out_dir: Path, names: list[str]) -> int:
     kernels = {k.problem.name: k for k in stream.load_bundle(bundle)}
     device = torch.device("cuda", 0)
     rows = []
-    for case in load_suite(names=names or None):
-        k = kernels.get(case.name)
+    for problem in problems(names):
+        k = kernels.get(problem.name)
         if k is None:
-            rows.append({"name": case.name, "skipped": "no stream kernel in the bundle"})
+            rows.append({"name": problem.name, "skipped": "no stream kernel in the bundle"})
             continue
-        cd = _case_dict(case.problem)
+        cd = _case_dict(problem)
         try:
             conv = TorchConv(cd)
         except NotImplementedError as err:
-            rows.append({"name": case.name, "skipped": str(err)})
+            rows.append({"name": problem.name, "skipped": str(err)})
             continue
         runner = StreamRunner(k, device)
         args = random_args(cd, seed=1)
@@ -127,7 +141,7 @@ def run(bundle: Path, out_dir: Path, names: list[str]) -> int:
         targs = conv.to_torch(args)
         like = conv.like(targs[0].dtype)
         cudnn = conv.fn(like)
-        row = {"name": case.name, "op": case.problem.op, "dtype": case.problem.dtype, "flops": case.problem.flops,
+        row = {"name": problem.name, "op": problem.op, "dtype": problem.dtype, "flops": problem.flops,
                "error": err, "tolerance": tolerance(cd), "ok": err <= tolerance(cd), "ref_dtype": ref_dtype,
                "stream": k.describe()}
         for name, fn in (("convdsl", lambda: runner(*args)), ("cudnn", lambda: cudnn(*targs))):
@@ -138,18 +152,23 @@ def run(bundle: Path, out_dir: Path, names: list[str]) -> int:
         row["host_overhead_us"] = (row["convdsl"]["queued"]["ms"] - row["convdsl"]["queued"]["kernel_ms"]) * 1e3
         rows.append(row)
         q = row["convdsl"]["queued"]
-        print(f"{case.name:<24} err {err:.1e} {'ok ' if row['ok'] else 'BAD'} queued {q['ms']:.4f} ms "
+        print(f"{problem.name:<28} err {err:.1e} {'ok ' if row['ok'] else 'BAD'} queued {q['ms']:.4f} ms "
               f"(kernels {q['kernel_ms']:.4f}, enqueue {q['enqueue_ms'] * 1e3:.1f} us) cuDNN "
               f"{row['cudnn']['queued']['ms']:.4f} -> {row['queued_ratio']:.2f}x; sync {row['sync_ratio']:.2f}x",
               flush=True)
         del args, targs, got
         torch.cuda.empty_cache()
     timed = [r for r in rows if "queued_ratio" in r]
+    grads = [r for r in timed if r["op"] != "forward"]
+    forwards = [r for r in timed if r["op"] == "forward"]
     geo = lambda xs: math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else float("nan")  # noqa: E731
     summary = {"cases": len(rows), "timed": len(timed), "correct": sum(r["ok"] for r in timed),
-               "geomean_queued": geo([r["queued_ratio"] for r in timed]),
-               "geomean_sync": geo([r["sync_ratio"] for r in timed]),
-               "min_queued": min((r["queued_ratio"] for r in timed), default=float("nan")),
+               "geomean_queued": geo([r["queued_ratio"] for r in grads]),
+               "geomean_sync": geo([r["sync_ratio"] for r in grads]),
+               "min_queued": min((r["queued_ratio"] for r in grads), default=float("nan")),
+               "forward_geomean_queued": geo([r["queued_ratio"] for r in forwards]),
+               "forward_geomean_sync": geo([r["sync_ratio"] for r in forwards]),
+               "forward_min_queued": min((r["queued_ratio"] for r in forwards), default=float("nan")),
                "max_host_overhead_us": max((r["host_overhead_us"] for r in timed), default=float("nan")),
                "median_enqueue_us": statistics.median(r["convdsl"]["queued"]["enqueue_ms"] * 1e3 for r in timed)
                if timed else float("nan")}

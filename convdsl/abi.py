@@ -14,8 +14,8 @@ Every kernel is exported three times:
       the same with IREE's "coarse-fences" invocation model: it returns once the work is queued after
       wait_fence and signals signal_fence when it is done, so that the caller chooses how to wait.
       convdsl's runtime (backends/into_call.py) polls the fence's semaphore for a short while before it
-      blocks: a blocking wait wakes the caller through IREE's completion thread, 4 to 21 µs later
-      (benchmarks/results/*async-call.md, measured on an H100).
+      blocks: a blocking wait wakes the caller through IREE's completion thread, later
+      (docs/decisions.md#poll-the-fence).
 """
 from __future__ import annotations
 

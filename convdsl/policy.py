@@ -78,11 +78,8 @@ PAD_FORMS = {
 
 
 def default_pad_form(problem: ConvProblem, target: Target) -> str:
-    # Measured on an H200 (benchmarks/results/*padforms*): IREE copies a fill + insert_slice (or an unfused
-    # tensor.pad) with an element-at-a-time "slow_memcpy" dispatch, 10x below copy bandwidth; a gather generic
-    # runs as a vectorised elementwise dispatch; a tensor.pad fused into the contraction (IREE's
-    # fuse-padding-into-consumer) costs no pass at all and was fastest for stride-1 f16/bf16 grad_input, but
-    # 3-6x slower for f32, whose convolutions do not run on matrix units.
+    # IREE copies an unfused border element by element; a fused tensor.pad costs no pass but only pays on
+    # matrix units (docs/decisions.md#zero-border-forms)
     if target.backend == "cpu":
         return "insert"
     sixteen_bit = problem.dtype in ("f16", "bf16") or problem.fp8_compute
@@ -96,10 +93,8 @@ def default_pad_form(problem: ConvProblem, target: Target) -> str:
 # thread loads its B fragment (pairs along the reduction) straight from shared memory, one 16-bit load per
 # element when Wphase is stored [G, K, taps, C] (the PTX of CK 3D dgrad: 64 ld.shared.b16 + 64 st.shared.b16
 # per 32 mma), 32-bit loads and 64-bit stores when K is innermost.  The weights are small and rebuilt by the
-# flip gather anyway, so the order costs nothing.  Measured on an H100, same process
-# (results/*exp-kinner*): 0.92-1.03x the time on the five strided cases (geomean 0.97), but 1.14x and 1.18x
-# on the stride-1 ResNet 1x1 and DeepLab dgrad, so it is used where there is more than one stride phase.
-# Only CUDA was measured (ROCm's MFMA loads differ), so only CUDA uses it.
+# flip gather anyway, so the order costs nothing.  It pays only where there is more than one stride phase, and
+# only on CUDA (docs/decisions.md#weight-k-inner).
 WEIGHT_K_INNER_BACKENDS = ("cuda",)
 
 
@@ -157,8 +152,7 @@ def extern_choice(problem: ConvProblem, target: Target, knobs: Knobs) -> tuple[b
 def relayout_ngchw(p: ConvProblem, knobs: Knobs) -> bool:
     """NGCHW with the Triton kernels: run them on NHWGC copies of the activations (the knobs' `relayout` may
     ask for NGCHW read in place through its strides instead).  The copies win: channels strided by D*H*W
-    defeat the tiles' vector loads.  Measured on an H100 (results/*v15a*): Ascend's 3D dgrad 0.81 -> 0.14 ms
-    with the copies, CK's NGCHW wgrad 0.337 -> 0.336 ms."""
+    defeat the tiles' vector loads (docs/decisions.md#ngchw-copies)."""
     return knobs.relayout if knobs.relayout is not None else True
 
 
@@ -167,10 +161,8 @@ def dot_precision(p: ConvProblem) -> str:
     # f32: three-pass TF32 on the tensor cores (about f32's accuracy; error measured against the f64
     # reference in the GPU tests); compute = "bf16x3": three bf16 products, as the linalg form does;
     # compute = "tf32": one-pass TF32 (cuDNN's default for f32 convolutions) for grad_input, a third of the
-    # products.  Measured on an H100 (results/*tf32*): CK 15's 3D dgrad 11.45 -> 7.45 ms (error 6.9e-4), but
-    # CK's 3D grad_weight 19.7 -> 30.9 ms: with one-pass TF32 Triton copies both operands, stored MN-major,
-    # with 4-byte cp.async instead of 16-byte ones (144 against 36 per tile step, seen in the PTX), so
-    # grad_weight keeps three passes: the permission is not used where it does not pay
+    # products.  grad_weight keeps three passes: there one pass made Triton copy both operands with 4-byte
+    # cp.async and ran slower (docs/decisions.md#tf32-one-pass)
     if p.dtype != "f32":
         return "ieee"  # 16-bit operands: exact products, f32 accumulation
     if p.bf16x3:
@@ -181,10 +173,7 @@ def dot_precision(p: ConvProblem) -> str:
 def default_pack(p: ConvProblem) -> int:
     """Groups per GEMM for grouped kernels with few channels (C or K under 32, depthwise excepted: it has
     its own kernels): enough that the packed C and K reach 32, as far as the group count divides, in layouts
-    where consecutive groups' channels are adjacent (packable).  Measured on an H100 (results/*tune5*),
-    ResNeXt's C = K = 4: 8 groups per GEMM took dgrad 0.187 -> 0.127 ms and wgrad 0.283 -> 0.175 ms
-    against 4 groups (the linalg gather form: 0.252 and 0.466); depthwise kernels packed 16 to a GEMM were
-    1.3x-1.8x slower than the depthwise kernels."""
+    where consecutive groups' channels are adjacent (packable) (docs/decisions.md#packed-groups)."""
     small = min(p.in_channels, p.out_channels)
     if p.groups == 1 or p.depthwise or small >= 32 or not packable(p):
         return 1
@@ -195,16 +184,13 @@ def default_pack(p: ConvProblem) -> int:
 
 
 def direct_grad_input(p: ConvProblem) -> bool:
-    """Depthwise grad_input: direct sums.  Measured on an H100 (results/*v15b*): MobileNetV2's depthwise
-    dgrad 0.131 ms (linalg depthwise form 0.172, cuDNN 0.114); ResNeXt's C = K = 4 groups took 0.64-9.4 ms
-    with the tiles tried (its linalg gather form: 0.23), so grouped grad_input keeps the gather form."""
+    """Depthwise grad_input: direct sums (docs/decisions.md#depthwise-direct)."""
     return p.op in ("grad_input", "transposed") and p.depthwise
 
 
 def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
-    """Tiles for shapes the tuning database does not hold, from the H100 search (results/*tune4*): columns as
-    wide as C up to 256 (DeepLab and w2v2 dgrad: 1.42x and 1.11x over 128), three stages for the widest;
-    few-channel groups packed (default_pack)."""
+    """Tiles for shapes the tuning database does not hold: columns as wide as C up to 256, three stages for the
+    widest; few-channel groups packed (default_pack) (docs/decisions.md#default-tiles)."""
     pack = default_pack(p)
     _, c, k = packed_sizes(p, pack)
     block_n = matrix_block(c, 256)
@@ -216,17 +202,14 @@ def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
 
 def direct_grad_input_tiles(p: ConvProblem) -> TileConfig:
     """grad_input_direct: chunks of at most block_m positions along the innermost dimension x block_n channels
-    over the warps (block_k unused), two channels per thread.  On an H100 (results/*dg1*, *dg2*) MobileNetV2's
-    depthwise dgrad took 0.093-0.094 ms with 32 x 128 and two warps, 0.102-0.104 with 16 x 64 and one warp;
-    0.112-0.118 before the window (a tile of positions x channels, every tap's dY value loaded)."""
+    over the warps (block_k unused), two channels per thread (docs/decisions.md#depthwise-tiles)."""
     block_n = 128 if p.groups >= 128 else 64 if p.groups >= 64 else 32
     return TileConfig(32, block_n, 1, warps=max(1, block_n // 64), stages=1)
 
 
 def default_grad_weight_tiles(p: ConvProblem) -> TileConfig:
     """Rows (K) as tall as K up to 128, 128 columns (taps x C); f32 with 64 columns and 4 warps, which
-    took CK's 3D f32 grad_weight from 39.0 to 22.2 ms on an H100 (results/*tune4*); few-channel groups
-    packed (default_pack)."""
+    pays most for f32 (docs/decisions.md#default-tiles); few-channel groups packed (default_pack)."""
     pack = default_pack(p)
     _, _, k = packed_sizes(p, pack)
     block_m = matrix_block(k, 128)
@@ -255,7 +238,7 @@ def fullest_split(tiles_out: int, slots: int, most: int) -> int:
 
 def last_wave_fill(programs: int, slots: int) -> float:
     """The share of the resident slots the programs keep busy over their waves: 1.0 when they come in whole
-    waves.  Measured (ncu, H100): CK's NGCHW grad_weight ran 280 programs on 264 slots, a second wave of 16."""
+    waves (a last wave of a few programs leaves the GPU idle: docs/decisions.md#split-k-waves)."""
     waves = -(-programs // slots)
     return programs / (waves * slots)
 
@@ -283,9 +266,7 @@ TAPS_PER_THREAD_MOST = 16
 
 def tap_rows(p: ConvProblem) -> int:
     """grad_weight_depthwise's TAP_ROWS: 1 (every tap in each thread) for small filters, else the filter's rows
-    (f0, f1) padded to a power of two (one thread per tap row and channel).  Measured on an H100 (results/*dwF*):
-    MobileNetV2's 3x3 0.114 ms with every tap a thread's against 0.118-0.142 ms with rows across threads;
-    ConvNeXt's 7x7 0.122 against 0.097."""
+    (f0, f1) padded to a power of two (one thread per tap row and channel) (docs/decisions.md#depthwise-tiles)."""
     f = pad3(p.filter, 1)
     if f[0] * f[1] * f[2] <= TAPS_PER_THREAD_MOST:
         return 1
@@ -295,8 +276,7 @@ def tap_rows(p: ConvProblem) -> int:
 def depthwise_grad_weight_tiles(p: ConvProblem) -> TileConfig:
     """grad_weight_depthwise: chunks of at most block_m positions along the innermost dimension (unrolled, cut
     evenly: depthwise_chunk) x block_n channels, one element of the [TAP_ROWS, block_n] tensors per thread.
-    On an H100 (results/*dwE*, *dwF*): MobileNetV2's 3x3 0.106-0.114 ms with chunks of 8, 0.113 with 32;
-    ConvNeXt's 7x7 (tap rows across warps) 0.097 with 32 (a whole row of 28), 0.146-0.182 with 8 or 16."""
+    (docs/decisions.md#depthwise-tiles)."""
     rows = tap_rows(p)
     return TileConfig(8 if rows == 1 else 32, 32, 1, warps=min(16, rows), stages=1)
 
@@ -402,13 +382,8 @@ def extern_launches(problem: ConvProblem, target: Target, knobs: Knobs) -> Optio
 def iree_knobs(p: ConvProblem, target: Target) -> Knobs:
     """Knobs for a shape the tuning database does not hold, generalised from the shapes tuned on an H200.
 
-    What the tuning run showed (benchmarks/results/*run5*): IREE's default tiles 128 output pixels
-    x 32 channels per workgroup.  Large f16/bf16 implicit GEMMs gained 1.3-2x from doubling both
-    tiles (n2-m2) and a little more from a third prefetch stage when the reduction is long; GEMMs
-    whose M is small per dispatch (a stride phase, a 1x1 layer at 14x14) gained only from n2 or m2;
-    small-K grad_weight (64 output channels) and f32 (no matrix units) gained nothing.  A wider search
-    on an H100 (results/*tune3*) moved the large grad_input GEMMs with 128+ dX channels to n4-m2.
-    Depthwise kernels have no matrix-unit config, so knobs do not apply.
+    Large f16/bf16 GEMMs take doubled tiles (and a third prefetch stage for long reductions), small ones a
+    doubled N tile, f32 and depthwise none (docs/decisions.md#iree-knob-rules).
     """
     sixteen_bit = p.dtype in ("f16", "bf16") or p.fp8_compute or p.bf16x3  # tf32: f32 on the linalg form
     if target.backend == "cpu" or p.depthwise or not sixteen_bit:
@@ -427,9 +402,7 @@ def iree_knobs(p: ConvProblem, target: Target) -> Knobs:
     if n < 64:
         return Knobs()
     if m >= 60_000 and n >= 128 and p.op != "forward" and all(s == 1 for s in p.stride):
-        # the wider search on an H100 (results/*tune3*): with 128+ channels of dX, a 4x wider N tile
-        # beat n2-m2-p3 on DeepLab atrous (1.38x) and CK 17 (1.10x), but CK 17 is strided, and with the
-        # K-innermost phase weights that strided grad_input now uses it took 1.9x longer (run 12)
+        # stride 1 only: with K-innermost phase weights a strided GEMM lost with it (docs/decisions.md#iree-knob-rules)
         return Knobs(n_scale=4, m_scale=2)
     if m >= 60_000:
         return Knobs(n_scale=2, m_scale=2, prefetch=3 if reduction >= 1024 else None)

@@ -2,7 +2,7 @@
 
 A `ConvProblem` is frozen and hashable: the parser builds it, the passes read it, the reference
 computes from it and the cache keys hash it.  Index algebra (per spatial dimension, see
-shared/design/conv-algebra.md): input size I, output size O, filter R, stride s, dilation d,
+docs/algebra.md): input size I, output size O, filter R, stride s, dilation d,
 padding lo/hi;  forward reads input i = o*s + y*d - lo, so O = (I + lo + hi - d*(R-1) - 1) // s + 1.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A float64 NumPy reference for every kernel a `ConvProblem` describes.
 
-Written straight from the definition in shared/design/conv-algebra.md, with no GEMM decomposition and no
+Written straight from the definition in docs/algebra.md, with no GEMM decomposition and no
 phase splitting, so that it can judge the compiled kernels: per spatial dimension, forward output o reads
 input i = o*s + y*d - lo for taps y in [0, R), and reads outside [0, I) are zero padding.
 

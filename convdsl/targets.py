@@ -119,8 +119,7 @@ class Target:
         if self.backend == "cpu":
             return ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
                     "--iree-llvmcpu-target-cpu=host"]
-        # IREE's own split reduction for the reductions convdsl leaves whole: measured on an H200 it
-        # never lost and took grad_weight of a 3D U-Net level from 6.2 to 1.7 ms (benchmarks/README.md)
+        # IREE's own split reduction for the reductions convdsl leaves whole (docs/decisions.md#iree-split-reduction)
         gpu = ["--iree-dispatch-creation-enable-split-reduction"]
         if self.device_targets_attr() is not None:
             return gpu  # the device comes from the module's hal.device.targets

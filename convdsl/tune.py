@@ -43,9 +43,8 @@ CANDIDATES: tuple[Knobs, ...] = (
     # the zero-border forms (policy.PAD_FORMS), alone and with the tiles that won most often
     Knobs(pad="insert"), Knobs(pad="gather"), Knobs(pad="fuse"),
     Knobs(n_scale=2, m_scale=2, pad="gather"), Knobs(n_scale=2, m_scale=2, pad="fuse"),
-    # a quarter of the tiles larger and a fourth stage: the winners of the wider search on an H100
-    # (results/*tune3*: CK 17 and DeepLab dgrad n4-m2, CK 15 n2-m4, ResNet 3x3 and w2v2 dgrad n2-m2-p4).
-    # n4-m4 never won (0.24x geomean) and often failed to compile, so it is not tried.
+    # a quarter of the tiles larger and a fourth stage: the winners of the wider search; n4-m4 never won and
+    # often failed to compile (docs/decisions.md#iree-knob-rules)
     Knobs(n_scale=4, m_scale=2), Knobs(n_scale=2, m_scale=4), Knobs(n_scale=2, m_scale=2, prefetch=4),
     # grad_input / transposed only: the phase weight order against the rule, alone and with CK 17's two bests
     Knobs(k_inner=True), Knobs(k_inner=False), Knobs(n_scale=4, m_scale=2, k_inner=False),
@@ -100,8 +99,8 @@ EXTERN_TILES: tuple[TileConfig, ...] = (
 
 
 # Depthwise kernels' tiles (kernels/igemm.py grad_weight_depthwise: positions per window chunk x channels, warps
-# over [TAP_ROWS, channels]; grad_input_direct: positions per chunk x channels), around the H100 winners
-# (results/*dwE*, *dwF*, *dg1*, *dg2*)
+# over [TAP_ROWS, channels]; grad_input_direct: positions per chunk x channels), around the winners of
+# docs/decisions.md#depthwise-tiles
 DEPTHWISE_TILES = {
     "grad_weight": tuple(TileConfig(m, n, 1, w, 1) for m in (8, 16, 32) for n in (32, 64) for w in (1, 2, 4, 8, 16)),
     "grad_input": (TileConfig(16, 64, 1, 1, 1), TileConfig(32, 64, 1, 1, 1), TileConfig(32, 64, 1, 2, 1),

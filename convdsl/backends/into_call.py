@@ -10,9 +10,8 @@ from ..abi import ASYNC_SUFFIX, INTO_SUFFIX, TRANSIENTS_SIZE_CONSTANT, TRANSIENT
 
 MIN_WORKSPACE_BYTES = 256  # a kernel without transients still takes a (tiny) buffer
 # How long a call polls its fence's semaphore before it blocks on the fence.  Blocking wakes the caller
-# through IREE's completion thread, 4 to 21 µs after the work is done (on an H100, against 0.05 to 0.33 ms
-# calls: benchmarks/results/*async-call.md); polling costs a CPU core meanwhile, as a CUDA stream
-# synchronisation does under CUDA's default scheduling.  Longer calls block: the wake-up is small beside them.
+# through IREE's completion thread, microseconds after the work is done (docs/decisions.md#poll-the-fence);
+# polling costs a CPU core meanwhile.  Longer calls block: the wake-up is small beside them.
 SPIN_SECONDS = 0.002
 
 

@@ -88,9 +88,7 @@ def weight_strides(p: ConvProblem) -> tuple[int, ...]:
 def operand_element(p: ConvProblem) -> str:
     """Element type the kernels read: fp8/bf8 compute arrives rounded to its grid and stored in f16 (every
     e4m3 and e5m2 value is exact in f16), the same products as fp8 matrix instructions with f32 sums.
-    Measured on an H100: rounding inside the kernel broke its cp.async pipeline in run 14 (79 TFLOP/s); with
-    Triton 3.9 it keeps the pipeline, on the f16 or on the fp8 matrix instructions, but its conversions cost
-    what the two rounding passes do (CK 3D fp8 wgrad 3.34-3.36 ms against 3.30-3.35; results/*ab1*)."""
+    Rounding inside the kernel gained nothing (docs/decisions.md#fp8-rounding-outside)."""
     return "fp16" if p.fp8_compute else ELEMENT[p.dtype]
 
 

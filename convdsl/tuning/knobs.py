@@ -10,7 +10,7 @@ scratch, convdsl scales IREE's own choice:
   prefetch      software-pipelining depth (prefetch_num_stages)
   pad           how the zero border is built (passes/plan.py PAD_FORMS); None: plan.default_pad_form
   k_inner       grad_input's phase weights with the reduction channel innermost (label "ki") or outermost
-                ("ko"); None: plan.weight_k_inner's rule.  It interacts with the tiles (CK 17, run 12).
+                ("ko"); None: policy.weight_k_inner's rule.  It interacts with the tiles.
   extern        CUDA: the GEMM core as Triton kernels in IREE external dispatches (True) or IREE's own
                 lowering of the linalg form (False, label "linalg"); None: kernels/launch.py's rule.
   relayout      NGCHW with external kernels: copy the activations to NHWGC and back around them (label
