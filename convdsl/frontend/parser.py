@@ -22,8 +22,8 @@ products; tf32, one-pass TF32 products allowed (cuDNN's and PyTorch's default fo
 
 `input` and `filter` always take a list, one size per spatial dim, even for dims = 1: a bare number
 there is more likely a slip than a square image.  Layouts are named in their 2D form (NHWGC means
-NWGC in 1D and NDHWGC in 3D); the name for the conv's own rank is accepted too and normalised.
-A padding list may mix the two forms per dim: `[1, [0, 1]]`; `padding = same` keeps the size (stride 1),
+NWGC in 1D and NDHWGC in 3D); the name for the conv's own rank is accepted too and normalised, in any
+case.  A dtype may also be written by its NumPy name (float32, float16, bfloat16).  A padding list may mix the two forms per dim: `[1, [0, 1]]`; `padding = same` keeps the size (stride 1),
 `valid` is no padding.  An `out_dtype` equal to `dtype` is stored as None ("same as dtype") so that
 equivalent sources give equal, equally-hashed problems.
 
