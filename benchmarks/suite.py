@@ -2,8 +2,9 @@
 
 Field conventions follow the header of suite.toml: channel counts are per group; spatial lists are
 outermost first; `stride`, `dilation` are one number or one per spatial dim; `padding` is one number,
-or [low per dim] and [high per dim] (a list of two lists); weight_layout defaults to GKYXC; `compute`
-names the operand compute types [A, B] (fp8 = e4m3, bf8 = e5m2).
+one per dim, or [low per dim] and [high per dim] (a list of two lists); weight_layout defaults to GKYXC;
+`compute` names the operand compute types [A, B] (fp8 = e4m3, bf8 = e5m2).  Values are normalised by
+convdsl.options, as the .conv parser's and the Python API's are.
 
 FLOPs = 2 * G * N * prod(O) * K * C * prod(R) (ConvProblem.flops).  Minimal bytes: each input read
 once and the output written once, in their storage dtypes.
@@ -21,7 +22,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from convdsl.problem import ConvProblem, ProblemError, expand
+from convdsl import options
+from convdsl.problem import ConvProblem, ProblemError
 
 SUITE_PATH = Path(__file__).resolve().parent / "suite.toml"
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
@@ -51,26 +53,18 @@ class Case:
         return minimal_bytes(self.problem)
 
 
-def suite_padding(value, dims: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """padding: one number (every side) or [[low per dim], [high per dim]] (the suite's convention)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,) * dims, (value,) * dims
-    value = list(value)
-    if len(value) == 2 and all(isinstance(v, (list, tuple)) for v in value):
-        lo, hi = expand(list(value[0]), dims, "padding low"), expand(list(value[1]), dims, "padding high")
-        return tuple(lo), tuple(hi)
-    if len(value) == dims and all(isinstance(v, int) for v in value):  # one number per dim, both sides
-        return tuple(value), tuple(value)
-    raise ProblemError(f"padding: expected a number or [[low...], [high...]], got {value!r}")
-
-
 def case_to_problem(case: dict) -> ConvProblem:
     unknown = set(case) - _KNOWN_KEYS
     if unknown:
         raise ProblemError(f"case {case.get('name')!r}: unknown field(s) {', '.join(sorted(unknown))}")
-    dims = case["dims"]
-    lo, hi = suite_padding(case.get("padding", 0), dims)
-    compute = case.get("compute")
+    dims = options.dims(case["dims"])
+    filter = options.expand(case["filter"], dims, "filter")
+    stride = options.expand(case.get("stride", 1), dims, "stride")
+    dilation = options.expand(case.get("dilation", 1), dims, "dilation")
+    # padding: the suite writes [[low per dim], [high per dim]] where the language writes [lo, hi] per dim
+    lo, hi = options.padding(case.get("padding", 0), dims, form="sides", filter=filter, dilation=dilation,
+                             stride=stride)
+    out_dtype = case.get("out_dtype")
     return ConvProblem(
         op=case["op"],
         dims=dims,
@@ -78,18 +72,18 @@ def case_to_problem(case: dict) -> ConvProblem:
         batch=case["batch"],
         in_channels=case["in_channels"],
         out_channels=case["out_channels"],
-        input=expand(case["input"], dims, "input"),
-        filter=expand(case["filter"], dims, "filter"),
-        stride=expand(case.get("stride", 1), dims, "stride"),
-        dilation=expand(case.get("dilation", 1), dims, "dilation"),
+        input=options.expand(case["input"], dims, "input"),
+        filter=filter,
+        stride=stride,
+        dilation=dilation,
         pad_lo=lo,
         pad_hi=hi,
-        layout=case.get("layout", "NHWGC"),
-        weight_layout=case.get("weight_layout", "GKYXC"),
-        dtype=case.get("dtype", "f32"),
-        out_dtype=case.get("out_dtype"),
-        compute=(compute if isinstance(compute, str) else tuple(compute)) if compute else None,  # "bf16x3" or [A, B]
-        split_k=case.get("split_k"),
+        layout=options.layout(case.get("layout", "NHWGC"), dims=dims)[0],
+        weight_layout=options.weight_layout(case.get("weight_layout", "GKYXC"), dims=dims)[0],
+        dtype=options.dtype(case.get("dtype", "f32")),
+        out_dtype=options.dtype(out_dtype, "out_dtype") if out_dtype is not None else None,
+        compute=options.compute(case.get("compute")),  # "bf16x3", "tf32" or [A, B]
+        split_k=options.split_k(case.get("split_k")),
         name=case["name"],
     )
 

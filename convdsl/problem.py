@@ -304,30 +304,6 @@ class ConvProblem:
         )
 
 
-def expand(value, dims: int, key: str) -> tuple[int, ...]:
-    """One number or one per spatial dim -> a tuple of `dims` numbers."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,) * dims
-    value = tuple(value)
-    if len(value) != dims:
-        raise ProblemError(f"{key}: expected one number or {dims} numbers, got {len(value)}")
-    return value
-
-
-def expand_padding(value, dims: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """padding: one number, one per dim, or [[lo, hi], ...] per dim -> (lo tuple, hi tuple)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,) * dims, (value,) * dims
-    value = list(value)
-    if len(value) != dims:
-        raise ProblemError(f"padding: expected one number, {dims} numbers or {dims} [lo, hi] pairs, got {len(value)}")
-    if all(isinstance(v, int) for v in value):
-        return tuple(value), tuple(value)
-    if all(not isinstance(v, int) and len(v) == 2 for v in value):
-        return tuple(v[0] for v in value), tuple(v[1] for v in value)
-    raise ProblemError(f"padding: expected numbers or [lo, hi] pairs, got {value!r}")
-
-
 def problem_to_spec(p: ConvProblem) -> dict:
     """A JSON-ready dict of every field (the manifest's `spec`); `problem_from_spec` inverts it."""
     return {

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from benchmarks.iree_today import ORDERS, TODAY_FLAGS, today_mlir
-from benchmarks.suite import SUITE_PATH, load_suite, minimal_bytes, suite_padding
+from benchmarks.suite import SUITE_PATH, load_suite, minimal_bytes
+from convdsl.options import padding
 from convdsl.problem import ConvProblem
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
 from convdsl.targets import Target
@@ -25,7 +26,7 @@ def _header_flops(case: dict) -> int:
     # flops = 2 * groups * batch * prod(out_spatial) * out_channels * in_channels * prod(filter)
     dims = case["dims"]
     one = lambda v: [v] * dims if isinstance(v, int) else list(v)  # noqa: E731
-    lo, hi = suite_padding(case.get("padding", 0), dims)
+    lo, hi = padding(case.get("padding", 0), dims, form="sides")
     out = [
         (i + l + h - d * (r - 1) - 1) // s + 1
         for i, r, s, d, l, h in zip(one(case["input"]), one(case["filter"]), one(case.get("stride", 1)),
@@ -54,9 +55,12 @@ def test_suite_loads_27_valid_problems_with_header_flops():
 
 
 def test_suite_padding_forms():
-    assert suite_padding(1, 2) == ((1, 1), (1, 1))
-    assert suite_padding([[0, 1], [2, 3]], 2) == ((0, 1), (2, 3))
-    assert suite_padding([[1], [2]], 1) == ((1,), (2,))
+    # the suite's [[low per dim], [high per dim]], where the language has [lo, hi] per dim
+    assert padding(1, 2, form="sides") == ((1, 1), (1, 1))
+    assert padding([[0, 1], [2, 3]], 2, form="sides") == ((0, 1), (2, 3))
+    assert padding([[0, 1], [2, 3]], 2) == ((0, 2), (1, 3))
+    assert padding([[1], [2]], 1, form="sides") == ((1,), (2,))
+    assert padding([1, 2], 2, form="sides") == ((1, 2), (1, 2))
 
 
 def _small(op, dims=2, **kw):

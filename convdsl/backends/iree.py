@@ -76,9 +76,6 @@ def compile_mlir(mlir: str, target: Target, extra_flags: Sequence[str] = ()) -> 
         ) from None
 
 
-_RUNTIME_DTYPES = {"f32": np.float32, "f16": np.float16}
-
-
 def _element_type(dtype: np.dtype):
     import iree.runtime as rt
 

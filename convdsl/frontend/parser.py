@@ -8,7 +8,7 @@ order), so a file can list its kernels at the top.  The returned list follows th
       dims = 2; groups = 32; batch = 64
       in_channels = 4; out_channels = 4      # per group
       input = [56, 56]; filter = [3, 3]
-      stride = 1; dilation = 1; padding = 1  # padding: n, [n, ...] or [[lo, hi], ...]
+      stride = 1; dilation = 1; padding = 1  # padding: n, [n, ...], [[lo, hi], ...], same or valid
       layout = NHWGC; weight_layout = GKYXC; dtype = f16
     }
     kernel wgrad = grad_weight(rx2) { split_k = auto; out_dtype = f32; epilogue = scale(0.5) }
@@ -22,40 +22,34 @@ products; tf32, one-pass TF32 products allowed (cuDNN's and PyTorch's default fo
 
 `input` and `filter` always take a list, one size per spatial dim, even for dims = 1: a bare number
 there is more likely a slip than a square image.  Layouts are named in their 2D form (NHWGC means
-NWGC in 1D and NDHWGC in 3D); the name for the conv's own rank is accepted too and normalised.
-A padding list may mix the two forms per dim: `[1, [0, 1]]`.  An `out_dtype` equal to `dtype` is
-stored as None ("same as dtype") so that equivalent sources give equal, equally-hashed problems.
+NWGC in 1D and NDHWGC in 3D); the name for the conv's own rank is accepted too and normalised, in any
+case.  A dtype may also be written by its NumPy name (float32, float16, bfloat16).  A padding list may mix the two forms per dim: `[1, [0, 1]]`; `padding = same` keeps the size (stride 1),
+`valid` is no padding.  An `out_dtype` equal to `dtype` is stored as None ("same as dtype") so that
+equivalent sources give equal, equally-hashed problems.
+
+Values are normalised by convdsl.options, the functions the Python API uses too; the parser hands each
+value over as plain Python (numbers, names as strings, lists) and turns an `OptionError`, which names
+the offending item by its index path in the value, into a diagnostic at that item's source position.
 
 Every error in the source raises `ConvSyntaxError` (a ValueError), rendered like a compiler
 diagnostic: `file:line:col: error: expected ..., got ...`, the source line and a `^~~~` underline.
 """
 from __future__ import annotations
 
-import difflib
 import keyword
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 from lark.lark import PostLex
 from lark.lexer import PatternStr
 
-from convdsl.problem import (
-    F32_COMPUTES,
-    DYNAMIC_BATCH_NOMINAL,
-    COMPUTE_TYPES,
-    DTYPES,
-    LAYOUTS,
-    OPS,
-    WEIGHT_LAYOUTS,
-    ConvProblem,
-    Epilogue,
-    ProblemError,
-)
+from convdsl import options
+from convdsl.options import Call, DimsError, OptionError, did_you_mean, one_of
+from convdsl.problem import DYNAMIC_BATCH_NOMINAL, F32_COMPUTES, OPS, ConvProblem, Epilogue, ProblemError
 
 __all__ = ["ConvSyntaxError", "parse", "parse_file", "CONV_KEYS", "KERNEL_KEYS", "REQUIRED_CONV_KEYS"]
 
@@ -170,24 +164,6 @@ class _Source:
         return f"{self.where(span)}: note: {message}"
 
 
-def _one_of(words: Sequence[str]) -> str:
-    words = list(words)
-    if len(words) <= 1:
-        return "".join(words)
-    return ", ".join(words[:-1]) + " or " + words[-1]
-
-
-def _did_you_mean(word: str, choices: Sequence[str]) -> str:
-    # Compare case-insensitively: `nhwgc` should still find NHWGC.
-    lowered = {c.lower(): c for c in choices}
-    match = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.6)
-    return f"; did you mean '{lowered[match[0]]}'?" if match else ""
-
-
-def _plural(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
 # ------------------------------------------------------------------------------------------------
 # Lark: grammar, newline handling, syntax-error translation
 # ------------------------------------------------------------------------------------------------
@@ -256,7 +232,7 @@ def _char_words(char: str) -> str:
 def _expected_words(names: Sequence[str]) -> str:
     # STRING: only compute takes a quoted word (`compute = "tf32"`); listing it everywhere would mislead
     ranked = sorted({_terminal_word(n) for n in names if n not in ("WS", "COMMENT", "STRING")})
-    return _one_of([words for _, words in ranked])
+    return one_of([words for _, words in ranked])
 
 
 def _translate_lark_error(src: _Source, err: UnexpectedInput) -> ConvSyntaxError:
@@ -279,7 +255,7 @@ def _translate_lark_error(src: _Source, err: UnexpectedInput) -> ConvSyntaxError
         hint = ""
         if tok.type not in ("_NL", "$END") and tok.value.isidentifier():
             words = [_terminal_word(n)[1].strip("'") for n in expected]
-            hint = _did_you_mean(tok.value, [w for w in words if w.isidentifier()])
+            hint = did_you_mean(tok.value, [w for w in words if w.isidentifier()])
         return src.error(span, f"expected {_expected_words(expected)}, got {got}{hint}")
     if isinstance(err, UnexpectedCharacters):
         if not expected:
@@ -387,7 +363,7 @@ def _collect(src: _Source, entries: Sequence[_Entry], block: str) -> dict[str, _
                 raise src.error(e.key_span, f"expected {noun}, got '{e.key}'", [f"note: '{e.key}' is {why}"])
             raise src.error(
                 e.key_span,
-                f"expected {noun}, got '{e.key}'{_did_you_mean(e.key, valid)}",
+                f"expected {noun}, got '{e.key}'{did_you_mean(e.key, valid)}",
                 [f"note: valid {'conv keys' if block == 'conv' else 'kernel options'}: {', '.join(valid)}"],
             )
         if e.key in seen:
@@ -401,137 +377,56 @@ def _collect(src: _Source, entries: Sequence[_Entry], block: str) -> dict[str, _
 
 
 # ------------------------------------------------------------------------------------------------
-# Value checks: each returns the Python value or raises pointing at the offending text
+# Values: through the normaliser (convdsl.options), its errors pointed at the offending item
 # ------------------------------------------------------------------------------------------------
-def _int(src: _Source, e: _Entry, minimum: int = 1) -> int:
-    v = e.value
-    noun = "a positive integer" if minimum >= 1 else "a non-negative integer"
-    if v.kind != "int" or v.number < minimum:
-        raise src.error(v.span, f"expected {noun} for {e.key}, got {_describe(v)}")
-    return int(v.number)
+@dataclass(frozen=True)
+class _Unaccepted:
+    """A source value no option takes where it stands (a quoted word anywhere but compute, `?` anywhere but
+    batch): handed to the normaliser as is, so that it is refused with the option's own expectation."""
+
+    text: str
 
 
-def _dims(src: _Source, e: _Entry) -> int:
-    v = e.value
-    if v.kind != "int" or v.number not in (1, 2, 3):
-        raise src.error(v.span, f"expected 1, 2 or 3 for dims, got {_describe(v)}")
-    return int(v.number)
+# the one option that takes a quoted word (`compute = "tf32"`, the same as the bare name)
+_QUOTED_KEYS = ("compute",)
 
 
-def _per_dim(
-    src: _Source, e: _Entry, dims: int, dims_entry: _Entry, allow_scalar: bool, minimum: int = 1
-) -> tuple[int, ...]:
-    """`n` (if allow_scalar) or `[n, ...]` with one entry per spatial dim."""
-    v = e.value
-    noun = "a positive integer" if minimum >= 1 else "a non-negative integer"
-    if v.kind == "int" and allow_scalar:
-        if v.number < minimum:
-            raise src.error(v.span, f"expected {noun} for {e.key}, got {_describe(v)}")
-        return (int(v.number),) * dims
-    if v.kind != "list":
-        what = f"one number or a list of {dims} numbers" if allow_scalar else f"a list of {dims} numbers"
-        raise src.error(v.span, f"expected {what} for {e.key}, got {_describe(v)}")
-    _check_length(src, v, dims, dims_entry)
-    for item in v.items:
-        if item.kind != "int" or item.number < minimum:
-            raise src.error(item.span, f"expected {noun} in {e.key}, got {_describe(item)}")
-    return tuple(int(item.number) for item in v.items)
+def _python(v: _Value, quoted: bool) -> Any:
+    """The plain Python value the normaliser takes: numbers, names as strings, lists, calls as Call."""
+    if v.kind in ("int", "float"):
+        return v.number
+    if v.kind == "name" or (v.kind == "string" and quoted):
+        return v.name
+    if v.kind == "list":
+        return [_python(item, quoted) for item in v.items]
+    if v.kind == "call":
+        return Call(v.name, tuple(_python(item, quoted) for item in v.items))
+    return _Unaccepted(v.text)
 
 
-def _check_length(src: _Source, v: _Value, dims: int, dims_entry: _Entry) -> None:
-    if len(v.items) != dims:
-        raise src.error(
-            v.span,
-            f"expected {_plural(dims, 'value')} for dims = {dims}, got {len(v.items)}",
-            [src.note(dims_entry.value.span, f"dims = {dims} set here")],
-        )
+def _item(v: _Value, at: Sequence[int]) -> _Value:
+    """The source value at index path `at` inside `v` (as far as the path goes)."""
+    for i in at:
+        if not 0 <= i < len(v.items):
+            break
+        v = v.items[i]
+    return v
 
 
-def _padding(src: _Source, e: _Entry, dims: int, dims_entry: _Entry) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    v = e.value
-    if v.kind == "int":
-        if v.number < 0:
-            raise src.error(v.span, f"expected a non-negative integer for padding, got {_describe(v)}")
-        return (int(v.number),) * dims, (int(v.number),) * dims
-    if v.kind != "list":
-        raise src.error(
-            v.span, f"expected one number, a list of {dims} or a list of {dims} [lo, hi] pairs for padding, got {_describe(v)}"
-        )
-    _check_length(src, v, dims, dims_entry)
-    lo: list[int] = []
-    hi: list[int] = []
-    for item in v.items:
-        pair = item.items if item.kind == "list" else (item, item)
-        if item.kind == "list" and len(pair) != 2:
-            raise src.error(item.span, f"expected [lo, hi] (2 values) in padding, got {len(pair)}")
-        if item.kind not in ("int", "list"):
-            raise src.error(item.span, f"expected a number or [lo, hi] in padding, got {_describe(item)}")
-        for p in pair:
-            if p.kind != "int" or p.number < 0:
-                raise src.error(p.span, f"expected a non-negative integer in padding, got {_describe(p)}")
-        lo.append(int(pair[0].number))
-        hi.append(int(pair[1].number))
-    return tuple(lo), tuple(hi)
-
-
-def _layout_names(dims: int) -> tuple[dict[str, str], dict[str, str]]:
-    """Accepted spellings -> canonical name, for activation and weight layouts at this rank."""
-    sp = {1: "W", 2: "HW", 3: "DHW"}[dims]
-    taps = {1: "X", 2: "YX", 3: "ZYX"}[dims]
-    act = {"NHWGC": f"N{sp}GC", "GNHWC": f"GN{sp}C", "NGCHW": f"NGC{sp}"}
-    wei = {"GKYXC": f"GK{taps}C", "GKCYX": f"GKC{taps}"}
-    assert set(act) == set(LAYOUTS) and set(wei) == set(WEIGHT_LAYOUTS)
-    acts = {**{c: c for c in LAYOUTS}, **{alias: c for c, alias in act.items()}}
-    weis = {**{c: c for c in WEIGHT_LAYOUTS}, **{alias: c for c, alias in wei.items()}}
-    return acts, weis
-
-
-def _choice(src: _Source, e: _Entry, choices: dict[str, str], what: str, shown: Sequence[str]) -> str:
-    v = e.value
-    if v.kind == "name" and v.name in choices:
-        return choices[v.name]
-    hint = _did_you_mean(v.name, list(choices)) if v.kind == "name" else ""
-    raise src.error(v.span, f"expected {what} ({_one_of(shown)}) for {e.key}, got {_describe(v)}{hint}")
-
-
-def _layout(src: _Source, e: _Entry, dims: int, weight: bool) -> str:
-    acts, weis = _layout_names(dims)
-    choices = weis if weight else acts
-    canon = WEIGHT_LAYOUTS if weight else LAYOUTS
-    return _choice(src, e, choices, "a weight layout" if weight else "a layout", canon)
-
-
-def _dtype(src: _Source, e: _Entry) -> str:
-    return _choice(src, e, {d: d for d in DTYPES}, "a dtype", DTYPES)
-
-
-def _compute(src: _Source, e: _Entry) -> tuple[str, str]:
-    """compute = [A, B] of fp8 kinds, or an f32 mode (bf16x3, tf32: bare or quoted; also [mode, mode]).
-
-    Whether an f32 mode fits the dtype is checked once the dtype is known (_check_f32_compute)."""
-    v = e.value
-    modes = list(F32_COMPUTES)
-    if v.kind in ("name", "string") and v.name in F32_COMPUTES:
-        return v.name, v.name
-    if v.kind != "list" or len(v.items) != 2:
-        got = f"a list of {len(v.items)}" if v.kind == "list" else _describe(v)
-        if v.kind in ("name", "string"):
-            raise src.error(v.span, f"expected {', '.join(modes)} or a list of 2 compute types [A, B] for compute, "
-                                    f"got {_describe(v)}{_did_you_mean(v.name, modes)}")
-        raise src.error(v.span, f"expected a list of 2 compute types [A, B] for compute, got {got}")
-    out = []
-    for item in v.items:
-        if item.kind != "name" or item.name not in (*COMPUTE_TYPES, *F32_COMPUTES):
-            hint = _did_you_mean(item.name, COMPUTE_TYPES) if item.kind == "name" else ""
-            raise src.error(item.span, f"expected {_one_of(COMPUTE_TYPES)} in compute, got {_describe(item)}{hint}")
-        out.append(item.name)
-    mode = next((c for c in out if c in F32_COMPUTES), None)
-    if mode is not None:
-        if out[0] != out[1]:
-            raise src.error(v.span, f"expected {mode} for both operands or for neither (it treats A and B "
-                                    f"alike), got [{', '.join(out)}]")
-        return mode, mode
-    return out[0], out[1]
+def _option(src: _Source, e: _Entry, normalise: Callable[..., Any], *args: Any,
+            dims_entry: Optional[_Entry] = None, **kwargs: Any) -> Any:
+    """`normalise(value, *args, key=..., **kwargs)` on the entry's value; an OptionError becomes a diagnostic
+    at the item it names (with a note at `dims` for a per-dim list of the wrong length)."""
+    try:
+        return normalise(_python(e.value, e.key in _QUOTED_KEYS), *args, key=e.key, **kwargs)
+    except OptionError as err:
+        item = _item(e.value, err.at)
+        notes = []
+        if isinstance(err, DimsError) and dims_entry is not None:
+            notes.append(src.note(dims_entry.value.span, f"dims = {err.dims} set here"))
+        raise src.error(item.span, err.located(_describe(item)), notes) from None
+    except ProblemError as err:  # a check of the built value (Epilogue's own): at the whole value
+        raise src.error(e.value.span, str(err)) from None
 
 
 def _check_f32_compute(src: _Source, e: _Entry, mode: str, dtype: str, notes: Sequence[str]) -> None:
@@ -540,48 +435,6 @@ def _check_f32_compute(src: _Source, e: _Entry, mode: str, dtype: str, notes: Se
     if dtype != "f32":
         raise src.error(e.value.span, f"expected dtype f32 for compute = {mode} (it {F32_COMPUTES[mode]}), "
                                       f"got dtype {dtype}", notes)
-
-
-def _split_k(src: _Source, e: _Entry) -> Optional[int]:
-    v = e.value
-    if v.kind == "name" and v.name == "auto":
-        return None
-    if v.kind != "int" or v.number < 1:
-        raise src.error(v.span, f"expected auto or a positive integer for split_k, got {_describe(v)}")
-    return int(v.number)
-
-
-_EPILOGUE_ARGS = {"scale": ("alpha",), "bilinear": ("alpha", "beta")}
-
-
-def _epilogue(src: _Source, e: _Entry) -> Epilogue:
-    v = e.value
-    if v.kind == "name" and v.name == "none":
-        return Epilogue()
-    if v.kind != "call" or v.name not in _EPILOGUE_ARGS:
-        if v.kind == "name" and v.name in _EPILOGUE_ARGS:  # `scale` without its arguments
-            hint = f"; did you mean {v.name}({', '.join(_EPILOGUE_ARGS[v.name])})?"
-        elif v.kind in ("name", "call"):
-            hint = _did_you_mean(v.name, ["none", *_EPILOGUE_ARGS])
-        else:
-            hint = ""
-        raise src.error(
-            v.span, f"expected none, scale(alpha) or bilinear(alpha, beta) for epilogue, got {_describe(v)}{hint}"
-        )
-    params = _EPILOGUE_ARGS[v.name]
-    signature = f"{v.name}({', '.join(params)})"
-    if len(v.items) != len(params):
-        raise src.error(v.span, f"expected {_plural(len(params), 'argument')} for {signature}, got {len(v.items)}")
-    values = []
-    for param, item in zip(params, v.items):
-        if item.kind not in ("int", "float") or not math.isfinite(item.number):
-            what = "a finite number" if item.kind in ("int", "float") else "a number"
-            raise src.error(item.span, f"expected {what} for {param} in {signature}, got {_describe(item)}")
-        values.append(float(item.number))
-    try:
-        return Epilogue(v.name, *values)
-    except ProblemError as err:  # Epilogue's own checks: keep them authoritative
-        raise src.error(v.span, str(err)) from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -619,7 +472,7 @@ def _conv(src: _Source, node: Tree, batch: Optional[int]) -> _Conv:
             f"{keys} in conv {name}, got none",
         )
     dims_entry = seen["dims"]
-    dims = _dims(src, dims_entry)
+    dims = _option(src, dims_entry, options.dims)
     fields: dict = {
         "dims": dims,
         "groups": 1,
@@ -633,32 +486,37 @@ def _conv(src: _Source, node: Tree, batch: Optional[int]) -> _Conv:
     }
     out_dtype: Optional[str] = None
     compute: Optional[tuple[str, str]] = None
-    # Source order, so that with several bad values the first one in the file is reported.
+    # Source order, so that with several bad values the first one in the file is reported; padding last,
+    # because `padding = same` needs the filter, dilation and stride.
     for key, e in sorted(seen.items(), key=lambda kv: kv[1].key_span.start_pos):
-        if key == "dims":
+        if key in ("dims", "padding"):
             continue
         if key == "batch" and e.value.kind == "dynamic":
             # `batch = ?`: one module serves any batch; the nominal size is what `run` draws inputs at
             fields["dynamic_batch"] = True
             fields["batch"] = DYNAMIC_BATCH_NOMINAL
         elif key in ("groups", "batch", "in_channels", "out_channels"):
-            fields[key] = _int(src, e)
-        elif key in ("input", "filter"):
-            fields[key] = _per_dim(src, e, dims, dims_entry, allow_scalar=False)
-        elif key in ("stride", "dilation"):
-            fields[key] = _per_dim(src, e, dims, dims_entry, allow_scalar=True)
-        elif key == "padding":
-            fields["pad_lo"], fields["pad_hi"] = _padding(src, e, dims, dims_entry)
-        elif key in ("layout", "weight_layout"):
-            fields[key] = _layout(src, e, dims, weight=(key == "weight_layout"))
+            fields[key] = _option(src, e, options.integer, minimum=1)
+        elif key in ("input", "filter", "stride", "dilation"):
+            # input and filter always take a list: a bare number there is more likely a slip
+            fields[key] = _option(src, e, options.expand, dims, scalar=key in ("stride", "dilation"), minimum=1,
+                                  dims_entry=dims_entry)
+        elif key == "layout":
+            fields[key] = _option(src, e, options.layout, dims=dims)[0]
+        elif key == "weight_layout":
+            fields[key] = _option(src, e, options.weight_layout, dims=dims)[0]
         elif key == "dtype":
-            fields[key] = _dtype(src, e)
+            fields[key] = _option(src, e, options.dtype)
         elif key == "out_dtype":
-            out_dtype = _dtype(src, e)
+            out_dtype = _option(src, e, options.dtype)
         elif key == "compute":
-            compute = _compute(src, e)
+            compute = _option(src, e, options.compute)
         else:  # pragma: no cover - _collect admits only CONV_KEYS
             raise AssertionError(key)
+    if "padding" in seen:
+        fields["pad_lo"], fields["pad_hi"] = _option(
+            src, seen["padding"], options.padding, dims, filter=fields["filter"], dilation=fields["dilation"],
+            stride=fields["stride"], dims_entry=dims_entry)
     if compute is not None and compute[0] in F32_COMPUTES:
         dtype_entry = seen.get("dtype")
         notes = [src.note(dtype_entry.value.span, "dtype set here")] if dtype_entry is not None else []
@@ -675,23 +533,23 @@ def _conv(src: _Source, node: Tree, batch: Optional[int]) -> _Conv:
 
 
 def _kernel(src: _Source, node: Tree, convs: dict[str, _Conv]) -> tuple[ConvProblem, _Span]:
-    name_tok, op_tok, conv_tok, options = node.children
+    name_tok, op_tok, conv_tok, option_block = node.children
     name = _check_name(src, name_tok, "kernel")
     op = str(op_tok)
     if op not in OPS:
         raise src.error(
-            _span(op_tok), f"expected an op ({_one_of(OPS)}), got '{op}'{_did_you_mean(op, OPS)}"
+            _span(op_tok), f"expected an op ({one_of(OPS)}), got '{op}'{did_you_mean(op, OPS)}"
         )
     conv_name = str(conv_tok)
     if conv_name not in convs:
         notes = [f"note: convs in this file: {', '.join(convs)}"] if convs else ["note: this file declares no conv"]
         raise src.error(
             _span(conv_tok),
-            f"expected the name of a conv declared in this file, got '{conv_name}'{_did_you_mean(conv_name, list(convs))}",
+            f"expected the name of a conv declared in this file, got '{conv_name}'{did_you_mean(conv_name, list(convs))}",
             notes,
         )
     conv = convs[conv_name]
-    seen = _collect(src, _entries(src, options.children if options is not None else ()), "kernel")
+    seen = _collect(src, _entries(src, option_block.children if option_block is not None else ()), "kernel")
     out_dtype, compute = conv.out_dtype, conv.compute
     split_k: Optional[int] = None
     epilogue = Epilogue()
@@ -703,13 +561,13 @@ def _kernel(src: _Source, node: Tree, convs: dict[str, _Conv]) -> tuple[ConvProb
                     f"expected split_k only on grad_weight kernels, got it on a {op} kernel",
                     ["note: only grad_weight reduces over batch and output pixels, the reduction split_k splits"],
                 )
-            split_k = _split_k(src, e)
+            split_k = _option(src, e, options.split_k)
         elif key == "out_dtype":
-            out_dtype = _dtype(src, e)
+            out_dtype = _option(src, e, options.dtype)
         elif key == "compute":
-            compute = _compute(src, e)
+            compute = _option(src, e, options.compute)
         elif key == "epilogue":
-            epilogue = _epilogue(src, e)
+            epilogue = _option(src, e, options.epilogue)
     if "compute" in seen and compute is not None and compute[0] in F32_COMPUTES:
         _check_f32_compute(src, seen["compute"], compute[0], conv.fields["dtype"],
                            [src.note(conv.span, f"conv {conv.name} declared here")])

@@ -101,10 +101,29 @@ def _check_contraction(op: ir.Operation) -> None:
     if not any("reduction" in it for it in iterators) or len(op.operands) < 3:
         return
     maps = [ir.AffineMapAttr(m).value for m in ir.ArrayAttr(op.attributes["indexing_maps"])]
-    first_windowed = any("+" in str(e) for e in maps[0].results)
-    second_windowed = any("+" in str(e) for e in maps[1].results)
+    first_windowed, second_windowed = (any(_reads_window(e) for e in m.results) for m in maps[:2])
     if second_windowed and not first_windowed:
         raise LoweringError(f"contraction reads its windowed (image) operand second:\n{op}")
+
+
+def _reads_window(expr: ir.AffineExpr) -> bool:
+    """Whether an operand's index `expr` reads a window: somewhere in it a sum over two or more loop dims, the
+    output position and the tap (o*s + y*d, also under a floordiv).  A constant offset (d0 + 1) is no window."""
+    expr = expr.maybe_downcast()
+    if isinstance(expr, ir.AffineAddExpr) and len(_dims_in(expr)) >= 2:
+        return True
+    if isinstance(expr, ir.AffineBinaryExpr):
+        return _reads_window(expr.lhs) or _reads_window(expr.rhs)
+    return False
+
+
+def _dims_in(expr: ir.AffineExpr) -> set[int]:
+    expr = expr.maybe_downcast()
+    if isinstance(expr, ir.AffineDimExpr):
+        return {expr.position}
+    if isinstance(expr, ir.AffineBinaryExpr):
+        return _dims_in(expr.lhs) | _dims_in(expr.rhs)
+    return set()
 
 
 PIPELINE: tuple[tuple[str, Callable[[Stage], Stage]], ...] = (
