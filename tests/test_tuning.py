@@ -165,7 +165,7 @@ def test_collect_ignores_gains_within_noise(tmp_path):
 
 
 def test_shipped_database_is_used_for_its_shapes():
-    # the suite's ck15 3D f16 backward data, tuned on an H200 (results/*run5*), then on an H100 (*tune3*)
+    # the suite's ck15 3D f16 backward data, as the shipped database holds it
     p = ConvProblem(op="grad_input", dims=3, groups=1, batch=64, in_channels=64, out_channels=128,
                     input=(28, 28, 28), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 1),
                     pad_hi=(1, 1, 1), dtype="f16", name="anything")
