@@ -1,6 +1,7 @@
 """Compilation targets: which IREE backend, which chip, and what the chip computes natively."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +29,10 @@ class TargetError(ValueError):
     pass
 
 
+def _arch_number(arch: str) -> int:
+    return int(re.sub(r"\D", "", arch) or 0)
+
+
 @dataclass(frozen=True)
 class GpuFacts:
     """What the planning policy (convdsl/policy.py) reads off a GPU to size its grids: streaming
@@ -40,14 +45,13 @@ class GpuFacts:
     warps_per_sm: int
 
 
-# The chip each arch is planned for: the split-K and depthwise grids aim at a few whole waves of its SMs.
+# The chip each arch is planned for (where one arch spans several chips, its data-centre part): the split-K
+# and depthwise grids aim at whole waves of its SMs.  From the vendors' datasheets: H100 SXM, A100, L40S, MI300X.
 HOPPER = GpuFacts(sm_count=132, shared_per_sm=228 * 1024, shared_reserved_per_block=1024, warps_per_sm=64)
-GPU_FACTS = {
-    "sm_80": HOPPER,
-    "sm_89": HOPPER,
-    "sm_90": HOPPER,
-    "gfx942": HOPPER,
-}
+AMPERE = GpuFacts(sm_count=108, shared_per_sm=164 * 1024, shared_reserved_per_block=1024, warps_per_sm=64)
+ADA = GpuFacts(sm_count=142, shared_per_sm=100 * 1024, shared_reserved_per_block=1024, warps_per_sm=48)
+CDNA3 = GpuFacts(sm_count=304, shared_per_sm=64 * 1024, shared_reserved_per_block=0, warps_per_sm=32)
+GPU_FACTS = {"sm_80": AMPERE, "sm_86": AMPERE, "sm_89": ADA, "sm_90": HOPPER, "gfx942": CDNA3}
 
 
 def native_cuda_arch(device: int = 0) -> Optional[str]:
@@ -137,8 +141,11 @@ class Target:
 
     @property
     def gpu(self) -> GpuFacts:
-        """The GPU facts of this target's arch (the arch's reference chip where one arch spans several)."""
-        return GPU_FACTS.get(self.arch, HOPPER)
+        """The GPU facts of this target's arch; an arch not in the table takes those of the newest one below it
+        (sm_87 plans as sm_86), and one below them all those of the oldest."""
+        same_kind = sorted((a for a in GPU_FACTS if a[:3] == self.arch[:3]), key=_arch_number)
+        below = [a for a in same_kind if _arch_number(a) <= _arch_number(self.arch)]
+        return GPU_FACTS[below[-1] if below else same_kind[0]]
 
     @property
     def driver(self) -> str:

@@ -27,6 +27,7 @@ from convdsl.policy import (
     default_pack,
     dy_read_in_place,
     fullest_split,
+    grad_weight_parts,
     grad_weight_split,
     last_wave_fill,
     plan_launches,
@@ -331,6 +332,23 @@ def test_grad_weight_split_uses_the_fullest_split_of_the_tiles_resident_slots(p)
     assert parts <= min(chosen, steps)  # recomputed so that no chunk is empty: never more chunks
     assert resident_programs(TileConfig(128, 128, 64, 8, 4), 2, HOPPER) == 1  # 128 KiB of shared memory: one per SM
     assert resident_programs(TileConfig(64, 64, 64, 4, 4), 2, HOPPER) == 3  # 64 KiB: three (ncu: 18.75% occupancy)
+
+
+def test_the_split_follows_the_targets_sm_count():
+    # an A100 (sm_80) has 108 SMs, not Hopper's 132: the automatic split aims at its own waves
+    ampere = Target("cuda", "sm_80")
+    assert (ampere.gpu.sm_count, HOPPER.gpu.sm_count, Target("cuda", "sm_87").gpu.sm_count) == (108, 132, 108)
+    p = ConvProblem(op="grad_weight", dims=2, groups=1, batch=32, in_channels=64, out_channels=64, input=(28, 28),
+                    filter=(3, 3), stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), dtype="f16", name="k")
+    tiles = parse_tiles("t64x64x32w4s3")
+    parts = {}
+    for target in (ampere, HOPPER):
+        steps = -(-p.batch * math.prod(p.output) // tiles.block_k)
+        tiles_out = p.groups * -(-p.out_channels // 64) * -(-(p.in_channels * math.prod(p.filter)) // 64)
+        slots = target.gpu.sm_count * resident_programs(tiles, 2, target)
+        parts[target.arch] = grad_weight_parts(p, tiles, target)
+        assert parts[target.arch] == fullest_split(tiles_out, slots, max(1, min(256, steps // 8)))
+    assert parts["sm_80"] != parts["sm_90"]
 
 
 def test_last_wave_fill_counts_the_idle_slots_of_the_last_wave():
