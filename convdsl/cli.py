@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import tune
+from . import __version__, tune
 from .backends.iree import CompileError
 from .compiler import compile as compile_module
 from .compiler import knobs_by_kernel, load_problems, tuned_knobs
@@ -127,8 +127,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="convdsl", description="A compiler for convolution gradients.")
+    parser.add_argument("--version", action="version", version=f"convdsl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser, default_target: str) -> None:
@@ -148,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kernel", default=None)
     r.add_argument("--check", action="store_true")
     r.add_argument("--bench", action="store_true", help="time: median of --repeat runs after warm-up")
-    r.add_argument("--repeat", type=int, default=20)
+    r.add_argument("--repeat", type=_positive, default=20, help="--bench: timed runs per kernel (at least 1)")
     r.add_argument("--seed", type=int, default=0)
     r.set_defaults(fn=cmd_run)
 
@@ -185,6 +196,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"convdsl: error: {err}", file=sys.stderr)
     except FileNotFoundError as err:
         print(f"convdsl: error: {err.filename}: no such file", file=sys.stderr)
+    except IsADirectoryError as err:
+        print(f"convdsl: error: {err.filename}: is a directory, expected a .conv file", file=sys.stderr)
+    except OSError as err:  # unreadable input, unwritable output, ...
+        print(f"convdsl: error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("convdsl: interrupted", file=sys.stderr)
+        return 130
     return 2
 
 

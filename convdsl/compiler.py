@@ -41,6 +41,14 @@ def load_problems(source: Union[str, Path, Sequence[ConvProblem]], batch: Option
         return list(source)
     if isinstance(source, Path) or (isinstance(source, str) and "{" not in source and source.endswith(".conv")):
         return parse_file(source, batch=batch)
+    if isinstance(source, str) and "{" not in source and "conv" not in source.split():
+        # no declaration in it: a path (without .conv, or a folder), not source text
+        path = Path(source)
+        if path.is_dir():
+            raise IsADirectoryError(21, "Is a directory", source)
+        if not path.is_file():
+            raise FileNotFoundError(2, "No such file", source)
+        return parse_file(path, batch=batch)
     return parse(str(source), batch=batch)
 
 

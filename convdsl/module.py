@@ -159,7 +159,10 @@ class CompiledModule:
         raise AttributeError(f"module has no kernel {name!r}; kernels: {', '.join(problems)}")
 
     def __getitem__(self, name: str) -> Kernel:
-        return getattr(self, name)
+        """Every kernel, also one whose name is an attribute of the module (`save`, `manifest`, ...)."""
+        if name in self.problems:
+            return Kernel(self.problems[name], self)
+        raise KeyError(f"module has no kernel {name!r}; kernels: {', '.join(self.problems)}")
 
     @property
     def kernels(self) -> list[str]:

@@ -109,3 +109,28 @@ def test_run_bench_times_every_kernel(capsys):
     assert code == 0
     timed = [line for line in out.splitlines() if " ms " in line and "TFLOP/s" in line]
     assert timed and all(float(line.split(" ms ")[0].split()[-1]) > 0 for line in timed)
+
+
+def test_conventions_version_repeat_and_os_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as version:
+        main(["--version"])
+    assert version.value.code == 0 and capsys.readouterr().out.startswith("convdsl ")
+    with pytest.raises(SystemExit) as repeat:
+        main(["run", str(EXAMPLES[0]), "--bench", "--repeat", "0"])
+    assert repeat.value.code == 2 and "expected at least 1" in capsys.readouterr().err
+    assert main(["check", str(tmp_path)]) == 2  # a folder: one located line, no traceback
+    err = capsys.readouterr().err
+    assert err.startswith("convdsl: error: ") and "directory" in err and "Traceback" not in err
+
+
+def test_compile_names_a_missing_file_and_every_kernel_is_reachable(tmp_path):
+    import convdsl
+
+    with pytest.raises(FileNotFoundError):
+        convdsl.compile("myconvs")
+    with pytest.raises(IsADirectoryError):
+        convdsl.compile(str(tmp_path))
+    source = EXAMPLES[0].read_text()
+    first = convdsl.compiler.load_problems(source, batch=1)[0]
+    mod = convdsl.compile(source.replace(f"kernel {first.name} ", "kernel save ", 1), target="cpu", batch=1)
+    assert "save" in mod.kernels and mod["save"].problem.name == "save"  # not the module's save()

@@ -12,7 +12,7 @@ from convdsl.passes import lower_to_mlir
 from convdsl import policy
 from convdsl.passes.explain import describe_plan
 from convdsl.passes.plan import plan_kernel
-from convdsl.problem import LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue
+from convdsl.problem import DYNAMIC_BATCH_NOMINAL, LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
 from convdsl.targets import Target
 from convdsl.tuning import Knobs
@@ -236,3 +236,14 @@ def test_phase_weights_are_k_innermost_on_gpus_only():
     assert plan_kernel(p, Target("cuda", "sm_80"), linalg).form == "implicit-gemm"
     assert plan_kernel(p, Target("cuda", "sm_80"), linalg).weight_k_inner
     assert not plan_kernel(p, CPU).weight_k_inner
+
+
+def test_a_dynamic_batch_module_refuses_mismatched_batches():
+    # a deployed `batch = ?` module is called without convdsl's argument checks: it checks the batches itself
+    p = BASE.with_(op="grad_weight", batch=DYNAMIC_BATCH_NOMINAL, dynamic_batch=True, name="wg")
+    module = LoadedModule(compile_mlir(lower_to_mlir([p], CPU), CPU), CPU)
+    x = random_inputs(p.with_(batch=3, dynamic_batch=False), seed=0)[0]
+    dy_same, dy_other = (random_inputs(p.with_(batch=b, dynamic_batch=False), seed=0)[1] for b in (3, 2))
+    assert module.call("wg", x, dy_same, out_dtype=p.result_dtype).shape == p.w_shape
+    with pytest.raises(RuntimeError, match="argument 'dy' must have the batch size of 'x'"):
+        module.call("wg", x, dy_other, out_dtype=p.result_dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, Optional
 
 from iree.compiler import ir
-from iree.compiler.dialects import arith, func, linalg, tensor, util
+from iree.compiler.dialects import arith, cf, func, linalg, tensor, util
 
 from ..abi import ASYNC_SUFFIX, INTO_SUFFIX
 from ..algebra import Phase
@@ -88,6 +88,8 @@ def _emit_function(plan: KernelPlan, name: str, arg_types: list[ir.Type], result
         ret = func.ReturnOp
     with ir.InsertionPoint(block):
         args = list(block.arguments)[:len(p.arg_shapes)]
+        if p.dynamic_batch:
+            _assert_one_batch(p, args)
         if plan.extern is not None:
             result = _emit_extern(plan, args, binaries)
         elif plan.bf16x3 is not None:
@@ -99,6 +101,17 @@ def _emit_function(plan: KernelPlan, name: str, arg_types: list[ir.Type], result
             result = _emit_planned(plan, args)
         ret([result])
     return fn
+
+
+def _assert_one_batch(p: ConvProblem, args: list[ir.Value]) -> None:
+    """`batch = ?`: the activation arguments must share one batch size; a deployed module checks it itself (a
+    runtime assertion), since a caller of the .vmfb may pass anything."""
+    axis = arith.ConstantOp(ir.IndexType.get(), p.batch_axis("x")).result
+    activations = [a for a, shape in zip(args, p.arg_shapes) if shape != p.w_shape]
+    first = tensor.DimOp(activations[0], axis).result
+    for name, value in zip([n for n, s in zip(p.arg_names, p.arg_shapes) if s != p.w_shape][1:], activations[1:]):
+        same = arith.cmpi(arith.CmpIPredicate.eq, first, tensor.DimOp(value, axis).result)
+        cf.AssertOp(same, f"{p.name}: argument {name!r} must have the batch size of {p.arg_names[0]!r}")
 
 
 def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, Binary]) -> ir.Value:
