@@ -58,6 +58,9 @@ def run(job: dict) -> dict:
                for a, d in zip(args, p.arg_dtypes)]
     got = runner(*tensors)
     again = runner(*tensors)
+    if runner.direct:  # the fast path writes the same result through the tensors' memory as it lies
+        into = runner.run_into(tensors[0], tensors[1], torch.empty(p.result_shape, dtype=got.dtype))
+        again = again if torch.equal(into, got) else into
     want = reference(p, *args)
     g = got.to(torch.float64).numpy()
     return {"name": p.name, "error": relative_error(g, want), "unwritten": int(np.isnan(g).sum()),

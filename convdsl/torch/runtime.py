@@ -25,7 +25,7 @@ from ..interop import torch_call
 from ..module import native_cuda_arch
 from ..problem import ConvProblem
 from ..targets import Target
-from .stream import StreamRunner
+from .stream import ALIGNMENT, StreamRunner
 
 log = logging.getLogger("convdsl.torch")
 
@@ -202,10 +202,38 @@ def _as_laid_out(op: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tenso
 
 @dataclass(frozen=True)
 class _Call:
-    """What a call with these shapes, strides and options does, worked out once: its problem and runner."""
+    """What a call with these shapes, strides and options does, worked out once: its problem, and its stream
+    runner or else its IREE kernel."""
 
     problem: ConvProblem
     runner: Optional[StreamRunner]
+    iree: object = None  # api.Kernel where there is no runner
+    # the fast path: the runner reads the arguments and writes a result made as PyTorch's tensor in place
+    # (no view, no copy); the result's PyTorch shape and memory format
+    direct: bool = False
+    result_shape: tuple[int, ...] = ()
+    result_format: torch.memory_format = torch.contiguous_format
+
+
+def _new_call(p: ConvProblem, device: torch.device, a: torch.Tensor, b: torch.Tensor) -> _Call:
+    runner = _stream_runner(p, device) if device.type == "cuda" else None
+    if runner is None:
+        return _Call(p, None, _iree_kernel(p, device))
+    # direct when the views the kernels expect are the tensors' memory as it lies (contiguous views)
+    av = activation_view(a, p.groups, p.layout)
+    bv = weight_view(b, p.groups, p.weight_layout) if p.op != "grad_weight" else activation_view(b, p.groups, p.layout)
+    direct = runner.direct and av.is_contiguous() and bv.is_contiguous()
+    if p.op == "grad_weight":
+        shape = (p.groups * p.out_channels, p.in_channels, *p.filter)
+        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(shape), torch.contiguous_format) \
+            if p.weight_layout == "GKYXC" and p.dims > 1 else torch.contiguous_format
+    else:
+        channels = p.in_channels if p.op in ("grad_input", "transposed") else p.out_channels
+        spatial = p.input if p.op in ("grad_input", "transposed") else p.output
+        shape = (p.batch, p.groups * channels, *spatial)
+        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(shape), torch.contiguous_format) \
+            if p.layout == "NHWGC" and p.dims > 1 else torch.contiguous_format
+    return _Call(p, runner, None, direct, shape, fmt)
 
 
 # per (op, shapes, strides, dtype, device, options, TF32 flag): the call's problem and runner, so that a repeated
@@ -225,14 +253,17 @@ def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], fi
     if call is None:
         p = problem_for(op, a, b, spatial=spatial, filt=filt, stride=stride, pad_lo=pad_lo, pad_hi=pad_hi,
                         dilation=dilation, groups=groups)
-        call = _calls.setdefault(key, _Call(p, _stream_runner(p, a.device) if a.is_cuda else None))
+        call = _calls.setdefault(key, _new_call(p, a.device, a, b))
     p = call.problem
+    if call.direct and a.data_ptr() % ALIGNMENT == 0 and b.data_ptr() % ALIGNMENT == 0:
+        out = torch.empty(call.result_shape, dtype=a.dtype, device=a.device, memory_format=call.result_format)
+        return call.runner.run_into(a, b, out)
     av = activation_view(a, groups, p.layout)
     bv = weight_view(b, groups, p.weight_layout) if op != "grad_weight" else activation_view(b, groups, p.layout)
     if call.runner is not None:
         r = call.runner(av, bv)
     else:
-        r = torch_call(_iree_kernel(p, a.device).module, p.name, av, bv)
+        r = torch_call(call.iree.module, p.name, av, bv)
     if op == "grad_weight":
         return _weight_result(r, p.weight_layout, p.dims)
     return _activation_result(r, p.layout, p.dims)
