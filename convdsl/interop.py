@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from .backends.into_call import IntoCall
+
 # DLPack device types (dlpack.h)
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_ROCM = 1, 2, 3, 10
 DRIVER_DEVICE_TYPES = {"local-task": (KDL_CPU, KDL_CUDA_HOST), "local-sync": (KDL_CPU, KDL_CUDA_HOST),
@@ -104,7 +106,6 @@ class DLPackKernel:
 
     def __call__(self, *args: Any, out: Any) -> Any:
         """Compute into `out` (a tensor of the result's shape and dtype) and return it."""
-        from .backends.into_call import IntoCall
 
         concrete = self._check(args, out)
         _synchronize_producers([*args, out])

@@ -14,7 +14,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..abi import INTO_SUFFIX
+from ..reference import NUMPY_DTYPES
 from ..targets import Target
+from .into_call import IntoCall, allocate_result
 
 
 class CompileError(RuntimeError):
@@ -159,9 +162,6 @@ class LoadedModule:
     def into_call(self, name: str, device_args: Sequence, out_shape: Sequence[int], out_dtype: str):
         """A reusable destination-passing call of kernel `name` (convdsl/abi.py): `call.call(call.pack(views))`
         writes the result into `call.out`, a buffer allocated once, with a workspace allocated once."""
-        from ..reference import NUMPY_DTYPES
-        from .into_call import IntoCall, allocate_result
-
         dtype = np.dtype(NUMPY_DTYPES[out_dtype])
         out = allocate_result(self.device, out_shape, _element_type(dtype), dtype.itemsize)
         return IntoCall(self.context, self.vm_module, name, [a._buffer_view for a in device_args], out)
@@ -178,8 +178,6 @@ class LoadedModule:
         Given the result's shape and dtype, the destination-passing twin is timed (result buffer and
         workspace allocated once, as a framework keeps them: convdsl/abi.py), else the allocating function.
         """
-        from ..abi import INTO_SUFFIX
-
         if (out_shape is None) != (out_dtype is None):
             raise ValueError("time: give the result's out_shape and out_dtype together, or neither")
         dev_args = [self.upload(a) for a in args]
