@@ -29,9 +29,9 @@ Per case:
   torch.cuda.synchronize() for torch.  IREE's synchronous calling convention returns only after the
   device finished; `sync_check` in the JSON measures that for every case (see benchmarks/README.md).
 
-Outputs $OUT/<device>-<date>.json and .md; the Markdown table is printed last.
+Outputs RESULTS/<device>-<date>.json and .md; the Markdown table is printed last.
 
-    python3 benchmarks/gpu_bench.py --out $OUT [--cases a,b] [--budget 1.0] [--deadline 330]
+    python3 benchmarks/gpu_bench.py --out RESULTS [--cases a,b] [--budget 1.0] [--deadline 330]
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ compared with the same kernel called the usual way (numpy inputs uploaded, resul
 zero-copy call is timed against cuDNN on the same tensors (torch.cuda.synchronize() before each IREE call, so
 that IREE's stream sees torch's finished inputs; the IREE call itself returns after its work is done).
 
-    python3 benchmarks/probes/interop/torch_dlpack.py --cases r50_1x1_dgrad,mbv2_dw_dgrad --out $OUT
+    python3 benchmarks/probes/interop/torch_dlpack.py --cases r50_1x1_dgrad,mbv2_dw_dgrad --out RESULTS
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Run each case's compiled kernels a few times, for a profiler to time the dispatches (ncu).
 
     ncu --clock-control none --kernel-name regex:'_dispatch_|grad_|spin_kernel' \
-        --metrics gpu__time_duration.sum --csv --log-file $OUT/ncu-convdsl.csv \
+        --metrics gpu__time_duration.sum --csv --log-file RESULTS/ncu-convdsl.csv \
         python3 benchmarks/probes/runtime/kernels.py --impl convdsl
-    python3 benchmarks/probes/runtime/kernels.py --summarize $OUT/ncu-convdsl.csv [--results RUN.json]
+    python3 benchmarks/probes/runtime/kernels.py --summarize RESULTS/ncu-convdsl.csv [--results RUN.json]
 
 IREE names its own dispatches `<function>_dispatch_<n>_<what it does>`, but convdsl's Triton kernels keep
 their kernel's name (grad_input_phases, ...), the same in every case.  So before each case's calls this

@@ -2,7 +2,7 @@
 
 Run on the GPU machine (carry .whl and benchmarks/build):
 
-    python3 benchmarks/probes/runtime/overhead.py --cases a,b,c --out $OUT
+    python3 benchmarks/probes/runtime/overhead.py --cases a,b,c --out RESULTS
 
 Each configuration runs in its own process (runtime flags and allocators are fixed when the CUDA device is
 created): IREE's defaults; a caching allocator over the device's; the caching allocator with stream-ordered
