@@ -77,7 +77,7 @@ def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH
     import convdsl
     from benchmarks.iree_today import TODAY_FLAGS, today_mlir
     from convdsl.backends.iree import compile_mlir
-    from convdsl.compiler import manifest
+    from convdsl.module import manifest
     from convdsl.passes import lower_to_mlir
     from convdsl.targets import Target
 
@@ -128,7 +128,7 @@ def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH
                 vmfb = convdsl.compile([q], target=target).vmfb
             elif impl.startswith("convdsl@"):
                 # a tuning candidate: IREE's configuration scaled by knobs (convdsl/tuning/knobs.py)
-                from convdsl.tuning import compile_with_knobs
+                from convdsl.backends.iree_config import compile_with_knobs
                 from convdsl.tuning.knobs import parse_label
 
                 knobs = parse_label(impl.split("@", 1)[1])
