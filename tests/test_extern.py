@@ -58,9 +58,11 @@ def _p(**kw) -> ConvProblem:
     return ConvProblem(**base)
 
 
-def _interpret(problems: list[ConvProblem], tiles: str = SMALL_TILES, x_layout: str | None = None) -> list[dict]:
+def _interpret(problems: list[ConvProblem], tiles: str = SMALL_TILES, x_layout: str | None = None,
+               native: bool = False) -> list[dict]:
+    """native: the tensors in the problems' own dtypes (kernel_interpreter.py), else f32."""
     pytest.importorskip("torch")  # Triton's interpreter runs on torch CPU tensors
-    jobs = [{"spec": problem_to_spec(p), "tiles": tiles, "x_layout": x_layout} for p in problems]
+    jobs = [{"spec": problem_to_spec(p), "tiles": tiles, "x_layout": x_layout, "native": native} for p in problems]
     done = subprocess.run([sys.executable, str(HERE / "kernel_interpreter.py")], input=json.dumps(jobs),
                           capture_output=True, text=True, cwd=HERE.parent, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -108,6 +110,37 @@ NAMED = [
 
 def test_interpreted_kernels_match_the_reference():
     _check(NAMED, _interpret(NAMED))
+
+
+# forward on grad_input's GEMM kernel (one phase, read stride s, weight's k and c strides swapped): every layout
+# and weight layout (strided (2, 1), dilated (1, 2), asymmetric padding), 1D stride 3, 3D, a scale epilogue,
+# channels past one tile (column tiles and reduction steps), and 16-bit storage (f16: exact products, the
+# store's cast; bf16 only as f32 values: the interpreter's bf16 dot is wrong)
+FORWARD = [
+    *(_p(op="forward", layout=layout, weight_layout=wl, name=f"fwd-{layout}-{wl}")
+      for layout in ("NHWGC", "GNHWC", "NGCHW") for wl in ("GKYXC", "GKCYX")),
+    _p(op="forward", dims=1, input=(11,), filter=(3,), stride=(3,), dilation=(1,), pad_lo=(2,), pad_hi=(0,),
+       name="fwd-1d-s3"),
+    _p(op="forward", dims=3, input=(5, 4, 6), filter=(2, 3, 3), stride=(2, 1, 2), dilation=(1, 1, 2),
+       pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="fwd-3d"),
+    _p(op="forward", epilogue=Epilogue("scale", 0.5), dtype="bf16", name="fwd-scaled-bf16"),
+    _p(op="forward", groups=1, in_channels=33, out_channels=17, stride=(1, 1), name="fwd-wide"),
+]
+FORWARD_16_BIT = [
+    _p(op="forward", dtype="f16", name="fwd-f16"),
+    _p(op="forward", dtype="f16", layout="GNHWC", weight_layout="GKCYX", dims=1, input=(11,), filter=(3,),
+       stride=(2,), dilation=(2,), pad_lo=(0,), pad_hi=(2,), epilogue=Epilogue("scale", 2.0), name="fwd-f16-1d"),
+]
+
+
+def test_interpreted_forward_gemm_matches_the_reference():
+    for p in FORWARD + FORWARD_16_BIT:
+        _, (launch,), _ = plan_launches(p, parse_tiles(SMALL_TILES), HOPPER)
+        c = dict(launch.constants)
+        assert launch.kernel == "grad_input_phases" and c["PHASES"] == 1 and c["RS"][3 - p.dims:] == p.stride
+        assert c["PRECISION"] == ("ieee" if p.dtype != "f32" else "tf32x3"), p.name
+    _check(FORWARD, _interpret(FORWARD))
+    _check(FORWARD_16_BIT, _interpret(FORWARD_16_BIT, native=True))
 
 
 # the depthwise window kernels with small chunks (t4: rows cut into uneven chunks, a masked tail; dgrad's chunks
@@ -218,6 +251,8 @@ PACKED = [
              pad_hi=(0,), name="packed-1d-s3"),
     _grouped(op="grad_weight", dims=3, input=(5, 4, 6), filter=(2, 3, 3), stride=(2, 1, 2), dilation=(1, 1, 2),
              pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="packed-w-3d"),
+    _grouped(op="forward", name="packed-fwd"),
+    _grouped(op="forward", in_channels=8, out_channels=2, layout="NGCHW", weight_layout="GKCYX", name="packed-fwd-8x2"),
     _grouped(in_channels=1, out_channels=1, name="packed-depthwise"),
     _grouped(op="grad_weight", in_channels=1, out_channels=1, name="packed-w-depthwise"),
 ]
@@ -270,6 +305,12 @@ def problems(draw) -> ConvProblem:
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(problems(), min_size=8, max_size=8))
 def test_interpreted_kernels_match_the_reference_on_random_shapes(batch):
+    _check(batch, _interpret(batch))
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(problems().map(lambda p: p.with_(op="forward")), min_size=6, max_size=6))
+def test_interpreted_forward_matches_the_reference_on_random_shapes(batch):
     _check(batch, _interpret(batch))
 
 
