@@ -13,10 +13,10 @@ from typing import Optional
 
 from dataclasses import dataclass
 
-from .kernels.launch import (MAX_ELEMENTS, Launch, arch_number, forward_launch, geometry, grad_input_direct_launch,
-                             grad_input_launch, grad_weight_depthwise_launch, grad_weight_launch, output_tiles,
-                             pad3, packable, packed_sizes, reduction_steps, split_chunks, tiles_within_images,
-                             triton_version, depthwise_channel_blocks)
+from .kernels.launch import (MAX_ELEMENTS, Launch, arch_number, forward_direct_launch, forward_launch, geometry,
+                             grad_input_direct_launch, grad_input_launch, grad_weight_depthwise_launch,
+                             grad_weight_launch, output_tiles, pad3, packable, packed_sizes, reduction_steps,
+                             split_chunks, tiles_within_images, triton_version, depthwise_channel_blocks)
 from .kernels.tiles import TileConfig, matrix_block, parse_tiles
 from .problem import ConvProblem
 from .targets import Target
@@ -118,8 +118,6 @@ def unsupported_reason(p: ConvProblem, target: Target) -> Optional[str]:
         return f"the external kernels are CUDA kernels; target is {target.backend}"
     if arch_number(target.arch) < 80:
         return f"the kernels need sm_80 or newer (cp.async, bf16 mma); target is {target.arch}"
-    if p.op == "forward" and p.depthwise:
-        return "depthwise forward keeps the linalg form (no direct kernel for it)"
     if p.dynamic_batch:
         return "batch = ?: the kernels are specialised to every size"
     if p.epilogue.kind == "bilinear":
@@ -188,6 +186,12 @@ def direct_grad_input(p: ConvProblem) -> bool:
     return p.op in ("grad_input", "transposed") and p.depthwise
 
 
+def direct_forward(p: ConvProblem) -> bool:
+    """Depthwise forward: direct sums (forward_direct), as depthwise grad_input takes them: one product per tap
+    and channel leaves a GEMM's matrix units idle (docs/decisions.md#depthwise-direct)."""
+    return p.op == "forward" and p.depthwise
+
+
 def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
     """Tiles for shapes the tuning database does not hold: columns as wide as C up to 256, three stages for the
     widest; few-channel groups packed (default_pack) (docs/decisions.md#default-tiles)."""
@@ -201,8 +205,9 @@ def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
 
 
 def direct_grad_input_tiles(p: ConvProblem) -> TileConfig:
-    """grad_input_direct: chunks of at most block_m positions along the innermost dimension x block_n channels
-    over the warps (block_k unused), two channels per thread (docs/decisions.md#depthwise-tiles)."""
+    """grad_input_direct and forward_direct: chunks of at most block_m positions along the innermost dimension x
+    block_n channels over the warps (block_k unused), two channels per thread (docs/decisions.md#depthwise-tiles;
+    chosen on grad_input, the forward kernel's loads and sums are alike)."""
     block_n = 128 if p.groups >= 128 else 64 if p.groups >= 64 else 32
     return TileConfig(32, block_n, 1, warps=max(1, block_n // 64), stages=1)
 
@@ -308,6 +313,8 @@ def kernel_tiles(p: ConvProblem, tiles: Optional[TileConfig]) -> TileConfig:
     """The tiles plan_launches uses for p: `tiles`, else the defaults of the kernel p runs on."""
     if tiles is not None:
         return tiles
+    if direct_forward(p):
+        return direct_grad_input_tiles(p)
     if p.op == "forward":
         # forward runs on grad_input's GEMM kernel with the channels' roles swapped: columns K, reduction C
         return default_grad_input_tiles(p.with_(in_channels=p.out_channels, out_channels=p.in_channels))
@@ -334,6 +341,8 @@ def plan_launches(p: ConvProblem, tiles: Optional[TileConfig], target: Target, x
         launch, partials = grad_weight_launch(p, tiles, base, grad_weight_parts(p, tiles, target), dot_precision(p),
                                               x_layout)
         return tiles, (launch,), partials
+    if direct_forward(p) and not packed:
+        return tiles, (forward_direct_launch(p, tiles, base),), ()
     if p.op == "forward":
         return tiles, (forward_launch(p, tiles, base, dot_precision(p)),), ()
     if direct_grad_input(p) and not packed:

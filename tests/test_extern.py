@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from convdsl.algebra import grad_input_phases
 from convdsl.backends.iree import compile_mlir
-from convdsl.kernels.launch import (activation_strides, compile_launch, depthwise_chunk, flat_positions, grad_input_launch,
-                                   weight_strides)
+from convdsl.kernels.launch import (FORWARD_WINDOW_MOST, activation_strides, compile_launch, depthwise_chunk,
+                                   flat_positions, grad_input_launch, weight_strides)
 from convdsl.passes.explain import describe_plan
 from convdsl.policy import (
     default_pack,
@@ -58,9 +58,11 @@ def _p(**kw) -> ConvProblem:
     return ConvProblem(**base)
 
 
-def _interpret(problems: list[ConvProblem], tiles: str = SMALL_TILES, x_layout: str | None = None) -> list[dict]:
+def _interpret(problems: list[ConvProblem], tiles: str = SMALL_TILES, x_layout: str | None = None,
+               native: bool = False) -> list[dict]:
+    """native: the tensors in the problems' own dtypes (kernel_interpreter.py), else f32."""
     pytest.importorskip("torch")  # Triton's interpreter runs on torch CPU tensors
-    jobs = [{"spec": problem_to_spec(p), "tiles": tiles, "x_layout": x_layout} for p in problems]
+    jobs = [{"spec": problem_to_spec(p), "tiles": tiles, "x_layout": x_layout, "native": native} for p in problems]
     done = subprocess.run([sys.executable, str(HERE / "kernel_interpreter.py")], input=json.dumps(jobs),
                           capture_output=True, text=True, cwd=HERE.parent, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -110,6 +112,37 @@ def test_interpreted_kernels_match_the_reference():
     _check(NAMED, _interpret(NAMED))
 
 
+# forward on grad_input's GEMM kernel (one phase, read stride s, weight's k and c strides swapped): every layout
+# and weight layout (strided (2, 1), dilated (1, 2), asymmetric padding), 1D stride 3, 3D, a scale epilogue,
+# channels past one tile (column tiles and reduction steps), and 16-bit storage (f16: exact products, the
+# store's cast; bf16 only as f32 values: the interpreter's bf16 dot is wrong)
+FORWARD = [
+    *(_p(op="forward", layout=layout, weight_layout=wl, name=f"fwd-{layout}-{wl}")
+      for layout in ("NHWGC", "GNHWC", "NGCHW") for wl in ("GKYXC", "GKCYX")),
+    _p(op="forward", dims=1, input=(11,), filter=(3,), stride=(3,), dilation=(1,), pad_lo=(2,), pad_hi=(0,),
+       name="fwd-1d-s3"),
+    _p(op="forward", dims=3, input=(5, 4, 6), filter=(2, 3, 3), stride=(2, 1, 2), dilation=(1, 1, 2),
+       pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="fwd-3d"),
+    _p(op="forward", epilogue=Epilogue("scale", 0.5), dtype="bf16", name="fwd-scaled-bf16"),
+    _p(op="forward", groups=1, in_channels=33, out_channels=17, stride=(1, 1), name="fwd-wide"),
+]
+FORWARD_16_BIT = [
+    _p(op="forward", dtype="f16", name="fwd-f16"),
+    _p(op="forward", dtype="f16", layout="GNHWC", weight_layout="GKCYX", dims=1, input=(11,), filter=(3,),
+       stride=(2,), dilation=(2,), pad_lo=(0,), pad_hi=(2,), epilogue=Epilogue("scale", 2.0), name="fwd-f16-1d"),
+]
+
+
+def test_interpreted_forward_gemm_matches_the_reference():
+    for p in FORWARD + FORWARD_16_BIT:
+        _, (launch,), _ = plan_launches(p, parse_tiles(SMALL_TILES), HOPPER)
+        c = dict(launch.constants)
+        assert launch.kernel == "grad_input_phases" and c["PHASES"] == 1 and c["RS"][3 - p.dims:] == p.stride
+        assert c["PRECISION"] == ("ieee" if p.dtype != "f32" else "tf32x3"), p.name
+    _check(FORWARD, _interpret(FORWARD))
+    _check(FORWARD_16_BIT, _interpret(FORWARD_16_BIT, native=True))
+
+
 # the depthwise window kernels with small chunks (t4: rows cut into uneven chunks, a masked tail; dgrad's chunks
 # rounded up to the stride), filters past TAPS_PER_THREAD_MOST (tap rows across threads, padded), 1D and 3D,
 # transposed and scaled, and a forced split of a chunk per dY row
@@ -132,6 +165,19 @@ WINDOWS = [
     _dw(op="transposed", dims=1, input=(23,), filter=(7,), stride=(2,), dilation=(1,), pad_lo=(3,), pad_hi=(3,),
         epilogue=Epilogue("scale", 0.5), name="dw-transposed-1d"),
 ]
+# forward_direct: strided and dilated rows cut into chunks (a masked tail), 3D, 1D stride 3 channel-first with a
+# scale epilogue, every activation layout; 16-bit storage (no dot here: bf16 runs natively too)
+FORWARD_WINDOWS = [
+    _dw(op="forward", name="dw-fwd-chunks"),
+    _dw(op="forward", dims=3, input=(4, 3, 9), filter=(2, 2, 3), stride=(2, 1, 2), dilation=(1, 1, 2),
+        pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), layout="GNHWC", name="dw-fwd-3d"),
+    _dw(op="forward", dims=1, input=(23,), filter=(7,), stride=(3,), dilation=(1,), pad_lo=(3,), pad_hi=(2,),
+        layout="NGCHW", weight_layout="GKCYX", epilogue=Epilogue("scale", 0.5), name="dw-fwd-1d"),
+]
+FORWARD_WINDOWS_16_BIT = [
+    _dw(op="forward", dtype="bf16", input=(3, 9), name="dw-fwd-bf16"),
+    _dw(op="forward", dtype="f16", input=(3, 9), layout="NGCHW", name="dw-fwd-f16"),
+]
 
 
 def test_interpreted_depthwise_windows_match_the_reference():
@@ -141,6 +187,26 @@ def test_interpreted_depthwise_windows_match_the_reference():
     _, (launch,), partials = plan_launches(split[0], parse_tiles("t4x16x1w1s1k40"), HOPPER)
     assert launch.grid[1] == partials[0] == 40 and dict(launch.constants)["ROWS_PER"] == 1  # a chunk per row
     _check(split, _interpret(split, tiles="t4x16x1w1s1k40"))
+
+
+def test_interpreted_depthwise_forward_matches_the_reference():
+    for p in FORWARD_WINDOWS + FORWARD_WINDOWS_16_BIT:
+        _, (launch,), _ = plan_launches(p, parse_tiles("t4x16x1w4s1"), HOPPER)
+        assert launch.kernel == "forward_direct" and launch.grid[0] == p.batch * math.prod(p.output[:-1])
+    _check(FORWARD_WINDOWS, _interpret(FORWARD_WINDOWS, tiles="t4x16x1w4s1"))
+    _check(FORWARD_WINDOWS_16_BIT, _interpret(FORWARD_WINDOWS_16_BIT, tiles="t4x16x1w4s1", native=True))
+
+
+@pytest.mark.parametrize("stride, filt, dilation, longest", [(1, 3, 1, 32), (2, 3, 1, 31), (3, 7, 2, 18),
+                                                              (1, 31, 1, 4), (1, 3, 40, 1)])
+def test_forward_chunks_keep_the_x_window_bounded(stride, filt, dilation, longest):
+    # a chunk of BLOCK_W positions reads (BLOCK_W - 1) * stride + (filt - 1) * dilation + 1 X positions per tap row
+    p = _dw(op="forward", dims=1, input=(200,), filter=(filt,), stride=(stride,), dilation=(dilation,),
+            pad_lo=(0,), pad_hi=(0,))
+    _, (launch,), _ = plan_launches(p, parse_tiles("t32x16x1w4s1"), HOPPER)
+    width = dict(launch.constants)["BLOCK_W"]
+    assert width == depthwise_chunk(p.output[0], longest)
+    assert width == 1 or (width - 1) * stride + (filt - 1) * dilation + 1 <= FORWARD_WINDOW_MOST
 
 
 # grad_weight_depthwise_rows: the kernel that slides along dY's rows (stride and dilation 1 along them, every tap
@@ -184,8 +250,8 @@ def test_depthwise_chunks_are_the_fewest_and_as_even_as_they_come(extent, most):
 def test_wide_depthwise_filters_compile_to_bounded_code():
     # RepLKNet's 31x31 depthwise: grad_input_direct loops over tap rows and cuts chunks shorter for wide filters
     # (unrolled whole, a 13x13 filter took 5 minutes to compile to 592 KB); grad_weight spreads tap rows across
-    # threads
-    for op in ("grad_input", "grad_weight"):
+    # threads; forward_direct loops over tap rows as grad_input_direct does
+    for op in ("grad_input", "grad_weight", "forward"):
         p = _dw(op=op, dtype="f16", batch=8, input=(32, 32), filter=(31, 31), stride=(1, 1), dilation=(1, 1),
                 pad_lo=(15, 15), pad_hi=(15, 15))
         _, (launch,), _ = plan_launches(p, None, HOPPER)
@@ -218,6 +284,8 @@ PACKED = [
              pad_hi=(0,), name="packed-1d-s3"),
     _grouped(op="grad_weight", dims=3, input=(5, 4, 6), filter=(2, 3, 3), stride=(2, 1, 2), dilation=(1, 1, 2),
              pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="packed-w-3d"),
+    _grouped(op="forward", name="packed-fwd"),
+    _grouped(op="forward", in_channels=8, out_channels=2, layout="NGCHW", weight_layout="GKCYX", name="packed-fwd-8x2"),
     _grouped(in_channels=1, out_channels=1, name="packed-depthwise"),
     _grouped(op="grad_weight", in_channels=1, out_channels=1, name="packed-w-depthwise"),
 ]
@@ -270,6 +338,12 @@ def problems(draw) -> ConvProblem:
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(problems(), min_size=8, max_size=8))
 def test_interpreted_kernels_match_the_reference_on_random_shapes(batch):
+    _check(batch, _interpret(batch))
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(problems().map(lambda p: p.with_(op="forward")), min_size=6, max_size=6))
+def test_interpreted_forward_matches_the_reference_on_random_shapes(batch):
     _check(batch, _interpret(batch))
 
 
@@ -451,7 +525,6 @@ def test_rule_and_overrides():
     linalg = plan_kernel(p, HOPPER, Knobs(extern=False))
     assert linalg.form == "implicit-gemm" and "extern = false" in describe_plan(linalg)
     for other, why in (
-        (p.with_(op="forward", groups=8, in_channels=1, out_channels=1), "depthwise forward"),
         (p.with_(dynamic_batch=True), "batch = ?"),
         (p.with_(epilogue=Epilogue("bilinear", 1.0, 0.5)), "bilinear"),
         (p.with_(op="grad_weight", groups=8, in_channels=4, out_channels=4, layout="GNHWC"), "few channels"),
@@ -473,6 +546,16 @@ def test_rule_and_overrides():
     depthwise = plan_kernel(p.with_(groups=8, in_channels=1, out_channels=1), HOPPER)
     assert [la.kernel for la in depthwise.extern.launches] == ["grad_input_direct"]
     assert "direct sums" in describe_plan(depthwise) and "f32 FMA" in describe_plan(depthwise)
+    depthwise_forward = plan_kernel(p.with_(op="forward", groups=8, in_channels=1, out_channels=1), HOPPER)
+    assert [la.kernel for la in depthwise_forward.extern.launches] == ["forward_direct"]
+    assert "taps per Y element" in describe_plan(depthwise_forward)
+    forward = plan_kernel(p.with_(op="forward"), HOPPER)
+    assert [la.kernel for la in forward.extern.launches] == ["grad_input_phases"]
+    assert "forward as one implicit GEMM" in describe_plan(forward)
+    # packed on request, depthwise forward runs as packed GEMMs like the other ops
+    packed_dw = plan_kernel(p.with_(op="forward", groups=8, in_channels=1, out_channels=1), HOPPER,
+                            Knobs(tiles="t16x16x16w4s2p8"))
+    assert [la.kernel for la in packed_dw.extern.launches] == ["grad_input_phases"]
     tiled = plan_kernel(p, HOPPER, Knobs(tiles="t64x32x16w4s3"))
     assert tiled.extern.tiles == TileConfig(64, 32, 16, 4, 3)
     assert dict(tiled.extern.launches[0].constants)["BLOCK_N"] == 32
@@ -504,6 +587,26 @@ def test_modules_embed_the_kernels_and_compile_for_cuda(target):
     assert mlir.count("flow.dispatch @dgrad_phases") == 3
     assert mlir.count("flow.dispatch @wgrad_partials") == 3
     assert "linalg.generic" in mlir  # the split-K sum and the fp8 rounding around the kernels
+    vmfb = compile_mlir(mlir, target)
+    assert len(vmfb) > 10_000
+
+
+@pytest.mark.parametrize("target", [HOPPER, AMPERE], ids=str)
+def test_forward_modules_embed_the_kernels_and_compile_for_cuda(target):
+    gemm = _p(op="forward", in_channels=32, out_channels=48, layout="NGCHW", name="fwd")  # through NHWGC copies
+    depthwise = _dw(op="forward", dtype="f16", name="dwfwd")
+    fp8 = _p(op="forward", in_channels=32, out_channels=48, compute=("fp8", "fp8"), dtype="f16", name="fwd8")
+    for p, kernel in ((gemm, "grad_input_phases"), (depthwise, "forward_direct"), (fp8, "grad_input_phases")):
+        plan = plan_kernel(p, target)
+        assert plan.form == "extern", p.name
+        inner = plan.channels_last.extern if plan.channels_last is not None else plan.extern
+        assert [la.kernel for la in inner.launches] == [kernel], p.name
+    mlir = lower_to_mlir([gemm, depthwise, fp8], target)
+    kind = "cubin" if target.arch == "sm_90" else "ptx"
+    assert mlir.count("hal.executable.source") == 3 and mlir.count(f'.{kind}"') == 3
+    # one dispatch writes all of Y, once per function (plain, $into and $into$async)
+    for name in ("fwd_forward", "dwfwd_direct", "fwd8_forward"):
+        assert mlir.count(f"flow.dispatch @{name}") == 3, name
     vmfb = compile_mlir(mlir, target)
     assert len(vmfb) > 10_000
 

@@ -16,6 +16,7 @@ from convdsl.kernels.tiles import parse_tiles
 from convdsl.problem import ConvProblem, Epilogue, problem_to_spec
 from convdsl.reference import tolerance
 from convdsl.targets import Target
+from convdsl.tuning.knobs import Knobs
 
 pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
@@ -52,6 +53,9 @@ CASES = [
                 pad_hi=(0,), layout="GNHWC"), SMALL),
     (BASE.with_(op="forward", dims=3, input=(4, 5, 6), filter=(2, 3, 2), stride=(1, 2, 1), dilation=(1, 1, 2),
                 pad_lo=(0, 1, 1), pad_hi=(1, 1, 0), weight_layout="GKCYX"), SMALL),
+    # depthwise forward: the direct kernel, strided, NGCHW through copies
+    (BASE.with_(op="forward", groups=8, in_channels=1, out_channels=1, filter=(3, 3), stride=(2, 2), pad_lo=(1, 1),
+                pad_hi=(1, 1), layout="NGCHW"), None),
 ]
 
 
@@ -76,7 +80,6 @@ def test_stream_kernel_matches_the_reference(interpreted, index):
 def test_stream_launches_are_the_modules_launches():
     # the stream kernel's GEMM core is the launch the IREE module embeds: same plan, same tiles, same split
     from convdsl.passes.plan import plan_kernel
-    from convdsl.tuning.knobs import Knobs
 
     for p, tiles in CASES:
         knobs = Knobs(tiles=tiles) if tiles else Knobs()
@@ -96,7 +99,10 @@ def test_forward_takes_the_triton_kernel_and_compiles_for_cuda():
     p = BASE.with_(op="forward")
     plan = plan_kernel(p, HOPPER)
     assert plan.form == "extern" and "forward as one implicit GEMM" in describe_plan(plan)
-    assert "depthwise forward" in stream.unsupported_reason(p.with_(groups=8, in_channels=1, out_channels=1), HOPPER)
+    depthwise = p.with_(groups=8, in_channels=1, out_channels=1)
+    assert stream.unsupported_reason(depthwise, HOPPER) is None
+    assert [sl.launch.kernel for sl in stream.plan_stream_kernel(depthwise, HOPPER, Knobs()).launches] == [
+        "forward_direct"]
     assert len(compile_mlir(lower_to_mlir([p], Target("cuda", "sm_80")), Target("cuda", "sm_80"))) > 0
 
 

@@ -1,4 +1,5 @@
-"""The GEMM cores of grad_input and grad_weight as Triton kernels (CUDA targets).
+"""The GEMM cores of forward, grad_input and grad_weight as Triton kernels (CUDA targets), and the direct
+(non-GEMM) kernels of their depthwise forms.
 
 IREE 3.13 lowers convdsl's linalg implicit GEMMs for CUDA to mma.sync fed by scalar global loads, with no
 cp.async and no ldmatrix (70-95 TFLOP/s on an H100 against cuDNN's 400-700; benchmarks/README.md).  These
@@ -15,6 +16,7 @@ Index algebra (per spatial dimension d; docs/algebra.md, convdsl/algebra.py):
       dY[o = q + off - j*o_step] * W[y = y0 + j*tap_step]        (o outside [0, O) reads zero)
   forward, the same kernel with one phase (r = 0, unit write stride), the roles of the channels swapped and a
       read stride:  Y[q] = sum over taps j, channels c of X[i = s*q - lo + j*d] * W[j]  (off = -lo, o_step = -d)
+  depthwise forward (forward_direct, no GEMM):  Y[n, o, g] = sum over taps t of X[n, i = o*s + t*d - lo, g] * W[g, t]
   grad_weight:  dW[k, y, c] = sum over n, o of dY[n, o, k] * X[n, i = o*s + y*d - lo, c]
       (i outside [0, I) reads zero), the sum over (n, o) cut into S chunks of whole BLOCK_R steps,
       each chunk's f32 partial sum stored apart and added in chunk order afterwards (deterministic).
@@ -277,6 +279,65 @@ def grad_input_direct(
             i2 = w0 + iw
             tl.store(dx + (n * DX[0] + i0 * DX[3] + i1 * DX[4] + i2 * DX[5]) + ch * DX[1],
                      (accs[iw] * ALPHA).to(dx.dtype.element_ty), mask=ch_ok & (zero + i2 < I[2]))
+
+
+@triton.jit
+def forward_direct(
+    x, w, y,
+    # depthwise (C = K = 1 per group) forward, a sliding window in registers: grad_input_direct's scheme turned
+    # around.  Each thread owns channels (a vector of BLOCK_CH over the program's warps) and a program one row
+    # (n, o0, o1) of Y, cut into chunks of BLOCK_W positions (unrolled).  Per tap row (f0, f1) the SPAN X
+    # positions the chunk reads are loaded once and reused by every tap x position of the row.
+    G: tl.constexpr, N: tl.constexpr,
+    # sizes per spatial dimension, padded to 3 (I: X, O: Y, F: filter; S stride, D dilation, LO low padding)
+    I: tl.constexpr, O: tl.constexpr, F: tl.constexpr, S: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
+    # element strides: X (n, g, c, i0, i1, i2), W (g, k, c, y0, y1, y2), Y (n, g, k, o0, o1, o2)
+    X: tl.constexpr, W: tl.constexpr, Y: tl.constexpr,
+    ALPHA: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CH: tl.constexpr,
+):
+    # Y position o2 = w0 + ow takes tap f2 from X position i2 = o2 * S + f2 * D - LO, that is
+    # i2 = (w0 * S - LO) + j for j = ow * S + f2 * D, and j spans [0, SPAN)
+    SPAN: tl.constexpr = (BLOCK_W - 1) * S[2] + (F[2] - 1) * D[2] + 1
+    row = tl.program_id(0)
+    ch = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
+    ch_ok = ch < G
+    zero = ch * 0  # scalar conditions as vectors (Triton's interpreter makes a scalar's bool an int32)
+    o1 = row % O[1]
+    o0 = (row // O[1]) % O[0]
+    n = row // (O[1] * O[0])
+    for w0 in range(0, O[2], BLOCK_W):
+        accs = ()
+        for ow in tl.static_range(BLOCK_W):
+            accs = accs + (tl.zeros((BLOCK_CH,), dtype=tl.float32),)
+        # tap rows (f0, f1) in a loop, not unrolled: the unrolled code grows as BLOCK_W x F[2] per row
+        for f01 in range(F[0] * F[1]):
+            f0 = f01 // F[1]
+            f1 = f01 % F[1]
+            # the X row i = o * S + f * D - LO (outside X: zeros)
+            i0 = o0 * S[0] + (f0 * D[0] - LO[0])
+            i1 = o1 * S[1] + (f1 * D[1] - LO[1])
+            row_ok = ch_ok & (zero + i0 >= 0) & (zero + i0 < I[0]) & (zero + i1 >= 0) & (zero + i1 < I[1])
+            base = x + (n * X[0] + i0 * X[3] + i1 * X[4]) + ch * X[1]
+            taps = ()  # the row's weights (through L1: every chunk of every Y row reads them)
+            for f2 in tl.static_range(F[2]):
+                taps = taps + (tl.load(w + ch * W[0] + f0 * W[3] + f1 * W[4] + f2 * W[5], mask=ch_ok,
+                                       other=0.0).to(tl.float32),)
+            xs = ()
+            for j in tl.static_range(SPAN):
+                i2 = w0 * S[2] + (j - LO[2])
+                xs = xs + (tl.load(base + i2 * X[5], mask=row_ok & (zero + i2 >= 0) & (zero + i2 < I[2]),
+                                   other=0.0).to(tl.float32),)
+            new = ()
+            for ow in tl.static_range(BLOCK_W):
+                acc = accs[ow]
+                for f2 in tl.static_range(F[2]):
+                    acc += xs[ow * S[2] + f2 * D[2]] * taps[f2]
+                new = new + (acc,)
+            accs = new
+        for ow in tl.static_range(BLOCK_W):
+            o2 = w0 + ow
+            tl.store(y + (n * Y[0] + o0 * Y[3] + o1 * Y[4] + o2 * Y[5]) + ch * Y[1],
+                     (accs[ow] * ALPHA).to(y.dtype.element_ty), mask=ch_ok & (zero + o2 < O[2]))
 
 
 @triton.jit

@@ -227,6 +227,34 @@ def grad_input_direct_launch(p: ConvProblem, tiles: TileConfig, base: str) -> La
                   grid, tiles.warps, tiles.stages)
 
 
+# forward_direct holds a chunk's X window (SPAN = (BLOCK_W - 1) * S + (F - 1) * D + 1 values per channel) in
+# registers beside its BLOCK_W sums: strided rows get shorter chunks so that the window stays this wide at most
+FORWARD_WINDOW_MOST = 64
+
+
+def forward_direct_launch(p: ConvProblem, tiles: TileConfig, base: str) -> Launch:
+    """Depthwise forward: one launch, a program per Y row (n, o0, o1) and block of channels; the row cut into
+    chunks of at most tiles.block_m positions, fewer where the filter is wide (UNROLLED_PRODUCTS) or the
+    stride long (FORWARD_WINDOW_MOST)."""
+    out3, f2 = pad3(p.output, 1), pad3(p.filter, 1)[2]
+    stride, dil = pad3(p.stride, 1)[2], pad3(p.dilation, 1)[2]
+    # the longest chunk whose window (BLOCK_W - 1) * stride + (f2 - 1) * dil + 1 fits FORWARD_WINDOW_MOST
+    window_chunk = max(1, (FORWARD_WINDOW_MOST - 1 - (f2 - 1) * dil) // stride + 1)
+    chunk = depthwise_chunk(out3[2], min(tiles.block_m, max(1, UNROLLED_PRODUCTS // f2), window_chunk))
+    consts = dict(
+        G=p.groups, N=p.batch,
+        **geometry(p),
+        X=activation_strides(p, p.input, p.in_channels), W=weight_strides(p),
+        Y=activation_strides(p, p.output, p.out_channels),
+        ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
+        BLOCK_W=chunk, BLOCK_CH=tiles.block_n,
+    )
+    grid = (p.batch * out3[0] * out3[1], depthwise_channel_blocks(p, tiles), 1)
+    elem = operand_element(p)
+    return Launch("forward_direct", f"{base}_direct", (elem, elem, ELEMENT[p.result_dtype]), tuple(consts.items()),
+                  grid, tiles.warps, tiles.stages)
+
+
 # --- grad_weight -----------------------------------------------------------------------------
 
 

@@ -113,6 +113,9 @@ def _describe_extern(plan: KernelPlan) -> list[str]:
         if launch.kernel == "grad_input_direct":
             what = (f"direct sums of {math.prod(p.filter)} taps per dX element, a dY window of rows of"
                     f" {c['BLOCK_W']} positions in registers (depthwise: bound by memory)")
+        elif launch.kernel == "forward_direct":
+            what = (f"direct sums of {math.prod(p.filter)} taps per Y element, chunks of {c['BLOCK_W']} positions"
+                    f" sharing an X window in registers (depthwise: bound by memory)")
         elif p.op == "forward":
             what = (f"forward as one implicit GEMM on grad_input's kernel: rows Y's positions, columns its K channels,"
                     f" reduction taps x C with X read at s*q - lo + j*d")

@@ -83,7 +83,8 @@ def grad_input(launch: Launch, binary: Binary, p: ConvProblem, dy: ir.Value, w: 
 
 
 def forward(launch: Launch, binary: Binary, p: ConvProblem, x: ir.Value, w: ir.Value) -> ir.Value:
-    """Y: one dispatch of grad_input's GEMM kernel run as a forward convolution (kernels/launch.forward_launch)."""
+    """Y: one dispatch that writes all of it: grad_input's GEMM kernel run as a forward convolution
+    (kernels/launch.forward_launch), or the depthwise direct kernel (forward_direct_launch)."""
     result_type = tensor_type(list(p.y_shape), element_type(p.result_dtype))
     return dispatch(launch, binary, [x, w], result_type)
 
