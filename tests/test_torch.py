@@ -127,6 +127,24 @@ def test_torch_compile_fullgraph():
     assert _rel(y, model(x).detach().double()) <= 1e-6 and _rel(grad, x.grad.double()) <= 1e-6
 
 
+def test_operator_registrations_pass_opcheck():
+    """torch.library's own check of each operator: schema, fake kernel against the real one, autograd
+    registration, and AOT dispatch (what torch.compile runs)."""
+    x = torch.randn(2, 4, 7, 6).to(memory_format=torch.channels_last)
+    w = torch.randn(6, 2, 3, 3).to(memory_format=torch.channels_last)
+    conv = [2, 1], [1, 1], [1, 0], [1, 1], 2
+    y = torch.ops.convdsl.convolution(x, w, None, *conv)
+    assert y.shape == (2, 6, 4, 5)
+    x.requires_grad_(), w.requires_grad_()
+    torch.library.opcheck(torch.ops.convdsl.convolution.default, (x, w, torch.randn(6), *conv))
+    dy = torch.randn(y.shape).to(memory_format=torch.channels_last)
+    torch.library.opcheck(torch.ops.convdsl.convolution_grad_input.default, (dy, w.detach(), list(x.shape), *conv))
+    torch.library.opcheck(torch.ops.convdsl.convolution_grad_weight.default, (x.detach(), dy, list(w.shape), *conv))
+    xt = torch.randn(2, 6, 4, 5, requires_grad=True)
+    torch.library.opcheck(torch.ops.convdsl.conv_transpose.default,
+                          (xt, w, None, [2, 1], [1, 1], [1, 1], [1, 0], [1, 1], 2))
+
+
 def test_bad_calls_raise_torch_nn_errors():
     conv = ct.Conv2d(4, 6, 3)
     with pytest.raises(RuntimeError, match="Expected 3D .unbatched. or 4D"):

@@ -92,13 +92,29 @@ def _bias_grad(dy: torch.Tensor) -> torch.Tensor:
     return dy.sum(dim=[0, *range(2, dy.dim())])
 
 
-@torch.library.custom_op(f"{LIB}::convolution", mutates_args=())
-def convolution(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
-                pad_lo: list[int], pad_hi: list[int], dilation: list[int], groups: int) -> torch.Tensor:
-    return _forward(x, w, bias, stride, pad_lo, pad_hi, dilation, groups)
+# The operators are defined with torch.library's low-level registration (a schema, a kernel per device, a fake
+# kernel, an autograd formula) rather than torch.library.custom_op: the dispatcher then calls the kernels
+# directly, where custom_op's Python wrappers (autograd redispatch, alias checks, a dynamo guard) cost about
+# 35 us a call, three times a layer in a compiled training step (docs/decisions.md#operator-registration).
+_library = torch.library.Library(LIB, "DEF")
+_CONV_ARGS = "int[] stride, int[] pad_lo, int[] pad_hi, int[] dilation, int groups"
+_library.define(f"convolution(Tensor x, Tensor w, Tensor? bias, {_CONV_ARGS}) -> Tensor")
+_library.define(f"convolution_grad_input(Tensor dy, Tensor w, int[] input_size, {_CONV_ARGS}) -> Tensor")
+_library.define(f"convolution_grad_weight(Tensor x, Tensor dy, int[] weight_size, {_CONV_ARGS}) -> Tensor")
+_library.define("conv_transpose(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] pad_lo, int[] pad_hi, "
+                "int[] output_padding, int[] dilation, int groups) -> Tensor")
+for _name, _kernel in (("convolution", _forward), ("convolution_grad_input", _grad_input),
+                       ("convolution_grad_weight", _grad_weight), ("conv_transpose", _transposed)):
+    for _key in ("CPU", "CUDA"):
+        _library.impl(_name, _kernel, _key)
+
+convolution = torch.ops.convdsl.convolution.default
+convolution_grad_input = torch.ops.convdsl.convolution_grad_input.default
+convolution_grad_weight = torch.ops.convdsl.convolution_grad_weight.default
+conv_transpose = torch.ops.convdsl.conv_transpose.default
 
 
-@convolution.register_fake
+@torch.library.register_fake(f"{LIB}::convolution", lib=_library)
 def _(x, w, bias, stride, pad_lo, pad_hi, dilation, groups):
     runtime.note("forward", x, w, spatial=x.shape[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
                  pad_hi=pad_hi, dilation=dilation, groups=groups)
@@ -126,31 +142,21 @@ def _convolution_backward(ctx, dy):
     return dx, dw, db, None, None, None, None, None
 
 
-convolution.register_autograd(_convolution_backward, setup_context=_convolution_setup)
+torch.library.register_autograd(f"{LIB}::convolution", _convolution_backward, setup_context=_convolution_setup,
+                                lib=_library)
 
 
 # --- the gradients -----------------------------------------------------------------------------------------
+# No autograd formula: they are the formulas (second derivatives are not computed).
 
-@torch.library.custom_op(f"{LIB}::convolution_grad_input", mutates_args=())
-def convolution_grad_input(dy: torch.Tensor, w: torch.Tensor, input_size: list[int], stride: list[int],
-                           pad_lo: list[int], pad_hi: list[int], dilation: list[int], groups: int) -> torch.Tensor:
-    return _grad_input(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups)
-
-
-@convolution_grad_input.register_fake
+@torch.library.register_fake(f"{LIB}::convolution_grad_input", lib=_library)
 def _(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups):
     runtime.note("grad_input", dy, w, spatial=input_size[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
                  pad_hi=pad_hi, dilation=dilation, groups=groups)
     return _empty_like_format(input_size, dy, runtime.result_dtype(dy))
 
 
-@torch.library.custom_op(f"{LIB}::convolution_grad_weight", mutates_args=())
-def convolution_grad_weight(x: torch.Tensor, dy: torch.Tensor, weight_size: list[int], stride: list[int],
-                            pad_lo: list[int], pad_hi: list[int], dilation: list[int], groups: int) -> torch.Tensor:
-    return _grad_weight(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups)
-
-
-@convolution_grad_weight.register_fake
+@torch.library.register_fake(f"{LIB}::convolution_grad_weight", lib=_library)
 def _(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups):
     runtime.note("grad_weight", x, dy, spatial=x.shape[2:], filt=weight_size[2:], stride=stride, pad_lo=pad_lo,
                  pad_hi=pad_hi, dilation=dilation, groups=groups)
@@ -162,14 +168,7 @@ def _(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups):
 # input is the transposed convolution's output, its weight (G*K, C, ...) is the transposed one's (G*C_in,
 # C_out, ...) as it stands.  So its backward is that convolution's forward (for x) and grad_weight (for w).
 
-@torch.library.custom_op(f"{LIB}::conv_transpose", mutates_args=())
-def conv_transpose(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], stride: list[int],
-                   pad_lo: list[int], pad_hi: list[int], output_padding: list[int], dilation: list[int],
-                   groups: int) -> torch.Tensor:
-    return _transposed(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups)
-
-
-@conv_transpose.register_fake
+@torch.library.register_fake(f"{LIB}::conv_transpose", lib=_library)
 def _(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups):
     out = transposed_output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, output_padding, dilation)
     runtime.note("grad_input", x, w, spatial=out, filt=w.shape[2:], stride=stride, pad_lo=pad_lo, pad_hi=pad_hi,
@@ -197,14 +196,13 @@ def _transpose_backward(ctx, dy):
     return dx, dw, db, None, None, None, None, None, None
 
 
-conv_transpose.register_autograd(_transpose_backward, setup_context=_transpose_setup)
+torch.library.register_autograd(f"{LIB}::conv_transpose", _transpose_backward, setup_context=_transpose_setup,
+                                lib=_library)
 
 
 # Under autocast the convolutions run in the autocast dtype of the region (bf16 or f16), as torch.nn's do:
 # autocast leaves custom operators alone unless they register a kernel for its dispatch key.  The casts are
 # ordinary ops, so autograd carries the gradients back to the parameters' dtype.
-_library = torch.library.Library(LIB, "FRAGMENT")
-
 
 def _register_autocast(op, device_type: str) -> None:
     key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))
@@ -215,7 +213,7 @@ def _register_autocast(op, device_type: str) -> None:
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
             return op(*cast)
 
-    _library.impl(op._name.split("::")[-1], kernel, "Autocast" + torch._C._dispatch_key_for_device(device_type),
+    _library.impl(op._schema.name.split("::")[-1], kernel, "Autocast" + torch._C._dispatch_key_for_device(device_type),
                   with_keyset=True)
 
 
