@@ -145,6 +145,24 @@ def test_operator_registrations_pass_opcheck():
                           (xt, w, None, [2, 1], [1, 1], [1, 1], [1, 0], [1, 1], 2))
 
 
+def test_recording_on_fake_tensors_lists_every_kernel_of_a_step():
+    """A training step on fake tensors inside runtime.recording() computes nothing and records each
+    convolution's forward, grad_input and grad_weight once (how bundles are built for another machine)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from convdsl.torch import runtime
+
+    model = ct.convert(_model()).to(memory_format=torch.channels_last)
+    with runtime.recording(as_cuda=True) as problems, FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last).requires_grad_()
+        model(x).sum().backward()
+    convs = [m for m in model.modules() if isinstance(m, ct.Conv2d)]
+    ops = sorted(p.op for p in problems)
+    assert ops == sorted(["forward", "grad_input", "grad_weight"] * len(convs))
+    assert all(p.dtype == "f32" and p.tf32 for p in problems)  # as_cuda: TF32 as cuDNN allows
+    assert all(p.layout == "NHWGC" for p in problems if p.op == "forward")
+
+
 def test_bad_calls_raise_torch_nn_errors():
     conv = ct.Conv2d(4, 6, 3)
     with pytest.raises(RuntimeError, match="Expected 3D .unbatched. or 4D"):

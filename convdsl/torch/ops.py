@@ -226,7 +226,8 @@ for _op in (convolution, conv_transpose):
 # The custom operators' Python dispatch (autograd wrapper, redispatch, argument defaults) costs far more host
 # time per call than a convolution's launch; outside torch.compile the modules call the same computations
 # through a plain autograd.Function instead (docs/decisions.md#eager-autograd-function).  Under torch.compile
-# they call the operators, which it traces.
+# they call the operators, which it traces, and so do calls on fake tensors while runtime.recording() (their
+# fake kernels record the problems).
 
 class EagerConvolution(torch.autograd.Function):
     @staticmethod
@@ -279,14 +280,14 @@ def _autocast(device_type: str, *tensors):
 
 
 def call_convolution(x, w, bias, stride, pad_lo, pad_hi, dilation, groups) -> torch.Tensor:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.recording_active():
         return convolution(x, w, bias, stride, pad_lo, pad_hi, dilation, groups)
     x, w, bias = _autocast(x.device.type, x, w, bias)
     return EagerConvolution.apply(x, w, bias, stride, pad_lo, pad_hi, dilation, groups)
 
 
 def call_conv_transpose(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups) -> torch.Tensor:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or runtime.recording_active():
         return conv_transpose(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups)
     x, w, bias = _autocast(x.device.type, x, w, bias)
     return EagerConvTranspose.apply(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups)

@@ -143,6 +143,10 @@ def recording(as_cuda: bool = True) -> Iterator[list[ConvProblem]]:
         _recording, _recording_for_cuda = previous
 
 
+def recording_active() -> bool:
+    return _recording is not None
+
+
 def note(op: str, a: torch.Tensor, b: torch.Tensor, **conv) -> None:
     """Record the problem of a call traced on fake tensors (the ops' fake implementations call this)."""
     if _recording is not None:
@@ -256,18 +260,17 @@ def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], fi
         # the kernels read the values through data pointers; autograd is the ops' own
         out = torch.empty(call.result_shape, dtype=a.dtype, device=a.device, memory_format=call.result_format)
         return call.runner.run_into(a, b, out)
-    laid_a, laid_b = _as_laid_out(op, a.detach(), b.detach())
+    laid_a, laid_b = _as_laid_out(op, a, b)
     if call is None:
         p = problem_for(op, laid_a, laid_b, spatial=spatial, filt=filt, stride=stride, pad_lo=pad_lo,
                         pad_hi=pad_hi, dilation=dilation, groups=groups)
         call = _new_call(p, laid_a.device, laid_a, laid_b)
         # direct only where the arguments as they come are already laid out (no copy was needed)
-        as_given = laid_a.data_ptr() == a.data_ptr() and laid_a.stride() == a.stride() and \
-            laid_b.data_ptr() == b.data_ptr() and laid_b.stride() == b.stride()
+        as_given = laid_a is a and laid_b is b
         if call.direct and not as_given:
             call = dataclasses.replace(call, direct=False)
         call = _calls.setdefault(key, call)
-    a, b = laid_a, laid_b
+    a, b = laid_a.detach(), laid_b.detach()
     p = call.problem
     if call.direct and a.data_ptr() % ALIGNMENT == 0 and b.data_ptr() % ALIGNMENT == 0:
         out = torch.empty(call.result_shape, dtype=a.dtype, device=a.device, memory_format=call.result_format)
