@@ -43,7 +43,8 @@ class Phase1D:
 
 
 def phases_1d(i_size: int, r_size: int, s: int, d: int, lo: int) -> list[Phase1D]:
-    """The s residue classes of one dimension, each with the taps that reach it.
+    """The residue classes of one dimension that hold positions (min(s, I) of them), each with the taps that
+    reach it.
 
     Derivation: dX[i] = sum over (o, y) with o*s + y*d - lo = i of dY[o] * W[y].  Write i = s*q + r.
     Then o*s = s*q + r + lo - y*d, so tap y contributes iff s divides (r + lo - y*d), and then
@@ -54,15 +55,18 @@ def phases_1d(i_size: int, r_size: int, s: int, d: int, lo: int) -> list[Phase1D
     """
     g = math.gcd(s, d)
     tap_step, o_step = s // g, d // g
+    # y*d == r + lo (mod s)  <=>  y*(d/g) == (r + lo)/g (mod s/g): y0 = (r + lo)/g * inverse(d/g) mod s/g, so
+    # each residue costs O(1) however large s, d or R are
+    inverse = pow(o_step, -1, tap_step) if tap_step > 1 else 0
     phases = []
-    for r in range(s):
-        taps = [y for y in range(r_size) if (r + lo - y * d) % s == 0]
-        q_count = max(0, -(-(i_size - r) // s))  # ceil((I - r) / s), zero when r >= I
-        if taps:
-            y0 = taps[0]
-            assert taps == list(range(y0, r_size, tap_step))[: len(taps)]
+    # residues r >= I hold no positions (Q = 0): only min(s, I) residues are listed
+    for r in range(min(s, i_size)):
+        q_count = -(-(i_size - r) // s)  # ceil((I - r) / s)
+        y0 = ((r + lo) // g * inverse) % tap_step if (r + lo) % g == 0 else r_size
+        if y0 < r_size:
+            taps = -(-(r_size - y0) // tap_step)
             off = (r + lo - y0 * d) // s
-            phases.append(Phase1D(r, y0, len(taps), tap_step, off, o_step, q_count))
+            phases.append(Phase1D(r, y0, taps, tap_step, off, o_step, q_count))
         else:
             phases.append(Phase1D(r, 0, 0, tap_step, 0, o_step, q_count))
     return phases

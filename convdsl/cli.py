@@ -106,6 +106,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     problems = parse_file(args.file)
+    if not problems:  # compile, run and explain refuse such a file too (load_problems)
+        raise ConvSyntaxError("no kernels: expected at least one line `kernel NAME = OP(CONV)`",
+                              str(args.file), 1, 1)
     for p in problems:
         print(f"{p.name}: {p.describe()}")
     print(f"{args.file}: {len(problems)} kernels, no errors")

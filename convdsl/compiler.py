@@ -22,7 +22,7 @@ from . import cache, policy
 from .cache import source_digest
 from .backends import iree as _iree
 from .backends.iree_config import compile_with_knobs
-from .frontend import parse, parse_file
+from .frontend import ConvSyntaxError, parse, parse_file
 from .kernels.launch import triton_version
 from .module import CompiledModule, resolve_target
 from .passes import lower_to_mlir
@@ -36,7 +36,16 @@ KEY_SCHEMA = 1
 
 
 def load_problems(source: Union[str, Path, Sequence[ConvProblem]], batch: Optional[int] = None) -> list[ConvProblem]:
-    """A path to a .conv file, .conv source text, or problems already built."""
+    """A path to a .conv file, .conv source text, or problems already built; at least one kernel."""
+    problems = _problems_of(source, batch)
+    if not problems:
+        name = str(source) if isinstance(source, Path) or (isinstance(source, str) and "{" not in source) \
+            else "<string>"
+        raise ConvSyntaxError("no kernels: expected at least one line `kernel NAME = OP(CONV)`", name, 1, 1)
+    return problems
+
+
+def _problems_of(source: Union[str, Path, Sequence[ConvProblem]], batch: Optional[int]) -> list[ConvProblem]:
     if isinstance(source, (list, tuple)):
         return list(source)
     if isinstance(source, Path) or (isinstance(source, str) and "{" not in source and source.endswith(".conv")):

@@ -36,6 +36,12 @@ _SPATIAL_LETTERS = {1: "W", 2: "HW", 3: "DHW"}
 _TAP_LETTERS = {1: "X", 2: "YX", 3: "ZYX"}
 
 
+# Limits (checked by `convdsl check` too): every size, stride, dilation and padding fits a signed 32-bit
+# integer, and every tensor has at most 2^48 elements, so that any offset into it fits a signed 64-bit index
+MAX_SIZE = 2**31 - 1
+MAX_TENSOR_ELEMENTS = 2**48
+
+
 class ProblemError(ValueError):
     """A convolution description that is inconsistent; the message names the field."""
 
@@ -115,6 +121,11 @@ class ConvProblem:
                 raise ProblemError(f"{key}: expected positive values, got {getattr(self, key)}")
         if any(v < 0 for v in self.pad_lo + self.pad_hi):
             raise ProblemError(f"padding: expected non-negative values, got {self.pad_lo} / {self.pad_hi}")
+        for key in ("groups", "batch", "in_channels", "out_channels", "input", "filter", "stride", "dilation",
+                    "pad_lo", "pad_hi"):
+            value = getattr(self, key)
+            if max(value if isinstance(value, tuple) else (value,)) > MAX_SIZE:
+                raise ProblemError(f"{key}: expected at most {MAX_SIZE} (2^31 - 1), got {value}")
         if self.layout not in LAYOUTS:
             raise ProblemError(f"layout: expected one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.weight_layout not in WEIGHT_LAYOUTS:
@@ -132,6 +143,10 @@ class ConvProblem:
                 raise ProblemError(f"split_k: only grad_weight kernels split the reduction, not {self.op}")
             if not isinstance(self.split_k, int) or self.split_k < 1:
                 raise ProblemError(f"split_k: expected a positive integer or auto, got {self.split_k!r}")
+            if self.dynamic_batch and self.split_k > 1:
+                # the chunks are planned from the batch, which a batch = ? kernel learns only when called
+                raise ProblemError(f"split_k: a number needs a fixed batch, got split_k = {self.split_k} with "
+                                   f"batch = ? (use split_k = auto)")
         for i, o in enumerate(self.output):
             if o < 1:
                 raise ProblemError(
@@ -139,6 +154,13 @@ class ConvProblem:
                     f"{self.pad_lo[i]}+{self.pad_hi[i]} is smaller than the dilated filter "
                     f"{self.dilation[i] * (self.filter[i] - 1) + 1}"
                 )
+        g, n = self.groups, self.batch
+        for name, elements in (("input", n * g * self.in_channels * math.prod(self.input)),
+                               ("output gradient", n * g * self.out_channels * math.prod(self.output)),
+                               ("weight", g * self.out_channels * self.in_channels * math.prod(self.filter))):
+            if elements > MAX_TENSOR_ELEMENTS:
+                raise ProblemError(f"the {name} tensor would have {elements} elements; expected at most "
+                                   f"{MAX_TENSOR_ELEMENTS} (2^48)")
 
     def _check_compute(self) -> None:
         compute = self.compute

@@ -29,6 +29,10 @@ class TargetError(ValueError):
     pass
 
 
+# the oldest CUDA architecture IREE's CUDA backend compiles for (Volta)
+MIN_CUDA_ARCH = 70
+
+
 def _arch_number(arch: str) -> int:
     return int(re.sub(r"\D", "", arch) or 0)
 
@@ -91,10 +95,12 @@ class Target:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise TargetError(f"--target: expected one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.backend == "cuda" and not self.arch.startswith("sm_"):
-            raise TargetError(f"--arch: a CUDA target names an sm_XY architecture, got {self.arch!r}")
-        if self.backend == "rocm" and not self.arch.startswith("gfx"):
-            raise TargetError(f"--arch: a ROCm target names a gfxNNN architecture, got {self.arch!r}")
+        if self.backend == "cuda" and not (re.fullmatch(r"sm_\d{2,3}a?", self.arch)
+                                           and _arch_number(self.arch) >= MIN_CUDA_ARCH):
+            raise TargetError(f"--arch: a CUDA target names an sm_XY architecture, sm_{MIN_CUDA_ARCH} or newer "
+                              f"(e.g. sm_80, sm_90), got {self.arch!r}")
+        if self.backend == "rocm" and not re.fullmatch(r"gfx[0-9a-f]{3,4}", self.arch):
+            raise TargetError(f"--arch: a ROCm target names a gfxNNN architecture (e.g. gfx942), got {self.arch!r}")
 
     @staticmethod
     def parse(backend: str, arch: str | None = None) -> "Target":

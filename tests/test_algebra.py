@@ -34,9 +34,10 @@ def test_phases_reproduce_the_definition(i, r, s, d, lo, hi):
     # the residues partition [0, I): every position belongs to exactly one phase
     covered = sorted(ph.r + s * q for ph in phases for q in range(ph.Q))
     assert covered == list(range(i))
-    # the taps used over all phases are each filter tap exactly once: no multiply by an inserted zero
+    # the taps used over all phases are each filter tap that reaches a position, exactly once: no multiply by
+    # an inserted zero (a tap whose residue class holds no position, r >= I, is listed nowhere)
     used = sorted(ph.y0 + j * ph.tap_step for ph in phases for j in range(ph.J))
-    assert used == list(range(r))
+    assert used == [y for y in range(r) if any((res + lo - y * d) % s == 0 for res in range(min(s, i)))]
     # at most s / gcd(s, d) residues have taps
     import math
 
@@ -52,6 +53,14 @@ def test_phases_reproduce_the_definition(i, r, s, d, lo, hi):
                 if 0 <= q + ph.off - j * ph.o_step < o_size
             }
             assert got == want
+
+
+def test_huge_strides_dilations_and_filters_cost_nothing():
+    """A residue costs O(1): stride, dilation and filter of 10^9 list only the residues that hold positions."""
+    phases = phases_1d(5, 10**9, 10**9, 10**9 - 1, 10**9 - 3)
+    assert [ph.r for ph in phases] == [0, 1, 2, 3, 4] and all(ph.J == 1 for ph in phases)
+    # each residue's tap is the one solution of y*d == r + lo (mod s) in [0, R)
+    assert all((ph.r + 10**9 - 3 - ph.y0 * (10**9 - 1)) % 10**9 == 0 for ph in phases)
 
 
 @given(length=st.integers(1, 200), parts=st.integers(1, 40))

@@ -134,3 +134,22 @@ def test_compile_names_a_missing_file_and_every_kernel_is_reachable(tmp_path):
     first = convdsl.compiler.load_problems(source, batch=1)[0]
     mod = convdsl.compile(source.replace(f"kernel {first.name} ", "kernel save ", 1), target="cpu", batch=1)
     assert "save" in mod.kernels and mod["save"].problem.name == "save"  # not the module's save()
+
+
+@pytest.mark.parametrize("command", [["check"], ["explain", "--target", "cpu"],
+                                     ["compile", "--target", "cpu", "-o", "OUT"]])
+def test_a_file_without_kernels_is_a_located_error(command, tmp_path, capsys):
+    source = tmp_path / "empty.conv"
+    source.write_text("# only a comment\n")
+    argv = [a.replace("OUT", str(tmp_path / "x.vmfb")) for a in command]
+    assert main([argv[0], str(source), *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}:1:1: error: no kernels" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("arch", ["sm_1", "sm_9x", "volta"])
+def test_an_unknown_cuda_arch_is_named(arch, capsys):
+    example = EXAMPLES[0]
+    assert main(["explain", str(example), "--target", "cuda", "--arch", arch, "--stage", "plan"]) == 2
+    err = capsys.readouterr().err
+    assert f"--arch: a CUDA target names an sm_XY architecture" in err and repr(arch) in err

@@ -444,3 +444,57 @@ def test_dynamic_batch():
     assert q.dynamic_batch and q.batch == 5
     with pytest.raises(ConvSyntaxError, match="got '\\?'"):
         parse("conv c { dims = 1; batch = 2; in_channels = ?; out_channels = 3; input = [8]; filter = [3] }\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# Limits and encodings
+# ------------------------------------------------------------------------------------------------
+
+def test_byte_order_mark_is_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "bom.conv"
+    path.write_bytes("\ufeff".encode() + small().encode())
+    assert [p.name for p in parse_file(path)] == ["k"]
+
+
+def test_fullwidth_digits_are_not_numbers() -> None:
+    with pytest.raises(ConvSyntaxError, match=r"1:\d+: error: expected .*got '３'"):
+        parse(small().replace("batch = 2", "batch = ３"))
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("batch", "9223372036854775807", "batch: expected at most 2147483647"),
+    ("input", "[2147483648, 7]", "input: expected at most 2147483647"),
+    ("stride", "[1, 4294967296]", "stride: expected at most 2147483647"),
+])
+def test_sizes_past_32_bits_are_refused_where_they_stand(key: str, value: str, fragment: str) -> None:
+    source = small().replace(f"{key} = " + {"batch": "2", "input": "[9, 7]", "stride": ""}[key], f"{key} = {value}") \
+        if key != "stride" else small(f"; stride = {value}")
+    with pytest.raises(ConvSyntaxError, match=r"<string>:1:6: error: invalid conv c: " + fragment):
+        parse(source)
+
+
+def test_tensors_past_2_48_elements_are_refused() -> None:
+    source = small().replace("batch = 2", "batch = 2147483647").replace("input = [9, 7]", "input = [65536, 7]")
+    with pytest.raises(ConvSyntaxError, match=r"input tensor would have \d+ elements; expected at most"):
+        parse(source)
+
+
+def test_split_k_number_with_dynamic_batch_is_an_error() -> None:
+    source = small(kernels="kernel w = grad_weight(c) { split_k = 2 }\n").replace("batch = 2", "batch = ?")
+    with pytest.raises(ConvSyntaxError, match=r"split_k: a number needs a fixed batch"):
+        parse(source)
+    auto = small(kernels="kernel w = grad_weight(c) { split_k = auto }\n").replace("batch = 2", "batch = ?")
+    assert parse(auto)[0].dynamic_batch
+
+
+def test_huge_strides_check_and_plan_at_once() -> None:
+    """Residues that hold no position cost nothing: a stride of 10^9 plans as fast as a stride of 2."""
+    import time
+
+    from convdsl.algebra import grad_input_phases
+
+    (p,) = parse(small("; stride = 1000000000", kernels="kernel d = grad_input(c)\n"))
+    start = time.perf_counter()
+    phases = grad_input_phases(p)
+    assert time.perf_counter() - start < 1.0
+    assert {ph.residue for ph in phases} == {(a, b) for a in range(9) for b in range(7)}

@@ -621,7 +621,8 @@ def parse(text: str, filename: str = "<string>", batch: Optional[int] = None) ->
     """
     if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch < 1):
         raise ValueError(f"batch override: expected a positive integer, got {batch!r}")
-    src = _Source(text, filename)
+    # a UTF-8 byte-order mark, as some editors write, is not part of the source
+    src = _Source(text[1:] if text.startswith("\ufeff") else text, filename)
     return _problems(src, _parse_tree(src), batch)
 
 
