@@ -498,3 +498,35 @@ def test_huge_strides_check_and_plan_at_once() -> None:
     phases = grad_input_phases(p)
     assert time.perf_counter() - start < 1.0
     assert {ph.residue for ph in phases} == {(a, b) for a in range(9) for b in range(7)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Fuzzing: any text gives problems or a located error, never another exception
+# ------------------------------------------------------------------------------------------------
+# CONVDSL_FUZZ_EXAMPLES=10000 runs a longer search than the default one
+FUZZ_EXAMPLES = int(__import__("os").environ.get("CONVDSL_FUZZ_EXAMPLES", "300"))
+_ALPHABET = st.sampled_from(list("{}[]()=;,?#.-+eE0123456789 \n\t") +
+                            ["conv", "kernel", "grad_input", "grad_weight", "forward", "stride", "padding", "batch",
+                             "dims", "split_k", "auto", "NHWGC", "bf16", "９", "\ufeff", "\x00", "é"])
+
+
+@st.composite
+def _mutated_sources(draw) -> str:
+    text = EXAMPLE
+    for _ in range(draw(st.integers(1, 6))):
+        at = draw(st.integers(0, len(text)))
+        cut = draw(st.integers(0, 12))
+        insert = "".join(draw(st.lists(_ALPHABET, max_size=4)))
+        text = text[:at] + insert + text[at + cut:]
+    return text
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(source=st.one_of(_mutated_sources(), st.text(max_size=200)))
+def test_fuzzed_sources_parse_or_give_a_located_error(source: str) -> None:
+    try:
+        problems = parse(source)
+    except ConvSyntaxError as err:
+        assert str(err).startswith("<string>:") and ": error: " in str(err)
+    else:
+        assert all(p.name for p in problems)
