@@ -32,9 +32,12 @@ from convdsl.targets import Target  # noqa: E402
 QUEUED = 100
 
 
-def problems(names: list[str]) -> list[ConvProblem]:
-    """The suite's kernels, then the forward convolution of each distinct shape (named <case>_fwd)."""
+def problems(names: list[str], tf32: bool = False) -> list[ConvProblem]:
+    """The suite's kernels, then the forward convolution of each distinct shape (named <case>_fwd).  tf32: only the
+    f32 kernels, with compute = "tf32" (named <case>_tf32), as a PyTorch user with TF32 allowed runs them."""
     out = [case.problem for case in load_suite(names=names or None)]
+    if tf32:
+        out = [p.with_(compute="tf32", name=f"{p.name}_tf32") for p in out if p.dtype == "f32"]
     seen = set()
     for p in list(out):
         fwd = p.with_(op="forward", name=f"{p.name}_fwd", split_k=None, out_dtype=None)
@@ -46,12 +49,12 @@ def problems(names: list[str]) -> list[ConvProblem]:
     return out
 
 
-def build(arch: str, out: Path, names: list[str]) -> int:
+def build(arch: str, out: Path, names: list[str], tf32: bool = False) -> int:
     from convdsl import stream
 
     target = Target("cuda", arch)
     kernels, skipped = [], []
-    for p in problems(names):
+    for p in problems(names, tf32):
         reason = stream.unsupported_reason(p, target)
         if reason:
             skipped.append((p.name, reason))
@@ -110,7 +113,7 @@ def _queued(fn, reps: int = 5) -> dict:
             "enqueue_ms": statistics.median(enqueues)}
 
 
-def run(bundle: Path, out_dir: Path, names: list[str]) -> int:
+def run(bundle: Path, out_dir: Path, names: list[str], tf32: bool = False) -> int:
     import torch
 
     from benchmarks.gpu_bench import TorchConv, random_args, reference, rel_error, tolerance
@@ -120,7 +123,7 @@ def run(bundle: Path, out_dir: Path, names: list[str]) -> int:
     kernels = {k.problem.name: k for k in stream.load_bundle(bundle)}
     device = torch.device("cuda", 0)
     rows = []
-    for problem in problems(names):
+    for problem in problems(names, tf32):
         k = kernels.get(problem.name)
         if k is None:
             rows.append({"name": problem.name, "skipped": "no stream kernel in the bundle"})
@@ -177,7 +180,7 @@ def run(bundle: Path, out_dir: Path, names: list[str]) -> int:
                 "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     out_dir.mkdir(parents=True, exist_ok=True)
     device_name = versions["device"].replace(" ", "_")
-    path = out_dir / f"torch-{device_name}-{versions['date'][:10]}.json"
+    path = out_dir / f"torch-{device_name}-{versions['date'][:10]}{'-tf32' if tf32 else ''}.json"
     path.write_text(json.dumps({"versions": versions, "summary": summary, "results": rows}, indent=1) + "\n")
     print(json.dumps(summary))
     print(f"wrote {path}")
@@ -221,10 +224,12 @@ def main(argv=None) -> int:
     b.add_argument("--arch", default="sm_90")
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--cases", nargs="*", default=[])
+    b.add_argument("--tf32", action="store_true", help="the f32 kernels with compute = tf32 (PyTorch's default)")
     r = sub.add_parser("run", help="on a CUDA GPU: check and time the bundle's kernels against cuDNN")
     r.add_argument("--bundle", type=Path, required=True)
     r.add_argument("--out", type=Path, default=Path("results"))
     r.add_argument("--cases", nargs="*", default=[])
+    r.add_argument("--tf32", action="store_true", help="as build --tf32; cuDNN with TF32 allowed, its default")
     pr = sub.add_parser("profile", help="on a CUDA GPU: where one case's host time per call goes")
     pr.add_argument("--bundle", type=Path, required=True)
     pr.add_argument("case")
@@ -232,8 +237,8 @@ def main(argv=None) -> int:
     if args.command == "profile":
         return profile(args.bundle, args.case)
     if args.command == "build":
-        return build(args.arch, args.out, args.cases)
-    return run(args.bundle, args.out, args.cases)
+        return build(args.arch, args.out, args.cases, args.tf32)
+    return run(args.bundle, args.out, args.cases, args.tf32)
 
 
 if __name__ == "__main__":

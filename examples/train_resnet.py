@@ -15,11 +15,21 @@ quick check, in f32 (`--steps 2 --batch 2 --image-size 32`).  The data are made 
 is downloaded): images drawn per class around a class template, so the loss falls as the model learns.  Both
 backends start from the same weights and see the same batches; `--compare` reports how far apart the loss
 curves are and the images per second of each.
+
+Several GPUs: start it with torchrun; each process trains a DistributedDataParallel replica on its GPU (NCCL on
+CUDA, gloo on the CPU) with its share of the global `--batch`, and rank 0 writes the result (the loss averaged
+over the ranks, images per second of the whole job):
+
+    CONVDSL_STREAM_BUNDLES=resnet50.convk torchrun --nproc_per_node=2 examples/train_resnet.py --backend convdsl
+
+Each replica normalises its batch share with its own BatchNorm statistics (DDP's default), so the loss curve
+follows the one-GPU run of the same global batch within `--compare`'s tolerance, not bit for bit.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -95,8 +105,23 @@ def synthetic_batches(steps: int, batch: int, size: int, classes: int, device: t
         yield pool[i % len(pool)]
 
 
+def _distributed(cuda: bool) -> tuple[int, int, int]:
+    """(rank, world size, local rank) under torchrun, with the process group started; (0, 1, 0) otherwise."""
+    if "WORLD_SIZE" not in os.environ:
+        return 0, 1, 0
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    return torch.distributed.get_rank(), torch.distributed.get_world_size(), local
+
+
 def train(args: argparse.Namespace) -> dict:
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    cuda_present = torch.cuda.is_available() and not args.cpu
+    rank, world, local = _distributed(cuda_present)
+    if args.batch % world:
+        raise SystemExit(f"--batch: {args.batch} does not split evenly over {world} processes")
+    device = torch.device("cuda", local) if cuda_present else torch.device("cpu")
     torch.manual_seed(args.seed)
     groups, width = (32, 4) if args.resnext else (1, 64)
     model = ResNet(groups=groups, width_per_group=width, classes=args.classes)
@@ -108,8 +133,11 @@ def train(args: argparse.Namespace) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
     loss_fn = nn.CrossEntropyLoss()
 
+    if world > 1:  # gradients averaged over the replicas as they are computed (bucketed all-reduces)
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if cuda else None)
     # torch.compile takes the model (forward and its backward); the optimizer stays eager
     forward = torch.compile(model, mode=args.compile_mode) if args.compile else model
+    share = args.batch // world
 
     def step(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
@@ -127,7 +155,9 @@ def train(args: argparse.Namespace) -> dict:
                                                            device, args.seed)):
         if args.compile_mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be reused
-        loss = step(images.contiguous(memory_format=fmt), labels)
+        # every rank makes the same global batch and trains on its own slice of it
+        mine = slice(rank * share, (rank + 1) * share)
+        loss = step(images[mine].contiguous(memory_format=fmt), labels[mine])
         losses.append(loss.detach().clone())
         if (i + 1) % args.log_every == 0 or i + 1 == args.steps:
             if cuda:
@@ -135,15 +165,22 @@ def train(args: argparse.Namespace) -> dict:
             now = time.perf_counter()
             times.append((now - t_last) / args.log_every)
             t_last = now
-            print(f"step {i + 1:5d} loss {float(loss):.4f} {args.batch / times[-1]:8.1f} images/s", flush=True)
+            if rank == 0:
+                print(f"step {i + 1:5d} loss {float(loss):.4f} {args.batch / times[-1]:8.1f} images/s", flush=True)
     # the first interval holds compilation and warm-up: images per second from the others
     steady = times[1:] if len(times) > 1 else times
-    result = {"backend": args.backend, "compile": args.compile and (args.compile_mode or "default"), "steps": args.steps, "batch": args.batch,
+    curve = torch.stack(losses).float()
+    if world > 1:  # the global batch's loss: the mean of the ranks' equal shares
+        torch.distributed.all_reduce(curve)
+        curve /= world
+    result = {"backend": args.backend, "processes": world, "compile": args.compile and (args.compile_mode or "default"), "steps": args.steps, "batch": args.batch,
               "image_size": args.image_size, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-              "torch": torch.__version__, "losses": [float(x) for x in losses],
+              "torch": torch.__version__, "losses": curve.tolist(),
               "images_per_s": args.batch / statistics.median(steady)}
-    if args.out:
+    if args.out and rank == 0:
         Path(args.out).write_text(json.dumps(result) + "\n")
+    if world > 1:
+        torch.distributed.destroy_process_group()
     return result
 
 
