@@ -52,6 +52,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch, kernels=kernels)
     _progress(True, f"compiled {len(mod.kernels)} kernels for {mod.target} in {time.perf_counter() - t0:.1f} s")
     passed = failed = 0
+    width = max(12, *(len(n) for n in mod.kernels))  # the columns stay aligned for long kernel names
     for name in mod.kernels:
         p = mod.problems[name]
         inputs = ref.random_inputs(p, seed=args.seed)
@@ -62,17 +63,16 @@ def cmd_run(args: argparse.Namespace) -> int:
             elapsed = mod.loaded.time(name, inputs, repeat=args.repeat, out_shape=p.result_shape,
                                       out_dtype=p.result_dtype)
         shapes = " ".join("x".join(map(str, s)) for s in p.arg_shapes) + " -> " + "x".join(map(str, p.result_shape))
-        line = (f"{name:<12} {p.op:<11} {shapes:<40} {elapsed * 1e3:9.3f} ms {p.flops / elapsed / 1e12:8.3f} TFLOP/s "
+        line = (f"{name:<{width}} {p.op:<11} {shapes:<40} {elapsed * 1e3:9.3f} ms {p.flops / elapsed / 1e12:8.3f} TFLOP/s "
                 f"{_bytes_moved(p) / elapsed / 1e9:8.2f} GB/s")
         if args.check:
             err = ref.relative_error(np.asarray(got, dtype=np.float64), ref.reference(p, *inputs))
             ok = err <= ref.tolerance(p)
             passed, failed = passed + ok, failed + (not ok)
             line += f"  rel.err {err:.2e} (tol {ref.tolerance(p):.0e}) {'PASS' if ok else 'FAIL'}"
-        else:
-            passed += 1
         print(line, flush=True)
-    print(f"{passed} passed, {failed} failed")
+    # without --check nothing was compared, so nothing "passed"
+    print(f"{passed} passed, {failed} failed" if args.check else f"{len(mod.kernels)} kernels ran (unchecked: add --check)")
     return 1 if failed else 0
 
 
@@ -147,44 +147,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p: argparse.ArgumentParser, default_target: str) -> None:
         p.add_argument("file", help="a .conv file")
-        p.add_argument("--target", default=default_target, choices=("auto", *BACKENDS))
+        p.add_argument("--target", default=default_target, choices=("auto", *BACKENDS),
+                       help=f"where the kernels run: auto (a CUDA GPU when present, else the CPU), "
+                            f"{', '.join(BACKENDS)} (default: {default_target})")
         p.add_argument("--arch", default=None, help="sm_80, sm_89, sm_90, gfx942, ... (default per target: sm_80 "
                        "for cuda; with --target auto, the CUDA device's own)")
         p.add_argument("--batch", type=int, default=None, help="override every conv's batch size")
 
     c = sub.add_parser("compile", help="compile a .conv file to OUT.vmfb (+ OUT.json manifest)")
     common(c, "cpu")
-    c.add_argument("-o", "--output", default=None)
+    c.add_argument("-o", "--output", default=None, help="OUT.vmfb to write, with OUT.json beside it (default: the "
+                   ".conv file's name with .vmfb)")
     c.set_defaults(fn=cmd_compile)
 
     r = sub.add_parser("run", help="run every kernel on random inputs; --check against the f64 reference")
     common(r, "auto")
-    r.add_argument("--kernel", default=None)
-    r.add_argument("--check", action="store_true")
+    r.add_argument("--kernel", default=None, help="run only the kernel of this name (default: every kernel)")
+    r.add_argument("--check", action="store_true",
+                   help="compare each result with the float64 reference and report PASS/FAIL (exit 1 on a FAIL)")
     r.add_argument("--bench", action="store_true", help="time: median of --repeat runs after warm-up")
     r.add_argument("--repeat", type=_positive, default=20, help="--bench: timed runs per kernel (at least 1)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     r.set_defaults(fn=cmd_run)
 
     e = sub.add_parser("explain", help="print the plan and the IR after each pass")
     common(e, "cpu")
-    e.add_argument("--kernel", default=None)
-    e.add_argument("--stage", default="all")
+    e.add_argument("--kernel", default=None, help="explain only the kernel of this name (default: every kernel)")
+    e.add_argument("--stage", default="all", choices=("all", *STAGE_NAMES),
+                   help="print only this pass's output (default: all)")
     e.set_defaults(fn=cmd_explain)
 
     t = sub.add_parser("tune", help="autotune: compile candidates here, time them on the GPU, collect the best")
-    t.add_argument("phase", choices=("candidates", "collect"))
+    t.add_argument("phase", choices=("candidates", "collect"),
+                   help="candidates: compile the candidate configurations; collect: store the fastest in the database")
     t.add_argument("file", help="candidates: a .conv file; collect: the results JSON from gpu_bench.py")
-    t.add_argument("--target", default="cuda", choices=BACKENDS)
-    t.add_argument("--arch", default=None)
-    t.add_argument("--batch", type=int, default=None)
+    t.add_argument("--target", default="cuda", choices=BACKENDS, help="the target to tune for (default: cuda)")
+    t.add_argument("--arch", default=None, help="sm_80, sm_90, gfx942, ... (default per target)")
+    t.add_argument("--batch", type=int, default=None, help="override every conv's batch size")
     t.add_argument("--out", default="tune-build", help="candidates: output folder")
     t.add_argument("--cases", default=None, help="collect: the cases.json that phase 1 wrote")
-    t.add_argument("--jobs", type=int, default=2)
+    t.add_argument("--jobs", type=int, default=2, help="candidates: compiles run in parallel (default 2)")
     t.set_defaults(fn=cmd_tune)
 
     k = sub.add_parser("check", help="validate a .conv file without compiling")
-    k.add_argument("file")
+    k.add_argument("file", help="a .conv file")
     k.set_defaults(fn=cmd_check)
     return parser
 

@@ -153,3 +153,24 @@ def test_an_unknown_cuda_arch_is_named(arch, capsys):
     assert main(["explain", str(example), "--target", "cuda", "--arch", arch, "--stage", "plan"]) == 2
     err = capsys.readouterr().err
     assert f"--arch: a CUDA target names an sm_XY architecture" in err and repr(arch) in err
+
+
+def test_run_without_check_reports_no_pass(tmp_path, capsys):
+    source = tmp_path / "long.conv"
+    source.write_text("conv c { dims = 1; batch = 1; in_channels = 2; out_channels = 2; input = [5]; filter = [3] }\n"
+                      "kernel a_rather_long_kernel_name_here = grad_input(c)\nkernel b = grad_weight(c)\n")
+    assert main(["run", str(source), "--target", "cpu"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "2 kernels ran (unchecked: add --check)" and "passed" not in "\n".join(out)
+    rows = [ln for ln in out if "TFLOP/s" in ln]
+    assert len(rows) == 2 and rows[0].index(" grad_input") == rows[1].index(" grad_weight")  # aligned columns
+
+
+def test_every_flag_has_help():
+    from convdsl.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command").choices
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help text"
