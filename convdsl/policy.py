@@ -204,6 +204,17 @@ def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
                       stages=3 if wide or block_n >= 128 else 4, pack=pack)
 
 
+def default_forward_tiles(p: ConvProblem) -> TileConfig:
+    """Forward runs on grad_input's GEMM kernel with the channels' roles swapped (columns K, reduction C), and
+    takes its tiles, except 16-bit GEMMs with K >= 128 and C >= 64: there 256 columns lost up to 3.3x to
+    128; 1x1 filters (long reductions over C alone) take 256 rows (docs/decisions.md#forward-tiles)."""
+    swapped = default_grad_input_tiles(p.with_(in_channels=p.out_channels, out_channels=p.in_channels))
+    if p.dtype == "f32" or swapped.pack != 1 or p.out_channels < 128 or p.in_channels < 64:
+        return swapped
+    one_by_one = all(f == 1 for f in p.filter)
+    return TileConfig(256 if one_by_one else 128, 128, 64, warps=8, stages=3)
+
+
 def direct_grad_input_tiles(p: ConvProblem) -> TileConfig:
     """grad_input_direct and forward_direct: chunks of at most block_m positions along the innermost dimension x
     block_n channels over the warps (block_k unused), two channels per thread (docs/decisions.md#depthwise-tiles;
@@ -316,8 +327,7 @@ def kernel_tiles(p: ConvProblem, tiles: Optional[TileConfig]) -> TileConfig:
     if direct_forward(p):
         return direct_grad_input_tiles(p)
     if p.op == "forward":
-        # forward runs on grad_input's GEMM kernel with the channels' roles swapped: columns K, reduction C
-        return default_grad_input_tiles(p.with_(in_channels=p.out_channels, out_channels=p.in_channels))
+        return default_forward_tiles(p)
     if p.op == "grad_weight":
         return depthwise_grad_weight_tiles(p) if p.depthwise else default_grad_weight_tiles(p)
     return direct_grad_input_tiles(p) if direct_grad_input(p) else default_grad_input_tiles(p)

@@ -143,10 +143,6 @@ class ConvProblem:
                 raise ProblemError(f"split_k: only grad_weight kernels split the reduction, not {self.op}")
             if not isinstance(self.split_k, int) or self.split_k < 1:
                 raise ProblemError(f"split_k: expected a positive integer or auto, got {self.split_k!r}")
-            if self.dynamic_batch and self.split_k > 1:
-                # the chunks are planned from the batch, which a batch = ? kernel learns only when called
-                raise ProblemError(f"split_k: a number needs a fixed batch, got split_k = {self.split_k} with "
-                                   f"batch = ? (use split_k = auto)")
         for i, o in enumerate(self.output):
             if o < 1:
                 raise ProblemError(

@@ -479,14 +479,6 @@ def test_tensors_past_2_48_elements_are_refused() -> None:
         parse(source)
 
 
-def test_split_k_number_with_dynamic_batch_is_an_error() -> None:
-    source = small(kernels="kernel w = grad_weight(c) { split_k = 2 }\n").replace("batch = 2", "batch = ?")
-    with pytest.raises(ConvSyntaxError, match=r"split_k: a number needs a fixed batch"):
-        parse(source)
-    auto = small(kernels="kernel w = grad_weight(c) { split_k = auto }\n").replace("batch = 2", "batch = ?")
-    assert parse(auto)[0].dynamic_batch
-
-
 def test_huge_strides_check_and_plan_at_once() -> None:
     """Residues that hold no position cost nothing: a stride of 10^9 plans as fast as a stride of 2."""
     import time
