@@ -13,7 +13,7 @@ from typing import Optional
 
 from dataclasses import dataclass
 
-from .kernels.launch import (MAX_ELEMENTS, Launch, arch_number, forward_direct_launch, forward_launch, geometry,
+from .kernels.launch import (Launch, arch_number, forward_direct_launch, forward_launch, geometry,
                              grad_input_direct_launch, grad_input_launch, grad_weight_depthwise_launch,
                              grad_weight_launch, output_tiles, pad3, packable, packed_sizes, reduction_steps,
                              split_chunks, tiles_within_images, triton_version, depthwise_channel_blocks)
@@ -124,11 +124,12 @@ def unsupported_reason(p: ConvProblem, target: Target) -> Optional[str]:
         return "the bilinear epilogue's tensor is added by the linalg form"
     if not p.depthwise and gather_applies(p) and default_pack(p) == 1:
         return "few channels per group in a layout whose groups cannot be packed: the gather form is used"
-    sizes = (p.x_shape, p.y_shape, p.w_shape)
-    if any(math.prod(s) > MAX_ELEMENTS for s in sizes):
-        return "a tensor has 2^31 elements or more"
     if triton_version() is None:
         return "triton is not installed"
+    try:  # tensors of any size (64-bit offsets where needed: launch.needs_wide), within CUDA's grid limits
+        plan_launches(p, None, target)
+    except ValueError as err:
+        return str(err)
     return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -32,9 +33,10 @@ HOPPER = Target("cuda", "sm_90")
 TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
-def run(spec: dict, tiles: str, x_layout: str | None = None, native: bool = False) -> dict:
+def run(spec: dict, tiles: str, x_layout: str | None = None, native: bool = False, wide: bool = False) -> dict:
     """x_layout: give the kernel X copied to that layout (policy.dy_read_in_place), as lowering does.
-    native: tensors in the problem's dtypes (else f32)."""
+    native: tensors in the problem's dtypes (else f32).  wide: the launches' 64-bit offset form, which only
+    tensors of 2^30 elements and more get on their own (launch.needs_wide)."""
     p = problem_from_spec(spec)
     args = random_inputs(p, seed=3)
     want = reference(p, *args)
@@ -45,6 +47,9 @@ def run(spec: dict, tiles: str, x_layout: str | None = None, native: bool = Fals
     if native:
         tensors = [t.to(TORCH[d]) for t, d in zip(tensors, p.arg_dtypes)]
     _, launches, partials_shape = plan_launches(p, parse_tiles(tiles) if tiles else None, HOPPER, x_layout)
+    if wide:
+        launches = [replace(la, constants=tuple((k, True if k == "WIDE" else v) for k, v in la.constants))
+                    for la in launches]
     if p.op == "grad_weight":
         partials = torch.full(partials_shape, float("nan"))
         launch = launches[0]
@@ -63,8 +68,8 @@ def run(spec: dict, tiles: str, x_layout: str | None = None, native: bool = Fals
 
 def main() -> None:
     jobs = json.load(sys.stdin)
-    json.dump([run(job["spec"], job["tiles"], job.get("x_layout"), job.get("native", False)) for job in jobs],
-              sys.stdout)
+    json.dump([run(job["spec"], job["tiles"], job.get("x_layout"), job.get("native", False), job.get("wide", False))
+               for job in jobs], sys.stdout)
 
 
 if __name__ == "__main__":

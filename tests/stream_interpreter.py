@@ -2,7 +2,7 @@
 and print their relative errors against the float64 reference.
 
 Used by tests/test_stream.py in a subprocess: TRITON_INTERPRET must be set before triton is imported.
-stdin: a JSON list of {"spec", "tiles"}; stdout: a JSON list of {"name", "error", "unwritten", "repeat_equal"}.
+stdin: a JSON list of {"spec", "tiles", "wide" (optional)}; stdout: a JSON list of {"name", "error", "unwritten", "repeat_equal"}.
 """
 from __future__ import annotations
 
@@ -28,9 +28,11 @@ HOPPER = Target("cuda", "sm_90")
 TORCH = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
-def interpreted(sl: stream.StreamLaunch):
+def interpreted(sl: stream.StreamLaunch, wide: bool = False):
+    """wide: the launch's 64-bit offset form, which only tensors of 2^30 elements and more get on their own."""
     module = elementwise if sl.launch.kernel in ELEMENTWISE_KERNELS else igemm
     fn, grid, constants = getattr(module, sl.launch.kernel), sl.launch.grid, dict(sl.launch.constants)
+    constants["WIDE"] = constants["WIDE"] or wide
 
     def launch(_stream: int, *tensors: torch.Tensor) -> None:
         tensors[-1].fill_(float("nan"))  # every element must be written
@@ -52,7 +54,7 @@ def run(job: dict) -> dict:
     # the launches and steps stream_kernel builds, without compiling them (the interpreter runs the source)
     kernel = stream.plan_stream_kernel(p, HOPPER, knobs)
     assert ext is not None and kernel.launches[0].launch == ext.launches[0]
-    runner = StreamRunner(kernel, torch.device("cpu"), launcher=interpreted)
+    runner = StreamRunner(kernel, torch.device("cpu"), launcher=lambda sl: interpreted(sl, job.get("wide", False)))
     args = random_inputs(p, seed=5)
     tensors = [torch.from_numpy(np.ascontiguousarray(a.astype(np.float32))).to(TORCH[d])
                for a, d in zip(args, p.arg_dtypes)]

@@ -59,10 +59,12 @@ def _p(**kw) -> ConvProblem:
 
 
 def _interpret(problems: list[ConvProblem], tiles: str = SMALL_TILES, x_layout: str | None = None,
-               native: bool = False) -> list[dict]:
-    """native: the tensors in the problems' own dtypes (kernel_interpreter.py), else f32."""
+               native: bool = False, wide: bool = False) -> list[dict]:
+    """native: the tensors in the problems' own dtypes (kernel_interpreter.py), else f32; wide: the launches'
+    64-bit offset form."""
     pytest.importorskip("torch")  # Triton's interpreter runs on torch CPU tensors
-    jobs = [{"spec": problem_to_spec(p), "tiles": tiles, "x_layout": x_layout, "native": native} for p in problems]
+    jobs = [{"spec": problem_to_spec(p), "tiles": tiles, "x_layout": x_layout, "native": native, "wide": wide}
+            for p in problems]
     done = subprocess.run([sys.executable, str(HERE / "kernel_interpreter.py")], input=json.dumps(jobs),
                           capture_output=True, text=True, cwd=HERE.parent, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -110,6 +112,68 @@ NAMED = [
 
 def test_interpreted_kernels_match_the_reference():
     _check(NAMED, _interpret(NAMED))
+
+
+# the 64-bit offset form of every kernel (GEMM and direct; grad_weight's partials, strided, 3D, channel-first):
+# the same numbers as the 32-bit form
+WIDE_FORMS = [p for p in NAMED if p.name in ("grad_input-NGCHW-GKCYX", "grad_weight-NHWGC-GKYXC", "1d-s3", "3d",
+                                             "depthwise-3d", "dw-w", "dw-w-3d", "dw-w-ngchw")]
+WIDE_FORMS += [_p(op="forward", dims=3, input=(5, 4, 6), filter=(2, 3, 3), stride=(2, 1, 2), dilation=(1, 1, 2),
+                  pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="fwd-3d-wide"),
+               _p(op="forward", groups=6, in_channels=1, out_channels=1, stride=(2, 2), name="fwd-dw-wide")]
+
+
+def test_interpreted_wide_offsets_match_the_reference():
+    assert len(WIDE_FORMS) == 10
+    _check(WIDE_FORMS, _interpret(WIDE_FORMS, wide=True))
+
+
+def _big(**kw) -> ConvProblem:
+    base = dict(op="grad_input", dims=3, groups=1, batch=32, in_channels=64, out_channels=64, input=(72, 128, 128),
+                filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 1), pad_hi=(1, 1, 1),
+                dtype="f16", name="big")
+    base.update(kw)
+    return ConvProblem(**base)
+
+
+def test_wide_offsets_exactly_where_a_tensor_reaches_2_to_the_30_elements():
+    # dX of N x 64 x 2^14 positions: 2^20 elements per image, so batch 1024 is the first of 2^30 elements
+    at = _big(batch=1024, input=(1, 128, 128))
+    under = at.with_(batch=1023)
+    for p, wide in ((at, True), (under, False)):
+        for op in ("grad_input", "grad_weight", "forward"):
+            _, launches, _ = plan_launches(p.with_(op=op), None, HOPPER)
+            assert all(dict(la.constants)["WIDE"] is wide for la in launches), (op, p.batch)
+    # the issue's case: grad_weight's f32 partials (split_k 128 x 1024 x 1024 x 25 = 3.4e9 elements) are wide
+    # although X, dY and W are small
+    w = ConvProblem(op="grad_weight", dims=2, groups=1, batch=64, in_channels=1024, out_channels=1024,
+                    input=(28, 28), filter=(5, 5), stride=(1, 1), dilation=(1, 1), pad_lo=(2, 2), pad_hi=(2, 2),
+                    dtype="f16", split_k=128, name="w")
+    assert max(math.prod(w.x_shape), math.prod(w.y_shape), math.prod(w.w_shape)) < 2**30
+    _, (launch,), partials = plan_launches(w, None, HOPPER)
+    assert math.prod(partials) >= 2**31 and dict(launch.constants)["WIDE"] is True
+    _, (launch,), partials = plan_launches(w.with_(split_k=32), None, HOPPER)
+    assert math.prod(partials) < 2**30 and dict(launch.constants)["WIDE"] is False
+
+
+def test_tensors_past_2_to_the_31_elements_take_the_kernels():
+    p = _big()  # dX 2.4e9 elements (4.8 GB in f16)
+    assert math.prod(p.x_shape) > 2**31 and unsupported_reason(p, HOPPER) is None
+    _, (launch,), _ = plan_launches(p, None, HOPPER)
+    assert dict(launch.constants)["WIDE"] is True and launch.grid[0] < 2**31 - 1
+
+
+def test_grids_stay_within_cudas_limits():
+    # split-K chunks and depthwise row chunks asked beyond 65535 are cut to it
+    w = _big(op="grad_weight", split_k=100000, input=(64, 128, 128), in_channels=8, out_channels=8)
+    _, (launch,), _ = plan_launches(w, None, HOPPER)
+    assert launch.grid[2] <= 65535
+    dw = _big(op="grad_weight", groups=64, in_channels=1, out_channels=1, filter=(3, 3, 3))
+    _, (launch,), _ = plan_launches(dw, parse_tiles("t8x32x1w1s1k100000"), HOPPER)
+    assert launch.grid[1] <= 65535
+    # more packed groups than a grid's y can hold: the linalg form, with the reason
+    many = _p(groups=140000, in_channels=16, out_channels=16, input=(4, 4), stride=(1, 1), dilation=(1, 1))
+    assert "65535" in unsupported_reason(many, HOPPER)
 
 
 # forward on grad_input's GEMM kernel (one phase, read stride s, weight's k and c strides swapped): every layout

@@ -59,9 +59,15 @@ CASES = [
 ]
 
 
+# in the 64-bit offset form too: split-K partials and their sum, the fp8 roundings, strided grad_input's copies
+WIDE_CASES = (0, 3, 4)
+
+
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
     jobs = [{"spec": problem_to_spec(p.with_(name=f"c{i}")), "tiles": t} for i, (p, t) in enumerate(CASES)]
+    jobs += [{"spec": problem_to_spec(CASES[i][0].with_(name=f"wide{i}")), "tiles": CASES[i][1], "wide": True}
+             for i in WIDE_CASES]
     done = subprocess.run([sys.executable, str(HERE / "stream_interpreter.py")], input=json.dumps(jobs),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -75,6 +81,14 @@ def test_stream_kernel_matches_the_reference(interpreted, index):
     assert r["shape_ok"] and r["unwritten"] == 0, r
     assert r["error"] <= tolerance(p), f"{p.describe()}: relative error {r['error']:.2e}"
     assert r["repeat_equal"], "two calls on the same inputs differ: the split-K sum must be reproducible"
+
+
+@pytest.mark.parametrize("index", WIDE_CASES)
+def test_wide_stream_kernel_matches_the_reference(interpreted, index):
+    p, _ = CASES[index]
+    r = interpreted[f"wide{index}"]
+    assert r["shape_ok"] and r["unwritten"] == 0, r
+    assert r["error"] <= tolerance(p), f"{p.describe()}: relative error {r['error']:.2e}"
 
 
 def test_stream_launches_are_the_modules_launches():

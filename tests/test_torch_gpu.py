@@ -4,6 +4,8 @@ synchronisation in a training step.  The stream kernels are compiled by the Trit
 a bundle named in CONVDSL_STREAM_BUNDLES."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -128,3 +130,60 @@ def test_no_host_synchronisation_in_a_training_step():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
+
+
+# a 3D grad_input whose dX has 32 x 64 x 72 x 128 x 128 = 2.4e9 elements (4.8 GB in f16): past 2^31, the
+# kernels' 64-bit offset form (launch.needs_wide); dY as large, channels-last
+BIG_GRAD_INPUT = dict(batch=32, channels=64, spatial=(72, 128, 128))
+
+
+def big_grad_input_call(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    n, c = BIG_GRAD_INPUT["batch"], BIG_GRAD_INPUT["channels"]
+    return torch.ops.convdsl.convolution_grad_input(dy, w, [n, c, *BIG_GRAD_INPUT["spatial"]], [1, 1, 1],
+                                                    [1, 1, 1], [1, 1, 1], [1, 1, 1], 1)
+
+
+def _window(t: torch.Tensor, b: int, centre: tuple[int, ...]) -> torch.Tensor:
+    """t[b, :, c-1 : c+2 per spatial dimension] in float64, zeros outside t."""
+    out = torch.zeros((t.shape[1], 3, 3, 3), dtype=torch.float64, device=t.device)
+    lo = [max(0, p - 1) for p in centre]
+    hi = [min(e, p + 2) for p, e in zip(centre, t.shape[2:])]
+    at = [a - (p - 1) for a, p in zip(lo, centre)]
+    out[:, at[0]:at[0] + hi[0] - lo[0], at[1]:at[1] + hi[1] - lo[1], at[2]:at[2] + hi[2] - lo[2]] = \
+        t[b, :, lo[0]:hi[0], lo[1]:hi[1], lo[2]:hi[2]].double()
+    return out
+
+
+def test_grad_input_past_2_to_the_31_elements():
+    n, c, spatial = BIG_GRAD_INPUT["batch"], BIG_GRAD_INPUT["channels"], BIG_GRAD_INPUT["spatial"]
+    free, _ = torch.cuda.mem_get_info()
+    need = 4 * n * c * math.prod(spatial) * 2  # dY, dX and cuDNN's dX in f16, and room for its workspace
+    if free < need:
+        pytest.skip(f"needs {need / 1e9:.0f} GB of free GPU memory, {free / 1e9:.0f} GB free")
+    assert n * c * math.prod(spatial) > 2**31
+    g = torch.Generator("cuda").manual_seed(0)
+    # channels-last without a copy: made as (N, D, H, W, K), seen as (N, K, D, H, W)
+    dy = torch.randn((n, *spatial, c), device="cuda", dtype=torch.half, generator=g).permute(0, 4, 1, 2, 3)
+    w = (torch.randn((c, c, 3, 3, 3), device="cuda", generator=g) * 0.05).half()
+    dx = big_grad_input_call(dy, w)
+    torch.cuda.synchronize()
+    assert dx.shape == (n, c, *spatial)
+    runners = [r for (p, _), r in runtime._runners.items() if p.batch == n and p.input == spatial]
+    assert len(runners) == 1 and runners[0] is not None  # the stream path's kernel, not a fallback
+    # sampled points against float64, the last image and the far corners included (offsets past 2^31 live there)
+    points = [(n - 1, *(s - 1 for s in spatial)), (n - 1, 0, 0, 0), (0, 0, 0, 0), (n // 2, 1, 64, 127)]
+    points += [tuple(int(torch.randint(0, e, (1,), generator=g, device="cuda")) for e in (n, *spatial))
+               for _ in range(44)]
+    w64 = w.double().flip(2, 3, 4)
+    for b, d, h, x in points:
+        # dX[b, :, d, h, x] = sum over k and taps e of dY[b, k, d-1+e0, h-1+e1, x-1+e2] W[k, :, 2-e] (zero outside)
+        window = _window(dy, b, (d, h, x))
+        want = torch.einsum("kabc,kjabc->j", window, w64)
+        got = dx[b, :, d, h, x].double()
+        err = float((got - want).norm() / want.norm())
+        assert err <= 1e-2, f"dX[{b}, :, {d}, {h}, {x}]: relative error {err:.2e}"
+    # every element against cuDNN's (one image at a time in f32)
+    ref = torch.nn.grad.conv3d_input([n, c, *spatial], w, dy, padding=1)
+    worst = max(float((dx[b].float() - ref[b].float()).norm() / ref[b].float().norm()) for b in range(n))
+    assert worst <= 1e-2, f"against cuDNN: relative error {worst:.2e} in some image"
+    assert not dx.isnan().any()

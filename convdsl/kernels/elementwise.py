@@ -17,13 +17,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .igemm import wide_index
+
 
 @triton.jit
 def sum_partials(p, out, E: tl.constexpr, S: tl.constexpr, T: tl.constexpr, C: tl.constexpr,
-                 C_FIRST: tl.constexpr, ALPHA: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+                 C_FIRST: tl.constexpr, ALPHA: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+                 WIDE: tl.constexpr):
+    e = wide_index(tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E), WIDE)
     inside = e < E
-    rows = tl.arange(0, BLOCK_S)
+    rows = wide_index(tl.arange(0, BLOCK_S), WIDE)
     lanes = tl.zeros([BLOCK_S, BLOCK_E], dtype=tl.float32)
     for s0 in range(0, S, BLOCK_S):
         s = s0 + rows
@@ -43,8 +46,9 @@ RINT_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def round_fp8(x, y, N: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def round_fp8(x, y, N: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BLOCK: tl.constexpr,
+              WIDE: tl.constexpr):
+    i = wide_index(tl.program_id(0), WIDE) * BLOCK + tl.arange(0, BLOCK)
     inside = i < N
     v = tl.load(x + i, mask=inside, other=0.0).to(tl.float32)
     biased = (v.to(tl.int32, bitcast=True) >> 23) & 255

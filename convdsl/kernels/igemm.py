@@ -36,6 +36,16 @@ import triton.language as tl
 
 
 @triton.jit
+def wide_index(v, WIDE: tl.constexpr):
+    # an index in 64 bits where the launch's tensors need offsets past 32 bits (launch.needs_wide), else as it
+    # came (32 bits): every offset is built from program ids, aranges and loop counters passed through here
+    if WIDE:
+        return tl.cast(v, tl.int64)
+    else:
+        return v
+
+
+@triton.jit
 def grad_input_phases(
     dy, w, dx,
     # sizes: channels, batch; dY spatial O and stride S per dimension (3 each)
@@ -50,13 +60,13 @@ def grad_input_phases(
     DY: tl.constexpr, W: tl.constexpr, DX: tl.constexpr,
     ALPHA: tl.constexpr, PRECISION: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, WIDE: tl.constexpr,
 ):
     # One launch for every stride phase: each program finds its phase (a uniform branch) and runs that phase's
     # tile with the phase's constants folded in, so dX is written by one dispatch (IREE places it in the
     # caller's buffer; per-phase dispatches tied into one tensor cost a copy of dX and a barrier per phase)
-    pid = tl.program_id(0)
-    g = tl.program_id(1)
+    pid = wide_index(tl.program_id(0), WIDE)
+    g = wide_index(tl.program_id(1), WIDE)
     for p in tl.static_range(PHASES):
         if (pid >= FIRST[p]) & (pid < FIRST[p + 1]):
             # phase p's tile (local counts from its first program): a GEMM per (packed) group g with rows
@@ -77,7 +87,7 @@ def grad_input_phases(
 
             m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
             c = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            kk = tl.arange(0, BLOCK_K)
+            kk = wide_index(tl.arange(0, BLOCK_K), WIDE)
             m_ok = m < M
             q2 = m % Q[2][p]
             q1 = (m // Q[2][p]) % Q[1][p]
@@ -95,7 +105,7 @@ def grad_input_phases(
 
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for step in tl.range(0, J[0][p] * J[1][p] * J[2][p] * K_STEPS, num_stages=NUM_STAGES):
-                j = step // K_STEPS
+                j = wide_index(step // K_STEPS, WIDE)
                 k = (step % K_STEPS) * BLOCK_K + kk
                 j2 = j % J[2][p]
                 j1 = (j // J[2][p]) % J[1][p]
@@ -143,6 +153,7 @@ def grad_weight_partials(
     DY_FLAT: tl.constexpr, X_FLAT: tl.constexpr, DY_IMAGE: tl.constexpr,
     PRECISION: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     # GEMM per (packed) group g: rows k, columns (f0, f1, f2, c) (c fastest), reduction (n, o0, o1, o2);
     # partials[s, g, k, f0, f1, f2, c] in f32.  PACK > 1: G, K and C count packed groups and their channels;
@@ -151,9 +162,9 @@ def grad_weight_partials(
     T: tl.constexpr = F[0] * F[1] * F[2]
     COLS: tl.constexpr = T * C
     TILES_N: tl.constexpr = (COLS + BLOCK_N - 1) // BLOCK_N
-    pid = tl.program_id(0)
-    g = tl.program_id(1)
-    s = tl.program_id(2)
+    pid = wide_index(tl.program_id(0), WIDE)
+    g = wide_index(tl.program_id(1), WIDE)
+    s = wide_index(tl.program_id(2), WIDE)
     tile_m = pid // TILES_N
     tile_n = pid % TILES_N
 
@@ -172,7 +183,7 @@ def grad_weight_partials(
     shift2 = f2 * D[2] - LO[2]
     x_col = x + g * X[1] + c * X[2] + shift0 * X[3] + shift1 * X[4] + shift2 * X[5]
     dy_row = dy + g * DY[1] + k * DY[2]
-    rr = tl.arange(0, BLOCK_R)
+    rr = wide_index(tl.arange(0, BLOCK_R), WIDE)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     start = s * CHUNK
@@ -191,11 +202,14 @@ def grad_weight_partials(
         else:
             a_ptrs = dy_row[:, None] + (n * DY[0] + o0 * DY[3] + o1 * DY[4] + o2 * DY[5])[None, :]
         a = tl.load(a_ptrs, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-        # 0 <= i < I as one unsigned comparison per dimension
-        i0 = ((o0 * S[0])[:, None] + shift0[None, :]).to(tl.uint32, bitcast=True)
-        i1 = ((o1 * S[1])[:, None] + shift1[None, :]).to(tl.uint32, bitcast=True)
-        i2 = ((o2 * S[2])[:, None] + shift2[None, :]).to(tl.uint32, bitcast=True)
-        in_x = (i0 < I[0]) & (i1 < I[1]) & (i2 < I[2])
+        i0 = (o0 * S[0])[:, None] + shift0[None, :]
+        i1 = (o1 * S[1])[:, None] + shift1[None, :]
+        i2 = (o2 * S[2])[:, None] + shift2[None, :]
+        if WIDE:
+            in_x = (i0 >= 0) & (i0 < I[0]) & (i1 >= 0) & (i1 < I[1]) & (i2 >= 0) & (i2 < I[2])
+        else:  # 0 <= i < I as one unsigned comparison per dimension
+            in_x = ((i0.to(tl.uint32, bitcast=True) < I[0]) & (i1.to(tl.uint32, bitcast=True) < I[1])
+                    & (i2.to(tl.uint32, bitcast=True) < I[2]))
         if X_FLAT:  # stride 1 and X's positions laid out as dY's: X offset r * stride (plus the tap's shift)
             b_ptrs = x_col[None, :] + (r * X[5])[:, None]
         else:
@@ -230,20 +244,21 @@ def grad_input_direct(
     I: tl.constexpr, O: tl.constexpr, F: tl.constexpr, S: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
     # element strides: dY (n, g, k, o0, o1, o2), W (g, k, c, y0, y1, y2), dX (n, g, c, i0, i1, i2)
     DY: tl.constexpr, W: tl.constexpr, DX: tl.constexpr,
-    ALPHA: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CH: tl.constexpr,
+    ALPHA: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CH: tl.constexpr, WIDE: tl.constexpr,
 ):
     # dX position i2 = w0 + iw takes tap f2 from dY position o2 = (i2 + LO - f2 D) / S where S divides it; with
     # w0 a multiple of S that is o2 = w0 / S + e for e = (iw + LO - f2 D) / S, and e spans [E_LO, E_HI]
     E_LO: tl.constexpr = (LO[2] - (F[2] - 1) * D[2]) // S[2]
     E_HI: tl.constexpr = (BLOCK_W - 1 + LO[2]) // S[2]
-    row = tl.program_id(0)
-    ch = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
+    row = wide_index(tl.program_id(0), WIDE)
+    ch = wide_index(tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH), WIDE)
     ch_ok = ch < G
     zero = ch * 0  # scalar conditions as vectors (Triton's interpreter makes a scalar's bool an int32)
     i1 = row % I[1]
     i0 = (row // I[1]) % I[0]
     n = row // (I[1] * I[0])
-    for w0 in range(0, I[2], BLOCK_W):
+    for w0_ in range(0, I[2], BLOCK_W):
+        w0 = wide_index(w0_, WIDE)
         accs = ()
         for iw in tl.static_range(BLOCK_W):
             accs = accs + (tl.zeros((BLOCK_CH,), dtype=tl.float32),)
@@ -293,19 +308,20 @@ def forward_direct(
     I: tl.constexpr, O: tl.constexpr, F: tl.constexpr, S: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
     # element strides: X (n, g, c, i0, i1, i2), W (g, k, c, y0, y1, y2), Y (n, g, k, o0, o1, o2)
     X: tl.constexpr, W: tl.constexpr, Y: tl.constexpr,
-    ALPHA: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CH: tl.constexpr,
+    ALPHA: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CH: tl.constexpr, WIDE: tl.constexpr,
 ):
     # Y position o2 = w0 + ow takes tap f2 from X position i2 = o2 * S + f2 * D - LO, that is
     # i2 = (w0 * S - LO) + j for j = ow * S + f2 * D, and j spans [0, SPAN)
     SPAN: tl.constexpr = (BLOCK_W - 1) * S[2] + (F[2] - 1) * D[2] + 1
-    row = tl.program_id(0)
-    ch = tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH)
+    row = wide_index(tl.program_id(0), WIDE)
+    ch = wide_index(tl.program_id(1) * BLOCK_CH + tl.arange(0, BLOCK_CH), WIDE)
     ch_ok = ch < G
     zero = ch * 0  # scalar conditions as vectors (Triton's interpreter makes a scalar's bool an int32)
     o1 = row % O[1]
     o0 = (row // O[1]) % O[0]
     n = row // (O[1] * O[0])
-    for w0 in range(0, O[2], BLOCK_W):
+    for w0_ in range(0, O[2], BLOCK_W):
+        w0 = wide_index(w0_, WIDE)
         accs = ()
         for ow in tl.static_range(BLOCK_W):
             accs = accs + (tl.zeros((BLOCK_CH,), dtype=tl.float32),)
@@ -358,14 +374,15 @@ def grad_weight_depthwise(
     # element strides: X (n, g, c, i0, i1, i2), dY (n, g, k, o0, o1, o2) (the channel strides unused: C = K = 1)
     X: tl.constexpr, DY: tl.constexpr,
     ROWS_PER: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CH: tl.constexpr, TAP_ROWS: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     ROWS: tl.constexpr = N * O[0] * O[1]
     GROUPS: tl.constexpr = (F[0] * F[1] + TAP_ROWS - 1) // TAP_ROWS
     # a chunk of dY positions w0 + [0, BLOCK_W) reads X at (w0 + ow) * S[2] + f2 * D[2] - LO[2], that is at
     # w0 * S[2] - LO[2] + j for j = ow * S[2] + f2 * D[2] < SPAN
     SPAN: tl.constexpr = (BLOCK_W - 1) * S[2] + (F[2] - 1) * D[2] + 1
-    ch = tl.program_id(0) * BLOCK_CH + tl.arange(0, BLOCK_CH)
-    s = tl.program_id(1)
+    ch = wide_index(tl.program_id(0) * BLOCK_CH + tl.arange(0, BLOCK_CH), WIDE)
+    s = wide_index(tl.program_id(1), WIDE)
     tr = tl.arange(0, TAP_ROWS)
     ch_ok = (ch < G)[None, :]
     # dY offsets of a position, the same for every tap row (the loads of one warp's copies meet in L1)
@@ -377,7 +394,8 @@ def grad_weight_depthwise(
         o1 = row % O[1]
         o0 = (row // O[1]) % O[0]
         n = row // (O[1] * O[0])
-        for w0 in range(0, O[2], BLOCK_W):
+        for w0_ in range(0, O[2], BLOCK_W):
+            w0 = wide_index(w0_, WIDE)
             dys = ()
             for ow in tl.static_range(BLOCK_W):
                 # positions past the row's end load zeros: their products vanish
@@ -436,14 +454,14 @@ def grad_weight_depthwise_rows(
     I: tl.constexpr, O: tl.constexpr, F: tl.constexpr, S: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
     # element strides: X (n, g, c, i0, i1, i2), dY (n, g, k, o0, o1, o2) (the channel strides unused: C = K = 1)
     X: tl.constexpr, DY: tl.constexpr,
-    SEG: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CH: tl.constexpr,
+    SEG: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_CH: tl.constexpr, WIDE: tl.constexpr,
 ):
     SEGS: tl.constexpr = (O[1] + SEG - 1) // SEG  # segments per plane (n, o0)
     # a chunk of dY positions w0 + [0, BLOCK_W) reads X at w0 * S[2] - LO[2] + j for j < SPAN
     SPAN: tl.constexpr = (BLOCK_W - 1) * S[2] + (F[2] - 1) * D[2] + 1
     KEPT: tl.constexpr = F[1] - 1  # X rows per f0 a dY row shares with the next
-    ch = tl.program_id(0) * BLOCK_CH + tl.arange(0, BLOCK_CH)
-    s = tl.program_id(1)
+    ch = wide_index(tl.program_id(0) * BLOCK_CH + tl.arange(0, BLOCK_CH), WIDE)
+    s = wide_index(tl.program_id(1), WIDE)
     ch_ok = ch < G
     zero = ch * 0  # scalar conditions as vectors (Triton's interpreter makes a scalar's bool an int32)
     plane = s // SEGS
@@ -456,7 +474,8 @@ def grad_weight_depthwise_rows(
     accs = ()
     for a in tl.static_range(F[0] * F[1] * F[2]):
         accs = accs + (tl.zeros((BLOCK_CH,), dtype=tl.float32),)
-    for w0 in range(0, O[2], BLOCK_W):
+    for w0_ in range(0, O[2], BLOCK_W):
+        w0 = wide_index(w0_, WIDE)
         # the X rows i1 = first + f1 - LO[1] (f1 < KEPT) of every f0, SPAN positions each: index
         # (f0 * KEPT + f1) * SPAN + j
         kept = ()

@@ -49,6 +49,32 @@ class Binary:
     params: int  # kernel parameters in the binary's entry point
 
 
+# --- 32- or 64-bit offsets ------------------------------------------------------------------------
+
+# The kernels compute an element offset before masking it, so lanes past a tensor's end form offsets up to a
+# tile beyond it: 32-bit offsets are kept for tensors under 2^30 elements (half the int32 range as headroom),
+# 64-bit ones beyond (WIDE).  The 64-bit form costs integer throughput the small problems need not pay
+# (benchmarks/wide_offsets.py).
+WIDE_ELEMENTS = 2**30
+# CUDA's grid: at most 2^31 - 1 programs along x, 65535 along y and z
+GRID_X_MOST = 2**31 - 1
+GRID_YZ_MOST = 65535
+
+
+def needs_wide(p: ConvProblem, workspace_elements: int = 0) -> bool:
+    """Whether a launch for p indexes some tensor of WIDE_ELEMENTS or more: X, dY, W, or a workspace (grad_weight's
+    f32 split-K partials) of `workspace_elements`."""
+    return max(math.prod(p.x_shape), math.prod(p.y_shape), math.prod(p.w_shape), workspace_elements) >= WIDE_ELEMENTS
+
+
+def check_grid(name: str, grid: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The grid, or a ValueError where it exceeds CUDA's limits (policy.unsupported_reason refuses such problems
+    first: this guards the launch functions' own arithmetic)."""
+    if grid[0] > GRID_X_MOST or grid[1] > GRID_YZ_MOST or grid[2] > GRID_YZ_MOST:
+        raise ValueError(f"launch {name}: grid {grid} exceeds CUDA's ({GRID_X_MOST}, {GRID_YZ_MOST}, {GRID_YZ_MOST})")
+    return grid
+
+
 # --- canonical 3D strides --------------------------------------------------------------------
 
 def pad3(values: tuple[int, ...], fill: int) -> tuple[int, int, int]:
@@ -147,11 +173,11 @@ def grad_input_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: s
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
         PRECISION=precision, PACK=tiles.pack,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        NUM_STAGES=tiles.stages,
+        NUM_STAGES=tiles.stages, WIDE=needs_wide(p),
     )
     elem = operand_element(p)
     return Launch("grad_input_phases", f"{base}_phases", (elem, elem, ELEMENT[p.result_dtype]),
-                  tuple(consts.items()), (first[-1], groups, 1), tiles.warps, tiles.stages)
+                  tuple(consts.items()), check_grid(base, (first[-1], groups, 1)), tiles.warps, tiles.stages)
 
 
 def forward_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str) -> Launch:
@@ -179,11 +205,11 @@ def forward_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str)
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
         PRECISION=precision, PACK=tiles.pack,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        NUM_STAGES=tiles.stages,
+        NUM_STAGES=tiles.stages, WIDE=needs_wide(p),
     )
     elem = operand_element(p)
     return Launch("grad_input_phases", f"{base}_forward", (elem, elem, ELEMENT[p.result_dtype]),
-                  tuple(consts.items()), (programs, groups, 1), tiles.warps, tiles.stages)
+                  tuple(consts.items()), check_grid(base, (programs, groups, 1)), tiles.warps, tiles.stages)
 
 
 def geometry(p: ConvProblem) -> dict[str, tuple[int, int, int]]:
@@ -219,12 +245,12 @@ def grad_input_direct_launch(p: ConvProblem, tiles: TileConfig, base: str) -> La
         **geometry(p),
         DY=dy_str, W=w_str, DX=dx_str,
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
-        BLOCK_W=-(-chunk // stride) * stride, BLOCK_CH=tiles.block_n,
+        BLOCK_W=-(-chunk // stride) * stride, BLOCK_CH=tiles.block_n, WIDE=needs_wide(p),
     )
     grid = (p.batch * in3[0] * in3[1], -(-p.groups // tiles.block_n), 1)
     elem = operand_element(p)
     return Launch("grad_input_direct", f"{base}_direct", (elem, elem, ELEMENT[p.result_dtype]), tuple(consts.items()),
-                  grid, tiles.warps, tiles.stages)
+                  check_grid(base, grid), tiles.warps, tiles.stages)
 
 
 # forward_direct holds a chunk's X window (SPAN = (BLOCK_W - 1) * S + (F - 1) * D + 1 values per channel) in
@@ -247,12 +273,12 @@ def forward_direct_launch(p: ConvProblem, tiles: TileConfig, base: str) -> Launc
         X=activation_strides(p, p.input, p.in_channels), W=weight_strides(p),
         Y=activation_strides(p, p.output, p.out_channels),
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
-        BLOCK_W=chunk, BLOCK_CH=tiles.block_n,
+        BLOCK_W=chunk, BLOCK_CH=tiles.block_n, WIDE=needs_wide(p),
     )
     grid = (p.batch * out3[0] * out3[1], depthwise_channel_blocks(p, tiles), 1)
     elem = operand_element(p)
     return Launch("forward_direct", f"{base}_direct", (elem, elem, ELEMENT[p.result_dtype]), tuple(consts.items()),
-                  grid, tiles.warps, tiles.stages)
+                  check_grid(base, grid), tiles.warps, tiles.stages)
 
 
 # --- grad_weight -----------------------------------------------------------------------------
@@ -274,7 +300,7 @@ def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str, p
     out3 = pad3(p.output, 1)
     rows = p.batch * out3[0] * out3[1]
     blocks = depthwise_channel_blocks(p, tiles)
-    parts = max(1, min(rows, parts))
+    parts = max(1, min(rows, parts, GRID_YZ_MOST))
     x_str = activation_strides(p, p.input, p.in_channels)
     dy_str = activation_strides(p, p.output, p.out_channels)
     common = dict(G=p.groups, N=p.batch, **geometry(p), X=x_str, DY=dy_str)
@@ -293,8 +319,9 @@ def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str, p
         parts = -(-rows // rows_per)  # no chunk empty
         consts = dict(common, ROWS_PER=rows_per, BLOCK_W=block_w, BLOCK_CH=tiles.block_n, TAP_ROWS=tap_rows)
         kernel = "grad_weight_depthwise"
+    consts["WIDE"] = needs_wide(p, parts * p.groups * math.prod(p.filter))
     launch = Launch(kernel, f"{base}_depthwise", (elem, elem, "fp32"), tuple(consts.items()),
-                    (blocks, parts, 1), tiles.warps, tiles.stages)
+                    check_grid(base, (blocks, parts, 1)), tiles.warps, tiles.stages)
     return launch, (parts, p.groups, 1, *pad3(p.filter, 1), 1)
 
 
@@ -326,7 +353,7 @@ def split_chunks(p: ConvProblem, tiles: TileConfig, parts: int) -> tuple[int, in
     the tile's reduction step (the last chunk shorter); S is recomputed so that no chunk is empty."""
     length = p.batch * math.prod(p.output)
     steps = -(-length // tiles.block_k)
-    parts = max(1, min(parts, steps))
+    parts = max(1, min(parts, steps, GRID_YZ_MOST))
     chunk = -(-steps // parts) * tiles.block_k
     return -(-length // chunk), chunk
 
@@ -366,12 +393,13 @@ def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int,
         DY_IMAGE=not dy_flat and image_flat_positions(dy_str, pad3(p.output, 1)) and tiles_within_images(p, tiles),
         PRECISION=precision, PACK=tiles.pack,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_k, NUM_STAGES=tiles.stages,
+        WIDE=needs_wide(p, parts * math.prod(p.w_shape)),
     )
     cols = c * math.prod(p.filter)
     grid = (-(-k // tiles.block_m) * -(-cols // tiles.block_n), groups, parts)
     elem = operand_element(p)
     launch = Launch("grad_weight_partials", f"{base}_partials", (elem, elem, "fp32"), tuple(consts.items()),
-                    grid, tiles.warps, tiles.stages)
+                    check_grid(base, grid), tiles.warps, tiles.stages)
     return launch, (parts, p.groups, p.out_channels, *f3, p.in_channels)
 
 
@@ -456,7 +484,8 @@ def sum_partials_launch(p: ConvProblem, partials_shape: tuple[int, ...], base: s
     block_e = min(256, max(16, 1 << max(0, (elements // SUM_PROGRAMS).bit_length() - 1)))
     block_s = min(matrix_block(parts), 4096 // block_e)
     consts = dict(E=elements, S=parts, T=math.prod(p.filter), C=p.in_channels,
-                  C_FIRST=p.weight_layout == "GKCYX", ALPHA=alpha, BLOCK_S=block_s, BLOCK_E=block_e)
+                  C_FIRST=p.weight_layout == "GKCYX", ALPHA=alpha, BLOCK_S=block_s, BLOCK_E=block_e,
+                  WIDE=needs_wide(p, parts * elements))
     return Launch("sum_partials", f"{base}_sum", ("fp32", ELEMENT[p.result_dtype]), tuple(consts.items()),
                   (-(-elements // block_e), 1, 1), 4, 1)
 
@@ -464,11 +493,9 @@ def sum_partials_launch(p: ConvProblem, partials_shape: tuple[int, ...], base: s
 def round_fp8_launch(elements: int, dtype: str, kind: str, base: str) -> Launch:
     """`elements` values of `dtype` rounded to the fp8 type `kind` (fp8 = e4m3, bf8 = e5m2), stored in f16."""
     mbits, emin = FP8_FORMATS[kind]
-    consts = dict(N=elements, MBITS=mbits, EMIN=emin, BLOCK=ELEMENTWISE_BLOCK)
+    consts = dict(N=elements, MBITS=mbits, EMIN=emin, BLOCK=ELEMENTWISE_BLOCK, WIDE=elements >= WIDE_ELEMENTS)
     return Launch("round_fp8", f"{base}_round_{kind}", (ELEMENT[dtype], "fp16"), tuple(consts.items()),
                   (-(-elements // ELEMENTWISE_BLOCK), 1, 1), 4, 1)
 
-
-MAX_ELEMENTS = 2**31 - 1  # the kernels index with 32-bit offsets
 
 

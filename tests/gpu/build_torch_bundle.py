@@ -20,7 +20,7 @@ import convdsl.torch as ct  # noqa: E402
 from convdsl import stream  # noqa: E402
 from convdsl.targets import Target  # noqa: E402
 from convdsl.torch import runtime  # noqa: E402
-from test_torch_gpu import DTYPES, MODULES, PRECISIONS, _format  # noqa: E402
+from test_torch_gpu import BIG_GRAD_INPUT, DTYPES, MODULES, PRECISIONS, _format, big_grad_input_call  # noqa: E402,E501
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> None:
@@ -49,6 +49,11 @@ def main() -> int:
     with runtime.recording(as_cuda=True) as seen, FakeTensorMode(allow_non_fake_inputs=True):
         _step(model, torch.randn(8, 32, 16, 16, dtype=torch.half).to(memory_format=torch.channels_last))
         _step(conv, torch.randn(4, 64, 16, 16, dtype=torch.half).to(memory_format=torch.channels_last))
+    problems += seen
+    n, c, spatial = BIG_GRAD_INPUT["batch"], BIG_GRAD_INPUT["channels"], BIG_GRAD_INPUT["spatial"]
+    with runtime.recording(as_cuda=True) as seen, FakeTensorMode(allow_non_fake_inputs=True):
+        big_grad_input_call(torch.empty((n, *spatial, c), dtype=torch.half).permute(0, 4, 1, 2, 3),
+                            torch.empty((c, c, 3, 3, 3), dtype=torch.half))
     problems += seen
     target = Target("cuda", args.arch)
     unique = list(dict.fromkeys(problems))
