@@ -150,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--target", default=default_target, choices=("auto", *BACKENDS),
                        help=f"where the kernels run: auto (a CUDA GPU when present, else the CPU), "
                             f"{', '.join(BACKENDS)} (default: {default_target})")
-        p.add_argument("--arch", default=None, help="sm_80, sm_89, sm_90, gfx942, ... (default per target: sm_80 "
-                       "for cuda; with --target auto, the CUDA device's own)")
+        p.add_argument("--arch", default=None, help="sm_80, sm_89, sm_90, gfx942, ... for a GPU target (default: "
+                       "sm_80 for cuda, gfx942 for rocm; with --target auto, the CUDA device's own); the CPU takes "
+                       "none")
         p.add_argument("--batch", type=int, default=None, help="override every conv's batch size")
 
     c = sub.add_parser("compile", help="compile a .conv file to OUT.vmfb (+ OUT.json manifest)")

@@ -174,3 +174,20 @@ def test_every_flag_has_help():
     for name, sub in subparsers.items():
         for action in sub._actions:
             assert action.help, f"{name} {action.option_strings or action.dest} has no help text"
+
+
+@pytest.mark.parametrize("command", [["compile", "-o", "OUT"], ["run"], ["explain"]])
+def test_a_gpu_arch_with_the_cpu_target_is_refused(command, tmp_path, capsys):
+    argv = [a.replace("OUT", str(tmp_path / "x.vmfb")) for a in command]
+    assert main([argv[0], str(EXAMPLES[0]), "--target", "cpu", "--arch", "sm_80", *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("convdsl: error: --arch: ") and "'sm_80'" in err
+    assert "CPU" in err and not (tmp_path / "x.vmfb").exists()
+
+
+def test_auto_falling_back_to_the_cpu_drops_a_gpu_arch(monkeypatch):
+    import convdsl.module as module
+
+    monkeypatch.setattr(module, "cuda_available", lambda: False)
+    assert str(module.resolve_target("auto", "sm_90")) == "cpu:host"
+    assert str(module.resolve_target("cpu", "host")) == "cpu:host"  # the CPU's own name is accepted
