@@ -115,7 +115,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+TUNED_BACKENDS = ("cuda", "rocm")  # the CPU compiles with IREE's own configuration: no knobs to tune
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
+    if args.target not in TUNED_BACKENDS:
+        why = ("the CPU compiles with IREE's own configuration, so there is nothing to tune" if args.target == "cpu"
+               else "")
+        raise TargetError(f"--target: tuning applies to GPU targets ({', '.join(TUNED_BACKENDS)}), got "
+                          f"{args.target!r}" + (f": {why}" if why else ""))
     target = resolve_target(args.target, args.arch)
     if args.phase == "candidates":
         path = tune.candidates(load_problems(args.file, args.batch), target, Path(args.out), jobs=args.jobs)
@@ -182,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("phase", choices=("candidates", "collect"),
                    help="candidates: compile the candidate configurations; collect: store the fastest in the database")
     t.add_argument("file", help="candidates: a .conv file; collect: the results JSON from gpu_bench.py")
-    t.add_argument("--target", default="cuda", choices=BACKENDS, help="the target to tune for (default: cuda)")
+    t.add_argument("--target", default="cuda", help=f"the GPU target to tune for: {' or '.join(TUNED_BACKENDS)} "
+                   "(default: cuda; the CPU has nothing to tune)")
     t.add_argument("--arch", default=None, help="sm_80, sm_90, gfx942, ... (default per target)")
     t.add_argument("--batch", type=int, default=None, help="override every conv's batch size")
     t.add_argument("--out", default="tune-build", help="candidates: output folder")

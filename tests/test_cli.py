@@ -191,3 +191,14 @@ def test_auto_falling_back_to_the_cpu_drops_a_gpu_arch(monkeypatch):
     monkeypatch.setattr(module, "cuda_available", lambda: False)
     assert str(module.resolve_target("auto", "sm_90")) == "cpu:host"
     assert str(module.resolve_target("cpu", "host")) == "cpu:host"  # the CPU's own name is accepted
+
+
+@pytest.mark.parametrize("phase", ["candidates", "collect"])
+@pytest.mark.parametrize("target", ["cpu", "tpu"])
+def test_tune_refuses_a_target_that_is_not_a_gpu(phase, target, tmp_path, capsys):
+    out = tmp_path / "tune-build"
+    assert main(["tune", phase, str(EXAMPLES[0]), "--target", target, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not out.exists()  # no instructions for a GPU machine, nothing compiled
+    assert captured.err.count("\n") == 1 and captured.err.startswith("convdsl: error: --target: tuning applies to "
+                                                                     f"GPU targets (cuda, rocm), got '{target}'")
