@@ -15,8 +15,8 @@ from .compiler import compile as compile_module
 from .compiler import knobs_by_kernel, load_problems, tuned_knobs
 from .frontend import ConvSyntaxError, parse_file
 from .module import ArgumentError, resolve_target
-from .passes import STAGE_NAMES, LoweringError, run_pipeline
-from .passes.explain import describe_plan
+from .passes import STAGE_NAMES, LoweringError, Stage, run_pipeline
+from .passes.explain import describe_binaries, describe_plan
 from .problem import ConvProblem, ProblemError
 from . import reference as ref  # through the module: a patched reference (tests) is seen
 from .targets import BACKENDS, TargetError
@@ -86,14 +86,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.stage != "all" and args.stage not in STAGE_NAMES:
         raise ValueError(f"--stage: expected all or one of {', '.join(STAGE_NAMES)}, got {args.stage!r}")
 
-    def observe(name: str, stage) -> None:
+    def observe(name: str, stage: Stage) -> None:
         if args.stage not in ("all", name):
+            return
+        if name == "gemm-cores" and not stage.binaries:
+            # nothing compiled: the CPU, or GPU kernels that are all IREE's own (linalg) code
+            if args.stage == name:
+                print(f"// pass '{name}' does not apply here: no kernel for {target} has Triton GEMM cores")
             return
         print(f"// ----- after pass '{name}' -----")
         if name == "plan":
             for plan in stage.plans:
                 print(describe_plan(plan))
                 print(f"  knobs: {knobs[plan.problem.name].label()}, from the {sources[plan.problem.name]}")
+        elif name == "gemm-cores":
+            print(describe_binaries(stage.binaries))
         else:
             print(stage.module)
 

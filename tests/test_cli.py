@@ -43,8 +43,8 @@ def test_run_reports_a_wrong_result_and_exits_nonzero(monkeypatch, capsys):
 def test_explain_prints_every_stage(capsys):
     assert main(["explain", str(EXAMPLES[0].parent / "ck17_conv2d_bwd_data.conv"), "--kernel", "dgrad"]) == 0
     out = capsys.readouterr().out
-    for stage in STAGE_NAMES:
-        assert f"after pass '{stage}'" in out
+    for stage in STAGE_NAMES:  # every stage that applies to the CPU: it has no Triton GEMM cores
+        assert (f"after pass '{stage}'" in out) == (stage != "gemm-cores")
     assert "stride phases: 4" in out and "linalg.generic" in out and "iree-compile" in out
 
 
@@ -202,3 +202,28 @@ def test_tune_refuses_a_target_that_is_not_a_gpu(phase, target, tmp_path, capsys
     assert captured.out == "" and not out.exists()  # no instructions for a GPU machine, nothing compiled
     assert captured.err.count("\n") == 1 and captured.err.startswith("convdsl: error: --target: tuning applies to "
                                                                      f"GPU targets (cuda, rocm), got '{target}'")
+
+
+def test_explain_omits_a_stage_that_does_not_apply_to_the_target(capsys):
+    example = str(EXAMPLES[0].parent / "ck17_conv2d_bwd_data.conv")
+    assert main(["explain", example, "--target", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out.splitlines() and "gemm-cores" not in out and "after pass 'linalg'" in out
+    assert main(["explain", example, "--target", "cpu", "--stage", "gemm-cores"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == ("// pass 'gemm-cores' does not apply here: no kernel for "
+                                                       "cpu:host has Triton GEMM cores")
+
+
+def test_explain_lists_the_gemm_cores_a_gpu_target_compiles(monkeypatch, capsys):
+    import convdsl.passes.pipeline as pipeline
+    from convdsl.kernels.launch import Binary
+
+    # Triton's compile stands in: the stage's text, not the binary, is under test
+    monkeypatch.setattr(pipeline, "compile_launch", lambda launch, arch: Binary(launch.name, b"\0" * 64, "cubin",
+                                                                                128, 4096, 9))
+    example = str(EXAMPLES[0].parent / "ck17_conv2d_bwd_data.conv")
+    assert main(["explain", example, "--target", "cuda", "--arch", "sm_90", "--kernel", "dgrad",
+                 "--stage", "gemm-cores"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "// ----- after pass 'gemm-cores' -----" and "None" not in out
+    assert any(line.startswith("dgrad") and "cubin, 64 bytes, 128 threads" in line for line in out[1:])
