@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--arch", default=None, help="sm_80, sm_89, sm_90, gfx942, ... for a GPU target (default: "
                        "sm_80 for cuda, gfx942 for rocm; with --target auto, the CUDA device's own); the CPU takes "
                        "none")
-        p.add_argument("--batch", type=int, default=None, help="override every conv's batch size")
+        p.add_argument("--batch", type=_positive, default=None,
+                       help="override every conv's batch size, `batch = ?` included (compiled for this batch)")
 
     c = sub.add_parser("compile", help="compile a .conv file to OUT.vmfb (+ OUT.json manifest)")
     common(c, "cpu")
@@ -200,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target", default="cuda", help=f"the GPU target to tune for: {' or '.join(TUNED_BACKENDS)} "
                    "(default: cuda; the CPU has nothing to tune)")
     t.add_argument("--arch", default=None, help="sm_80, sm_90, gfx942, ... (default per target)")
-    t.add_argument("--batch", type=int, default=None, help="override every conv's batch size")
+    t.add_argument("--batch", type=_positive, default=None,
+                   help="override every conv's batch size, `batch = ?` included (compiled for this batch)")
     t.add_argument("--out", default="tune-build", help="candidates: output folder")
     t.add_argument("--cases", default=None, help="collect: the cases.json that phase 1 wrote")
     t.add_argument("--jobs", type=int, default=2, help="candidates: compiles run in parallel (default 2)")

@@ -227,3 +227,33 @@ def test_explain_lists_the_gemm_cores_a_gpu_target_compiles(monkeypatch, capsys)
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "// ----- after pass 'gemm-cores' -----" and "None" not in out
     assert any(line.startswith("dgrad") and "cubin, 64 bytes, 128 threads" in line for line in out[1:])
+
+
+DYNAMIC = ("conv c { dims = 1; batch = ?; in_channels = 2; out_channels = 3; input = [8]; filter = [3] }\n"
+           "kernel gw = grad_weight(c)\nkernel gi = grad_input(c)\n")
+
+
+def test_batch_overrides_a_dynamic_batch(tmp_path, capsys):
+    import convdsl
+
+    source = tmp_path / "dyn.conv"
+    source.write_text(DYNAMIC)
+    mod = convdsl.compile(str(source), target="cpu", batch=3)
+    assert all(p.batch == 3 and not p.dynamic_batch for p in mod.problems.values())
+    out = tmp_path / "dyn.vmfb"
+    assert main(["compile", str(source), "--target", "cpu", "--batch", "3", "-o", str(out)]) == 0
+    info = json.loads(out.with_suffix(".json").read_text())
+    assert [k["args"][0]["shape"][0] for k in info["kernels"]] == [3, 3]  # static: null would be `?`
+    capsys.readouterr()
+    assert main(["run", str(source), "--target", "cpu", "--batch", "3", "--check"]) == 0
+    out_lines = capsys.readouterr().out.splitlines()
+    assert out_lines[-1] == "2 passed, 0 failed"
+    assert [line.split()[2] for line in out_lines[:-1]] == ["3x8x1x2", "3x6x1x3"]  # x, dy at batch 3
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_a_bad_batch_names_the_flag(value, capsys):
+    with pytest.raises(SystemExit) as bad:
+        main(["run", str(EXAMPLES[0]), "--target", "cpu", "--batch", value])
+    err = capsys.readouterr().err
+    assert bad.value.code == 2 and "argument --batch: expected" in err and "Traceback" not in err
