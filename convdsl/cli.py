@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence, TextIO
 
 import numpy as np
 
@@ -18,6 +20,7 @@ from .module import ArgumentError, resolve_target
 from .passes import STAGE_NAMES, LoweringError, Stage, run_pipeline
 from .passes.explain import describe_binaries, describe_plan
 from .problem import ConvProblem, ProblemError
+from .progress import CompileStep
 from . import reference as ref  # through the module: a patched reference (tests) is seen
 from .targets import BACKENDS, TargetError
 
@@ -26,6 +29,50 @@ def _progress(enabled: bool, message: str) -> None:
     """One line per step on a terminal; quiet when piped."""
     if enabled and sys.stderr.isatty():
         print(message, file=sys.stderr, flush=True)
+
+
+def _step_text(step: CompileStep) -> str:
+    if step.kind == "kernel":
+        return f"lowering {step.index} of {step.total}: {step.name}"
+    return f"{step.name}: {step.total} kernel{'s' if step.total != 1 else ''} in one module ..."
+
+
+class _StatusLine:
+    """One line on stderr, rewritten in place (carriage return) as compile steps arrive and blanked when done;
+    only on a terminal, so pipes and logs get nothing."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.enabled = stream.isatty()
+        self.shown = 0  # characters on the line now
+
+    def step(self, step: CompileStep) -> None:
+        if not self.enabled:
+            return
+        try:
+            columns = os.get_terminal_size(self.stream.fileno()).columns
+        except (AttributeError, OSError, ValueError):  # no file descriptor, or not a real terminal
+            columns = 80
+        text = _step_text(step)[:max(columns - 1, 20)]  # a wrapped line could not be rewritten in place
+        self.stream.write("\r" + text.ljust(self.shown))
+        self.stream.flush()
+        self.shown = len(text)
+
+    def clear(self) -> None:
+        if self.enabled and self.shown:
+            self.stream.write("\r" + " " * self.shown + "\r")
+            self.stream.flush()
+            self.shown = 0
+
+
+@contextlib.contextmanager
+def _status_line() -> Iterator[_StatusLine]:
+    """A status line for compile steps, blanked however the block ends (an error's message starts clean)."""
+    line = _StatusLine(sys.stderr)
+    try:
+        yield line
+    finally:
+        line.clear()
 
 
 def _bytes_moved(p: ConvProblem) -> int:
@@ -37,7 +84,9 @@ def _bytes_moved(p: ConvProblem) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     _progress(True, f"compiling {args.file} for {args.target} ...")
-    mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch)
+    with _status_line() as status:
+        mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch,
+                             progress=status.step if status.enabled else None)
     _progress(True, f"compiled {len(mod.kernels)} kernels in {time.perf_counter() - t0:.1f} s")
     out = Path(args.output or Path(args.file).with_suffix(".vmfb").name)
     mod.save(out)
@@ -49,7 +98,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     kernels = [args.kernel] if args.kernel else None
     t0 = time.perf_counter()
     _progress(True, f"compiling {args.file} for {args.target} ...")
-    mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch, kernels=kernels)
+    with _status_line() as status:
+        mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch, kernels=kernels,
+                             progress=status.step if status.enabled else None)
     _progress(True, f"compiled {len(mod.kernels)} kernels for {mod.target} in {time.perf_counter() - t0:.1f} s")
     passed = failed = 0
     width = max(12, *(len(n) for n in mod.kernels))  # the columns stay aligned for long kernel names
@@ -87,6 +138,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         raise ValueError(f"--stage: expected all or one of {', '.join(STAGE_NAMES)}, got {args.stage!r}")
 
     def observe(name: str, stage: Stage) -> None:
+        status.clear()  # the IR goes to stdout: no half-written status line in front of it
         if args.stage not in ("all", name):
             return
         if name == "gemm-cores" and not stage.binaries:
@@ -106,7 +158,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     knobs = knobs_by_kernel(problems, target)
     sources = {p.name: tuned_knobs(p, target)[1] for p in problems}
-    run_pipeline(problems, target, observe, knobs)
+    with _status_line() as status:
+        run_pipeline(problems, target, observe, knobs, progress=status.step if status.enabled else None)
     print(f"// compile with: iree-compile kernel.mlir {' '.join(target.compile_flags())} -o kernel.vmfb")
     return 0
 

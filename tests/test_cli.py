@@ -1,7 +1,10 @@
 """The command line as a user runs it: every example passes --check on the CPU, plus explain/check/compile."""
 from __future__ import annotations
 
+import io
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -257,3 +260,77 @@ def test_a_bad_batch_names_the_flag(value, capsys):
         main(["run", str(EXAMPLES[0]), "--target", "cpu", "--batch", value])
     err = capsys.readouterr().err
     assert bad.value.code == 2 and "argument --batch: expected" in err and "Traceback" not in err
+
+
+THREE = ("conv c { dims = 1; batch = 1; in_channels = 2; out_channels = 3; input = [9]; filter = [3] }\n"
+         "kernel first = grad_input(c)\nkernel second = grad_weight(c)\nkernel third = forward(c)\n")
+
+
+class _Terminal(io.StringIO):
+    """stderr as a terminal shows it: the status line is only drawn there."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_compile_reports_each_step_to_a_progress_hook(tmp_path, monkeypatch):
+    import convdsl
+    from convdsl.progress import CompileStep
+
+    monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path / "cache"))  # a compile, not a cache hit
+    steps: list[CompileStep] = []
+    convdsl.compile(THREE, target="cpu", progress=steps.append)
+    assert steps == [CompileStep("kernel", 1, 3, "first"), CompileStep("kernel", 2, 3, "second"),
+                     CompileStep("kernel", 3, 3, "third"), CompileStep("backend", 3, 3, "iree-compile")]
+    steps.clear()
+    convdsl.compile(THREE, target="cpu", kernels=["second"], progress=steps.append)
+    assert steps == [CompileStep("kernel", 1, 1, "second"), CompileStep("backend", 1, 1, "iree-compile")]
+    steps.clear()
+    convdsl.compile(THREE, target="cpu", progress=steps.append)
+    assert steps == []  # from the cache: nothing compiled, nothing to report
+
+
+@pytest.mark.parametrize("command", ["compile", "run", "explain"])
+def test_a_terminal_sees_a_status_line_while_kernels_compile(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "three.conv"
+    source.write_text(THREE)
+    extra = ["-o", str(tmp_path / "three.vmfb")] if command == "compile" else []
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main([command, str(source), "--target", "cpu", *extra]) == 0
+    err, out = terminal.getvalue(), capsys.readouterr().out
+    steps = [f"\rlowering {k} of 3: {name}" for k, name in enumerate(("first", "second", "third"), 1)]
+    positions = [err.index(step) for step in steps]
+    assert positions == sorted(positions) and "\r" not in out
+    last = "iree-compile: 3 kernels in one module ..." if command != "explain" else steps[-1][1:]
+    assert f"\r{last}" in err
+    # the last status is blanked (spaces over all of it) before anything else is written
+    blank = re.search(r"\r( +)\r(compiled 3 kernels |$)", err)
+    assert blank and len(blank.group(1)) >= len(last), repr(err)
+
+
+def test_a_pipe_sees_no_status_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "three.conv"
+    source.write_text(THREE)
+    assert main(["run", str(source), "--target", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "\r" not in captured.out and "lowering" not in captured.out
+
+
+def test_an_error_after_the_status_line_starts_on_a_clean_line(tmp_path, monkeypatch):
+    import convdsl.backends.iree as iree
+
+    monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "three.conv"
+    source.write_text(THREE)
+
+    def refuse(mlir, target, extra_flags=()):
+        raise iree.CompileError("iree-compile failed for target cpu:host")
+
+    monkeypatch.setattr(iree, "compile_mlir", refuse)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["compile", str(source), "--target", "cpu", "-o", str(tmp_path / "x.vmfb")]) == 2
+    assert re.search(r"\r +\rconvdsl: error: iree-compile failed", terminal.getvalue())
