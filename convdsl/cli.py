@@ -52,7 +52,8 @@ class _StatusLine:
         try:
             columns = os.get_terminal_size(self.stream.fileno()).columns
         except (AttributeError, OSError, ValueError):  # no file descriptor, or not a real terminal
-            columns = 80
+            columns = 0
+        columns = columns or 80  # a terminal that reports no size (0 columns)
         text = _step_text(step)[:max(columns - 1, 20)]  # a wrapped line could not be rewritten in place
         self.stream.write("\r" + text.ljust(self.shown))
         self.stream.flush()
