@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence, TextIO
 
 import numpy as np
 
@@ -15,9 +17,10 @@ from .compiler import compile as compile_module
 from .compiler import knobs_by_kernel, load_problems, tuned_knobs
 from .frontend import ConvSyntaxError, parse_file
 from .module import ArgumentError, resolve_target
-from .passes import STAGE_NAMES, LoweringError, run_pipeline
-from .passes.explain import describe_plan
+from .passes import STAGE_NAMES, LoweringError, Stage, run_pipeline
+from .passes.explain import describe_binaries, describe_plan
 from .problem import ConvProblem, ProblemError
+from .progress import CompileStep
 from . import reference as ref  # through the module: a patched reference (tests) is seen
 from .targets import BACKENDS, TargetError
 
@@ -26,6 +29,51 @@ def _progress(enabled: bool, message: str) -> None:
     """One line per step on a terminal; quiet when piped."""
     if enabled and sys.stderr.isatty():
         print(message, file=sys.stderr, flush=True)
+
+
+def _step_text(step: CompileStep) -> str:
+    if step.kind == "kernel":
+        return f"lowering {step.index} of {step.total}: {step.name}"
+    return f"{step.name}: {step.total} kernel{'s' if step.total != 1 else ''} in one module ..."
+
+
+class _StatusLine:
+    """One line on stderr, rewritten in place (carriage return) as compile steps arrive and blanked when done;
+    only on a terminal, so pipes and logs get nothing."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.enabled = stream.isatty()
+        self.shown = 0  # characters on the line now
+
+    def step(self, step: CompileStep) -> None:
+        if not self.enabled:
+            return
+        try:
+            columns = os.get_terminal_size(self.stream.fileno()).columns
+        except (AttributeError, OSError, ValueError):  # no file descriptor, or not a real terminal
+            columns = 0
+        columns = columns or 80  # a terminal that reports no size (0 columns)
+        text = _step_text(step)[:max(columns - 1, 20)]  # a wrapped line could not be rewritten in place
+        self.stream.write("\r" + text.ljust(self.shown))
+        self.stream.flush()
+        self.shown = len(text)
+
+    def clear(self) -> None:
+        if self.enabled and self.shown:
+            self.stream.write("\r" + " " * self.shown + "\r")
+            self.stream.flush()
+            self.shown = 0
+
+
+@contextlib.contextmanager
+def _status_line() -> Iterator[_StatusLine]:
+    """A status line for compile steps, blanked however the block ends (an error's message starts clean)."""
+    line = _StatusLine(sys.stderr)
+    try:
+        yield line
+    finally:
+        line.clear()
 
 
 def _bytes_moved(p: ConvProblem) -> int:
@@ -37,7 +85,9 @@ def _bytes_moved(p: ConvProblem) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     _progress(True, f"compiling {args.file} for {args.target} ...")
-    mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch)
+    with _status_line() as status:
+        mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch,
+                             progress=status.step if status.enabled else None)
     _progress(True, f"compiled {len(mod.kernels)} kernels in {time.perf_counter() - t0:.1f} s")
     out = Path(args.output or Path(args.file).with_suffix(".vmfb").name)
     mod.save(out)
@@ -49,7 +99,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     kernels = [args.kernel] if args.kernel else None
     t0 = time.perf_counter()
     _progress(True, f"compiling {args.file} for {args.target} ...")
-    mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch, kernels=kernels)
+    with _status_line() as status:
+        mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch, kernels=kernels,
+                             progress=status.step if status.enabled else None)
     _progress(True, f"compiled {len(mod.kernels)} kernels for {mod.target} in {time.perf_counter() - t0:.1f} s")
     passed = failed = 0
     width = max(12, *(len(n) for n in mod.kernels))  # the columns stay aligned for long kernel names
@@ -86,20 +138,29 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.stage != "all" and args.stage not in STAGE_NAMES:
         raise ValueError(f"--stage: expected all or one of {', '.join(STAGE_NAMES)}, got {args.stage!r}")
 
-    def observe(name: str, stage) -> None:
+    def observe(name: str, stage: Stage) -> None:
+        status.clear()  # the IR goes to stdout: no half-written status line in front of it
         if args.stage not in ("all", name):
+            return
+        if name == "gemm-cores" and not stage.binaries:
+            # nothing compiled: the CPU, or GPU kernels that are all IREE's own (linalg) code
+            if args.stage == name:
+                print(f"// pass '{name}' does not apply here: no kernel for {target} has Triton GEMM cores")
             return
         print(f"// ----- after pass '{name}' -----")
         if name == "plan":
             for plan in stage.plans:
                 print(describe_plan(plan))
                 print(f"  knobs: {knobs[plan.problem.name].label()}, from the {sources[plan.problem.name]}")
+        elif name == "gemm-cores":
+            print(describe_binaries(stage.binaries))
         else:
             print(stage.module)
 
     knobs = knobs_by_kernel(problems, target)
     sources = {p.name: tuned_knobs(p, target)[1] for p in problems}
-    run_pipeline(problems, target, observe, knobs)
+    with _status_line() as status:
+        run_pipeline(problems, target, observe, knobs, progress=status.step if status.enabled else None)
     print(f"// compile with: iree-compile kernel.mlir {' '.join(target.compile_flags())} -o kernel.vmfb")
     return 0
 
@@ -115,7 +176,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+TUNED_BACKENDS = ("cuda", "rocm")  # the CPU compiles with IREE's own configuration: no knobs to tune
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
+    if args.target not in TUNED_BACKENDS:
+        why = ("the CPU compiles with IREE's own configuration, so there is nothing to tune" if args.target == "cpu"
+               else "")
+        raise TargetError(f"--target: tuning applies to GPU targets ({', '.join(TUNED_BACKENDS)}), got "
+                          f"{args.target!r}" + (f": {why}" if why else ""))
     target = resolve_target(args.target, args.arch)
     if args.phase == "candidates":
         path = tune.candidates(load_problems(args.file, args.batch), target, Path(args.out), jobs=args.jobs)
@@ -150,9 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--target", default=default_target, choices=("auto", *BACKENDS),
                        help=f"where the kernels run: auto (a CUDA GPU when present, else the CPU), "
                             f"{', '.join(BACKENDS)} (default: {default_target})")
-        p.add_argument("--arch", default=None, help="sm_80, sm_89, sm_90, gfx942, ... (default per target: sm_80 "
-                       "for cuda; with --target auto, the CUDA device's own)")
-        p.add_argument("--batch", type=int, default=None, help="override every conv's batch size")
+        p.add_argument("--arch", default=None, help="sm_80, sm_89, sm_90, gfx942, ... for a GPU target (default: "
+                       "sm_80 for cuda, gfx942 for rocm; with --target auto, the CUDA device's own); the CPU takes "
+                       "none")
+        p.add_argument("--batch", type=_positive, default=None,
+                       help="override every conv's batch size, `batch = ?` included (compiled for this batch)")
 
     c = sub.add_parser("compile", help="compile a .conv file to OUT.vmfb (+ OUT.json manifest)")
     common(c, "cpu")
@@ -181,9 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("phase", choices=("candidates", "collect"),
                    help="candidates: compile the candidate configurations; collect: store the fastest in the database")
     t.add_argument("file", help="candidates: a .conv file; collect: the results JSON from gpu_bench.py")
-    t.add_argument("--target", default="cuda", choices=BACKENDS, help="the target to tune for (default: cuda)")
+    t.add_argument("--target", default="cuda", help=f"the GPU target to tune for: {' or '.join(TUNED_BACKENDS)} "
+                   "(default: cuda; the CPU has nothing to tune)")
     t.add_argument("--arch", default=None, help="sm_80, sm_90, gfx942, ... (default per target)")
-    t.add_argument("--batch", type=int, default=None, help="override every conv's batch size")
+    t.add_argument("--batch", type=_positive, default=None,
+                   help="override every conv's batch size, `batch = ?` included (compiled for this batch)")
     t.add_argument("--out", default="tune-build", help="candidates: output folder")
     t.add_argument("--cases", default=None, help="collect: the cases.json that phase 1 wrote")
     t.add_argument("--jobs", type=int, default=2, help="candidates: compiles run in parallel (default 2)")

@@ -27,6 +27,7 @@ from .kernels.launch import triton_version
 from .module import CompiledModule, resolve_target
 from .passes import lower_to_mlir
 from .problem import ConvProblem
+from .progress import CompileStep, ProgressFn
 from .targets import Target
 from .tuning import db
 from .tuning.knobs import Knobs
@@ -120,9 +121,10 @@ def lower_with_tuned_knobs(problems: Sequence[ConvProblem], target: Target) -> s
 
 
 def compile_vmfb(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = (), *,
-                 refresh: bool = False) -> bytes:
+                 refresh: bool = False, progress: Optional[ProgressFn] = None) -> bytes:
     """The .vmfb for `problems` on `target`: from the disk cache if present, else compiled and stored.
-    `refresh=True` skips the lookup and overwrites the entry (used when a cached module failed to load)."""
+    `refresh=True` skips the lookup and overwrites the entry (used when a cached module failed to load).
+    `progress`, if given, is told each step of a compile (convdsl.progress.CompileStep); a cache hit has none."""
     problems = list(problems)
     knobs = knobs_by_kernel(problems, target)
     key = cache.cache_key(key_material(problems, target, knobs, extra_flags))
@@ -130,7 +132,9 @@ def compile_vmfb(problems: Sequence[ConvProblem], target: Target, extra_flags: S
         cached = cache.load(key)
         if cached is not None:
             return cached
-    mlir = lower_to_mlir(problems, target, knobs)
+    mlir = lower_to_mlir(problems, target, knobs, progress)
+    if progress is not None:
+        progress(CompileStep("backend", len(problems), len(problems), "iree-compile"))
     if target.backend == "cpu" or all(k.config_default for k in knobs.values()):
         vmfb = _iree.compile_mlir(mlir, target, extra_flags)  # through the module: a patched compile_mlir is seen
     else:
@@ -146,8 +150,10 @@ def compile(
     arch: Optional[str] = None,
     batch: Optional[int] = None,
     kernels: Optional[Sequence[str]] = None,
+    progress: Optional[ProgressFn] = None,
 ) -> CompiledModule:
-    """Compile every kernel of a .conv file (path or text) into one module for `target`."""
+    """Compile every kernel of a .conv file (path or text) into one module for `target`; `progress`, if
+    given, is told each step (convdsl.progress.CompileStep: a kernel lowered, then iree-compile)."""
     tgt = resolve_target(target, arch)
     problems = load_problems(source, batch)
     if kernels:
@@ -156,4 +162,4 @@ def compile(
             raise ValueError(f"--kernel: no kernel named {', '.join(unknown)}; kernels: "
                              + ", ".join(p.name for p in problems))
         problems = [p for p in problems if p.name in kernels]
-    return CompiledModule(problems, tgt, compile_vmfb(problems, tgt))
+    return CompiledModule(problems, tgt, compile_vmfb(problems, tgt, progress=progress))

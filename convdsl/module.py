@@ -27,7 +27,8 @@ class ArgumentError(TypeError):
 
 def resolve_target(target: Union[str, Target] = "cpu", arch: Optional[str] = None) -> Target:
     """'auto' picks CUDA when a CUDA device is present, for that device's arch unless `arch` names one
-    (targets.native_cuda_arch: sm_90 on H100/H200, for wgmma cubins and the tiles tuned there), else the CPU.
+    (targets.native_cuda_arch: sm_90 on H100/H200, for wgmma cubins and the tiles tuned there), else the CPU
+    (which takes no arch: a GPU arch given with 'auto' applies only when a GPU is picked).
     An explicit 'cuda' keeps the portable default arch (sm_80 PTX, which runs on any recent NVIDIA GPU)."""
     if isinstance(target, Target):
         return target
@@ -35,6 +36,8 @@ def resolve_target(target: Union[str, Target] = "cpu", arch: Optional[str] = Non
         target = "cuda" if cuda_available() else "cpu"
         if target == "cuda" and arch is None:
             arch = native_cuda_arch()
+        elif target == "cpu":
+            arch = None  # an arch names the GPU to use when there is one; the CPU fallback takes none
     return Target.parse(target, arch)
 
 

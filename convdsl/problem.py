@@ -30,7 +30,7 @@ TF32_COMPUTE = (TF32, TF32)
 F32_COMPUTES = {BF16X3: "splits f32 operands into bf16 pairs", TF32: "rounds f32 operands to TF32"}
 EPILOGUES = ("none", "scale", "bilinear")
 
-DYNAMIC_BATCH_NOMINAL = 2  # the batch `convdsl run` uses for `batch = ?` unless --batch says otherwise
+DYNAMIC_BATCH_NOMINAL = 2  # the batch `convdsl run` draws inputs at for `batch = ?` (--batch N compiles for N)
 
 _SPATIAL_LETTERS = {1: "W", 2: "HW", 3: "DHW"}
 _TAP_LETTERS = {1: "X", 2: "YX", 3: "ZYX"}

@@ -99,6 +99,9 @@ class Target:
                                            and _arch_number(self.arch) >= MIN_CUDA_ARCH):
             raise TargetError(f"--arch: a CUDA target names an sm_XY architecture, sm_{MIN_CUDA_ARCH} or newer "
                               f"(e.g. sm_80, sm_90), got {self.arch!r}")
+        if self.backend == "cpu" and self.arch != DEFAULT_ARCH["cpu"]:
+            raise TargetError(f"--arch: the CPU target compiles for the host CPU and takes no arch (sm_XY and gfxNNN "
+                              f"name GPUs: use --target cuda or rocm with them), got {self.arch!r}")
         if self.backend == "rocm" and not re.fullmatch(r"gfx[0-9a-f]{3,4}", self.arch):
             raise TargetError(f"--arch: a ROCm target names a gfxNNN architecture (e.g. gfx942), got {self.arch!r}")
 

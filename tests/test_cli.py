@@ -1,7 +1,10 @@
 """The command line as a user runs it: every example passes --check on the CPU, plus explain/check/compile."""
 from __future__ import annotations
 
+import io
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,8 +46,8 @@ def test_run_reports_a_wrong_result_and_exits_nonzero(monkeypatch, capsys):
 def test_explain_prints_every_stage(capsys):
     assert main(["explain", str(EXAMPLES[0].parent / "ck17_conv2d_bwd_data.conv"), "--kernel", "dgrad"]) == 0
     out = capsys.readouterr().out
-    for stage in STAGE_NAMES:
-        assert f"after pass '{stage}'" in out
+    for stage in STAGE_NAMES:  # every stage that applies to the CPU: it has no Triton GEMM cores
+        assert (f"after pass '{stage}'" in out) == (stage != "gemm-cores")
     assert "stride phases: 4" in out and "linalg.generic" in out and "iree-compile" in out
 
 
@@ -174,3 +177,160 @@ def test_every_flag_has_help():
     for name, sub in subparsers.items():
         for action in sub._actions:
             assert action.help, f"{name} {action.option_strings or action.dest} has no help text"
+
+
+@pytest.mark.parametrize("command", [["compile", "-o", "OUT"], ["run"], ["explain"]])
+def test_a_gpu_arch_with_the_cpu_target_is_refused(command, tmp_path, capsys):
+    argv = [a.replace("OUT", str(tmp_path / "x.vmfb")) for a in command]
+    assert main([argv[0], str(EXAMPLES[0]), "--target", "cpu", "--arch", "sm_80", *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("convdsl: error: --arch: ") and "'sm_80'" in err
+    assert "CPU" in err and not (tmp_path / "x.vmfb").exists()
+
+
+def test_auto_falling_back_to_the_cpu_drops_a_gpu_arch(monkeypatch):
+    import convdsl.module as module
+
+    monkeypatch.setattr(module, "cuda_available", lambda: False)
+    assert str(module.resolve_target("auto", "sm_90")) == "cpu:host"
+    assert str(module.resolve_target("cpu", "host")) == "cpu:host"  # the CPU's own name is accepted
+
+
+@pytest.mark.parametrize("phase", ["candidates", "collect"])
+@pytest.mark.parametrize("target", ["cpu", "tpu"])
+def test_tune_refuses_a_target_that_is_not_a_gpu(phase, target, tmp_path, capsys):
+    out = tmp_path / "tune-build"
+    assert main(["tune", phase, str(EXAMPLES[0]), "--target", target, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and not out.exists()  # no instructions for a GPU machine, nothing compiled
+    assert captured.err.count("\n") == 1 and captured.err.startswith("convdsl: error: --target: tuning applies to "
+                                                                     f"GPU targets (cuda, rocm), got '{target}'")
+
+
+def test_explain_omits_a_stage_that_does_not_apply_to_the_target(capsys):
+    example = str(EXAMPLES[0].parent / "ck17_conv2d_bwd_data.conv")
+    assert main(["explain", example, "--target", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out.splitlines() and "gemm-cores" not in out and "after pass 'linalg'" in out
+    assert main(["explain", example, "--target", "cpu", "--stage", "gemm-cores"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == ("// pass 'gemm-cores' does not apply here: no kernel for "
+                                                       "cpu:host has Triton GEMM cores")
+
+
+def test_explain_lists_the_gemm_cores_a_gpu_target_compiles(monkeypatch, capsys):
+    import convdsl.passes.pipeline as pipeline
+    from convdsl.kernels.launch import Binary
+
+    # Triton's compile stands in: the stage's text, not the binary, is under test
+    monkeypatch.setattr(pipeline, "compile_launch", lambda launch, arch: Binary(launch.name, b"\0" * 64, "cubin",
+                                                                                128, 4096, 9))
+    example = str(EXAMPLES[0].parent / "ck17_conv2d_bwd_data.conv")
+    assert main(["explain", example, "--target", "cuda", "--arch", "sm_90", "--kernel", "dgrad",
+                 "--stage", "gemm-cores"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "// ----- after pass 'gemm-cores' -----" and "None" not in out
+    assert any(line.startswith("dgrad") and "cubin, 64 bytes, 128 threads" in line for line in out[1:])
+
+
+DYNAMIC = ("conv c { dims = 1; batch = ?; in_channels = 2; out_channels = 3; input = [8]; filter = [3] }\n"
+           "kernel gw = grad_weight(c)\nkernel gi = grad_input(c)\n")
+
+
+def test_batch_overrides_a_dynamic_batch(tmp_path, capsys):
+    import convdsl
+
+    source = tmp_path / "dyn.conv"
+    source.write_text(DYNAMIC)
+    mod = convdsl.compile(str(source), target="cpu", batch=3)
+    assert all(p.batch == 3 and not p.dynamic_batch for p in mod.problems.values())
+    out = tmp_path / "dyn.vmfb"
+    assert main(["compile", str(source), "--target", "cpu", "--batch", "3", "-o", str(out)]) == 0
+    info = json.loads(out.with_suffix(".json").read_text())
+    assert [k["args"][0]["shape"][0] for k in info["kernels"]] == [3, 3]  # static: null would be `?`
+    capsys.readouterr()
+    assert main(["run", str(source), "--target", "cpu", "--batch", "3", "--check"]) == 0
+    out_lines = capsys.readouterr().out.splitlines()
+    assert out_lines[-1] == "2 passed, 0 failed"
+    assert [line.split()[2] for line in out_lines[:-1]] == ["3x8x1x2", "3x6x1x3"]  # x, dy at batch 3
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_a_bad_batch_names_the_flag(value, capsys):
+    with pytest.raises(SystemExit) as bad:
+        main(["run", str(EXAMPLES[0]), "--target", "cpu", "--batch", value])
+    err = capsys.readouterr().err
+    assert bad.value.code == 2 and "argument --batch: expected" in err and "Traceback" not in err
+
+
+THREE = ("conv c { dims = 1; batch = 1; in_channels = 2; out_channels = 3; input = [9]; filter = [3] }\n"
+         "kernel first = grad_input(c)\nkernel second = grad_weight(c)\nkernel third = forward(c)\n")
+
+
+class _Terminal(io.StringIO):
+    """stderr as a terminal shows it: the status line is only drawn there."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_compile_reports_each_step_to_a_progress_hook(tmp_path, monkeypatch):
+    import convdsl
+    from convdsl.progress import CompileStep
+
+    monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path / "cache"))  # a compile, not a cache hit
+    steps: list[CompileStep] = []
+    convdsl.compile(THREE, target="cpu", progress=steps.append)
+    assert steps == [CompileStep("kernel", 1, 3, "first"), CompileStep("kernel", 2, 3, "second"),
+                     CompileStep("kernel", 3, 3, "third"), CompileStep("backend", 3, 3, "iree-compile")]
+    steps.clear()
+    convdsl.compile(THREE, target="cpu", kernels=["second"], progress=steps.append)
+    assert steps == [CompileStep("kernel", 1, 1, "second"), CompileStep("backend", 1, 1, "iree-compile")]
+    steps.clear()
+    convdsl.compile(THREE, target="cpu", progress=steps.append)
+    assert steps == []  # from the cache: nothing compiled, nothing to report
+
+
+@pytest.mark.parametrize("command", ["compile", "run", "explain"])
+def test_a_terminal_sees_a_status_line_while_kernels_compile(command, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "three.conv"
+    source.write_text(THREE)
+    extra = ["-o", str(tmp_path / "three.vmfb")] if command == "compile" else []
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main([command, str(source), "--target", "cpu", *extra]) == 0
+    err, out = terminal.getvalue(), capsys.readouterr().out
+    steps = [f"\rlowering {k} of 3: {name}" for k, name in enumerate(("first", "second", "third"), 1)]
+    positions = [err.index(step) for step in steps]
+    assert positions == sorted(positions) and "\r" not in out
+    last = "iree-compile: 3 kernels in one module ..." if command != "explain" else steps[-1][1:]
+    assert f"\r{last}" in err
+    # the last status is blanked (spaces over all of it) before anything else is written
+    blank = re.search(r"\r( +)\r(compiled 3 kernels |$)", err)
+    assert blank and len(blank.group(1)) >= len(last), repr(err)
+
+
+def test_a_pipe_sees_no_status_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "three.conv"
+    source.write_text(THREE)
+    assert main(["run", str(source), "--target", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and "\r" not in captured.out and "lowering" not in captured.out
+
+
+def test_an_error_after_the_status_line_starts_on_a_clean_line(tmp_path, monkeypatch):
+    import convdsl.backends.iree as iree
+
+    monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "three.conv"
+    source.write_text(THREE)
+
+    def refuse(mlir, target, extra_flags=()):
+        raise iree.CompileError("iree-compile failed for target cpu:host")
+
+    monkeypatch.setattr(iree, "compile_mlir", refuse)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["compile", str(source), "--target", "cpu", "-o", str(tmp_path / "x.vmfb")]) == 2
+    assert re.search(r"\r +\rconvdsl: error: iree-compile failed", terminal.getvalue())

@@ -441,7 +441,7 @@ def test_dynamic_batch():
     assert p.dynamic_batch and p.batch >= 1
     (q,) = parse("conv c { dims = 1; batch = ?; in_channels = 2; out_channels = 3; input = [8]; filter = [3] }\n"
                  "kernel k = grad_weight(c)\n", batch=5)
-    assert q.dynamic_batch and q.batch == 5
+    assert not q.dynamic_batch and q.batch == 5  # the override fixes every batch, `?` included
     with pytest.raises(ConvSyntaxError, match="got '\\?'"):
         parse("conv c { dims = 1; batch = 2; in_channels = ?; out_channels = 3; input = [8]; filter = [3] }\n")
 

@@ -522,7 +522,9 @@ def _conv(src: _Source, node: Tree, batch: Optional[int]) -> _Conv:
         notes = [src.note(dtype_entry.value.span, "dtype set here")] if dtype_entry is not None else []
         _check_f32_compute(src, seen["compute"], compute[0], fields["dtype"], notes)
     if batch is not None:
+        # the override fixes every batch, `batch = ?` included: the kernel is compiled for that batch
         fields["batch"] = batch
+        fields.pop("dynamic_batch", None)
     try:
         # A forward problem checks everything the conv itself decides (sizes, empty output), so
         # a bad conv is reported at its name even when no kernel uses it.
@@ -616,8 +618,9 @@ def _problems(src: _Source, tree: Tree, batch: Optional[int]) -> list[ConvProble
 def parse(text: str, filename: str = "<string>", batch: Optional[int] = None) -> list[ConvProblem]:
     """Parse convdsl source into one ConvProblem per `kernel` line, in file order.
 
-    `batch`, if given, replaces every conv's batch (to run examples at a reduced size); the source
-    must still set one.  Errors in the source raise ConvSyntaxError; a bad `batch` raises ValueError.
+    `batch`, if given, replaces every conv's batch (to run examples at a reduced size), `batch = ?`
+    included, which it makes static; the source must still set one.  Errors in the source raise
+    ConvSyntaxError; a bad `batch` raises ValueError.
     """
     if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch < 1):
         raise ValueError(f"batch override: expected a positive integer, got {batch!r}")

@@ -3,11 +3,19 @@ phases, split-K, zero borders, the operand precision)."""
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
+from ..kernels.launch import Binary
 from ..policy import PAD_FORMS
 from ..problem import ConvProblem
 from . import bf16x3
 from .plan import KernelPlan
+
+
+def describe_binaries(binaries: Sequence[tuple[str, Binary]]) -> str:
+    """The GEMM-core binaries the 'gemm-cores' pass compiled, one line each."""
+    return "\n".join(f"{name}: {b.kind}, {len(b.data)} bytes, {b.threads} threads, {b.shared_bytes} bytes of shared "
+                     f"memory, {b.params} parameters" for name, b in binaries)
 
 
 def describe_plan(self: KernelPlan) -> str:

@@ -5,7 +5,7 @@ IR after every pass that produced one, and hands each stage to `observe` (`convd
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence
 
 from iree.compiler import ir
@@ -13,6 +13,7 @@ from iree.compiler.passmanager import PassManager
 
 from ..kernels.launch import Binary, compile_launch
 from ..problem import ConvProblem
+from ..progress import CompileStep, ProgressFn
 from ..targets import Target
 from ..tuning.knobs import Knobs
 from .lower import emit_kernel
@@ -34,6 +35,8 @@ class Stage:
     knobs: tuple[tuple[str, Knobs], ...] = ()
     # launch name -> its Triton binary (form "extern" kernels; kernels/launch.py)
     binaries: tuple[tuple[str, Binary], ...] = ()
+    # told as each kernel is lowered (the caller shows it; compiler.compile's `progress`)
+    progress: Optional[ProgressFn] = field(default=None, compare=False, repr=False)
 
 
 def plan_kernels(stage: Stage) -> Stage:
@@ -46,7 +49,10 @@ def compile_gemm_cores(stage: Stage) -> Stage:
     # CUDA: IREE's own GEMM code is 5-10x slower than the chip allows; the planned Triton kernels are
     # compiled here (no GPU needed) so that the IR can embed their binaries
     binaries = {}
-    for plan in stage.plans:
+    for index, plan in enumerate(stage.plans, 1):
+        # per kernel, here: the Triton compiles are the slow per-kernel step of the pipeline
+        if stage.progress is not None:
+            stage.progress(CompileStep("kernel", index, len(stage.plans), plan.problem.name))
         if plan.extern is not None:
             for launch in plan.extern.launches:
                 try:
@@ -141,8 +147,9 @@ def run_pipeline(
     target: Target,
     observe: Optional[Callable[[str, Stage], None]] = None,
     knobs: Optional[Mapping[str, Knobs]] = None,
+    progress: Optional[ProgressFn] = None,
 ) -> Stage:
-    stage = Stage(tuple(problems), target, knobs=tuple(sorted((knobs or {}).items())))
+    stage = Stage(tuple(problems), target, knobs=tuple(sorted((knobs or {}).items())), progress=progress)
     for name, pass_fn in PIPELINE:
         stage = pass_fn(stage)
         if stage.module is not None and not stage.module.operation.verify():
@@ -153,5 +160,5 @@ def run_pipeline(
 
 
 def lower_to_mlir(problems: Sequence[ConvProblem], target: Target,
-                  knobs: Optional[Mapping[str, Knobs]] = None) -> str:
-    return str(run_pipeline(problems, target, knobs=knobs).module)
+                  knobs: Optional[Mapping[str, Knobs]] = None, progress: Optional[ProgressFn] = None) -> str:
+    return str(run_pipeline(problems, target, knobs=knobs, progress=progress).module)
