@@ -1,7 +1,9 @@
 """Tests for the convdsl frontend: the language, its defaults, and its error messages."""
 from __future__ import annotations
 
+import os
 import pickle
+import time
 from pathlib import Path
 
 import pytest
@@ -496,7 +498,8 @@ def test_huge_strides_check_and_plan_at_once() -> None:
 # Fuzzing: any text gives problems or a located error, never another exception
 # ------------------------------------------------------------------------------------------------
 # CONVDSL_FUZZ_EXAMPLES=10000 runs a longer search than the default one
-FUZZ_EXAMPLES = int(__import__("os").environ.get("CONVDSL_FUZZ_EXAMPLES", "300"))
+FUZZ_EXAMPLES = int(os.environ.get("CONVDSL_FUZZ_EXAMPLES", "300"))
+FUZZ_SECONDS_EACH = 2.0
 _ALPHABET = st.sampled_from(list("{}[]()=;,?#.-+eE0123456789 \n\t") +
                             ["conv", "kernel", "grad_input", "grad_weight", "forward", "stride", "padding", "batch",
                              "dims", "split_k", "auto", "NHWGC", "bf16", "９", "\ufeff", "\x00", "é"])
@@ -516,9 +519,12 @@ def _mutated_sources(draw) -> str:
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(source=st.one_of(_mutated_sources(), st.text(max_size=200)))
 def test_fuzzed_sources_parse_or_give_a_located_error(source: str) -> None:
+    # what `convdsl check` does (parse, then describe each kernel), within a time bound
+    start = time.perf_counter()
     try:
         problems = parse(source)
     except ConvSyntaxError as err:
         assert str(err).startswith("<string>:") and ": error: " in str(err)
     else:
-        assert all(p.name for p in problems)
+        assert all(p.name and p.describe() for p in problems)
+    assert time.perf_counter() - start < FUZZ_SECONDS_EACH

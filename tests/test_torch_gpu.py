@@ -5,6 +5,7 @@ a bundle named in CONVDSL_STREAM_BUNDLES."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -187,3 +188,106 @@ def test_grad_input_past_2_to_the_31_elements():
     worst = max(float((dx[b].float() - ref[b].float()).norm() / ref[b].float().norm()) for b in range(n))
     assert worst <= 1e-2, f"against cuDNN: relative error {worst:.2e} in some image"
     assert not dx.isnan().any()
+
+
+# numerical range: a dense 3x3 convolution in f16, channels-last, whose grad_weight is split into chunks
+NUMERIC = dict(batch=32, channels=64, size=28)
+
+
+def numeric_tensors(device: str = "cuda", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, c, s = NUMERIC["batch"], NUMERIC["channels"], NUMERIC["size"]
+    g = torch.Generator(device).manual_seed(seed)
+    x, dy = (torch.randn((n, c, s, s), device=device, generator=g).half().to(memory_format=torch.channels_last)
+             for _ in range(2))
+    w = torch.randn((c, c, 3, 3), device=device, generator=g).half().to(memory_format=torch.channels_last)
+    return x, w, dy
+
+
+def numeric_ops(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """forward, grad_input and grad_weight of NUMERIC's convolution through convdsl's operators."""
+    one, pad = [1, 1], [1, 1]
+    ops = torch.ops.convdsl
+    return (ops.convolution(x, w, None, one, pad, pad, one, 1),
+            ops.convolution_grad_input(dy, w, list(x.shape), one, pad, pad, one, 1),
+            ops.convolution_grad_weight(x, dy, list(w.shape), one, pad, pad, one, 1))
+
+
+def numeric_reference(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """float64, without cuDNN (whose transform-based algorithms would spread a NaN differently)."""
+    x, w, dy = x.double(), w.double(), dy.double()
+    with torch.backends.cudnn.flags(enabled=False):
+        return (torch.nn.functional.conv2d(x, w, padding=1), torch.nn.grad.conv2d_input(x.shape, w, dy, padding=1),
+                torch.nn.grad.conv2d_weight(x, w.shape, dy, padding=1))
+
+
+def test_large_magnitudes_sum_in_f32():
+    x, w, dy = numeric_tensors()
+    c = NUMERIC["channels"]
+    half = torch.where(torch.arange(c, device="cuda") < c // 2, 1.0, -1.0)
+    # forward and grad_input: operand A near 600, W +-1 by halves of the reduced channels (C, then K): the sums
+    # over the first half pass 65504 (f16's largest) before the second half takes them back down
+    big_x = (600 + x.float()).half()
+    big_dy = (600 + dy.float()).half()
+    w_c = (half.view(1, c, 1, 1) * (1 + 0.01 * w.float())).half().contiguous(memory_format=torch.channels_last)
+    w_k = (half.view(c, 1, 1, 1) * (1 + 0.01 * w.float())).half().contiguous(memory_format=torch.channels_last)
+    # grad_weight: X near +-600 with the sign of its image's parity, dY near 1: one image's sum passes 65504
+    parity = torch.where(torch.arange(x.shape[0], device="cuda") % 2 == 0, 1.0, -1.0).view(-1, 1, 1, 1)
+    signed_x = (parity * (600 + x.float())).half().contiguous(memory_format=torch.channels_last)
+    near_one = (1 + 0.01 * dy.float()).half().contiguous(memory_format=torch.channels_last)
+    cases = (("forward", (big_x, w_c, dy), 0), ("grad_input", (x, w_k, big_dy), 1),
+             ("grad_weight", (signed_x, w, near_one), 2))
+    for what, (xi, wi, dyi), index in cases:
+        got = numeric_ops(xi, wi, dyi)[index]
+        want = numeric_reference(xi, wi, dyi)[index]
+        assert torch.isfinite(got).all(), f"{what}: a partial sum overflowed"
+        assert _rel(got, want) <= 1e-2, f"{what}: relative error {_rel(got, want):.2e}"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_nan_and_inf_reach_exactly_the_outputs_that_depend_on_them(value):
+    x, w, dy = numeric_tensors(seed=1)
+    x[3, 17, 5, 0] = value  # one element each, at the border of its image (padding rows read beside it)
+    dy[5, 40, 11, 7] = value
+    got = numeric_ops(x, w, dy)
+    want = numeric_reference(x, w, dy)
+    for what, g, r in zip(("forward", "grad_input", "grad_weight"), got, want):
+        assert torch.isnan(r).any() or torch.isinf(r).any(), what
+        for test in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(test(g), test(r)), f"{what}: {test.__name__} differs"
+
+
+def test_split_k_grad_weight_is_bitwise_reproducible():
+    x, w, dy = numeric_tensors(seed=2)
+    first = numeric_ops(x, w, dy)[2]
+    runners = [r for (p, _), r in runtime._runners.items() if p.op == "grad_weight" and p.batch == NUMERIC["batch"]
+               and p.input == (NUMERIC["size"],) * 2]
+    assert len(runners) == 1 and runners[0].kernel.partials_shape[0] > 1  # split into chunks
+    for _ in range(5):
+        assert torch.equal(numeric_ops(x, w, dy)[2], first)
+
+
+def test_nan_in_packed_groups_stays_within_its_pack():
+    # few channels per group (ResNeXt's 4): the kernels pack PACK consecutive groups into one GEMM whose weight
+    # is block-diagonal, so a NaN in one group's activation meets the zero blocks of the pack's other groups
+    # (NaN x 0 = NaN) and reaches their outputs too; groups outside its pack stay as the reference has them
+    groups, per = 32, 4
+    g = torch.Generator("cuda").manual_seed(3)
+    x = torch.randn((8, groups * per, 14, 14), device="cuda", generator=g).half().to(memory_format=torch.channels_last)
+    w = torch.randn((groups * per, per, 3, 3), device="cuda", generator=g).half().to(memory_format=torch.channels_last)
+    bad_group = 9
+    x[2, bad_group * per + 1, 4, 5] = float("nan")
+    got = torch.ops.convdsl.convolution(x, w, None, [1, 1], [1, 1], [1, 1], [1, 1], groups)
+    with torch.backends.cudnn.flags(enabled=False):
+        want = torch.nn.functional.conv2d(x.double(), w.double(), padding=1, groups=groups)
+    runner = next(r for (p, _), r in runtime._runners.items()
+                  if p.op == "forward" and p.groups == groups and p.batch == 8 and p.input == (14, 14))
+    pack = int(re.search(r"p(\d+)", runner.kernel.tiles).group(1)) if "p" in runner.kernel.tiles else 1
+    first = bad_group // pack * pack
+    in_pack = torch.zeros(groups * per, dtype=torch.bool, device="cuda")
+    in_pack[first * per:(first + pack) * per] = True
+    got_nan, want_nan = torch.isnan(got), torch.isnan(want)
+    assert torch.equal(got_nan[:, ~in_pack], want_nan[:, ~in_pack])
+    assert (got_nan | ~want_nan).all()  # every NaN of the reference is there
+    extra = (got_nan & ~want_nan).any(dim=(0, 2, 3))  # per channel: NaN where the reference has none
+    assert not extra[~in_pack].any()
+    print(f"pack {pack}: {int(extra.sum())} channels gained a NaN")

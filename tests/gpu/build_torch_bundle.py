@@ -20,7 +20,8 @@ import convdsl.torch as ct  # noqa: E402
 from convdsl import stream  # noqa: E402
 from convdsl.targets import Target  # noqa: E402
 from convdsl.torch import runtime  # noqa: E402
-from test_torch_gpu import BIG_GRAD_INPUT, DTYPES, MODULES, PRECISIONS, _format, big_grad_input_call  # noqa: E402,E501
+from test_torch_gpu import (BIG_GRAD_INPUT, DTYPES, MODULES, NUMERIC, PRECISIONS, _format,  # noqa: E402
+                            big_grad_input_call, numeric_ops)
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> None:
@@ -54,6 +55,11 @@ def main() -> int:
     with runtime.recording(as_cuda=True) as seen, FakeTensorMode(allow_non_fake_inputs=True):
         big_grad_input_call(torch.empty((n, *spatial, c), dtype=torch.half).permute(0, 4, 1, 2, 3),
                             torch.empty((c, c, 3, 3, 3), dtype=torch.half))
+    problems += seen
+    n, c, s = NUMERIC["batch"], NUMERIC["channels"], NUMERIC["size"]
+    with runtime.recording(as_cuda=True) as seen, FakeTensorMode(allow_non_fake_inputs=True):
+        x, dy = (torch.empty((n, c, s, s), dtype=torch.half).to(memory_format=torch.channels_last) for _ in range(2))
+        numeric_ops(x, torch.empty((c, c, 3, 3), dtype=torch.half).to(memory_format=torch.channels_last), dy)
     problems += seen
     target = Target("cuda", args.arch)
     unique = list(dict.fromkeys(problems))
