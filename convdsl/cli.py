@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import time
@@ -19,7 +20,7 @@ from .frontend import ConvSyntaxError, parse_file
 from .module import ArgumentError, resolve_target
 from .passes import STAGE_NAMES, LoweringError, Stage, run_pipeline
 from .passes.explain import describe_binaries, describe_plan
-from .problem import ConvProblem, ProblemError
+from .problem import MAX_SIZE, ConvProblem, ProblemError
 from .progress import CompileStep
 from . import reference as ref  # through the module: a patched reference (tests) is seen
 from .targets import BACKENDS, TargetError
@@ -90,6 +91,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
                              progress=status.step if status.enabled else None)
     _progress(True, f"compiled {len(mod.kernels)} kernels in {time.perf_counter() - t0:.1f} s")
     out = Path(args.output or Path(args.file).with_suffix(".vmfb").name)
+    if out.is_dir():
+        raise ArgumentError(f"-o {out}: is a directory, expected OUT.vmfb")
     mod.save(out)
     print(f"wrote {out} and {out.with_suffix('.json')} ({len(mod.kernels)} kernels, target {mod.target})")
     return 0
@@ -107,7 +110,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     width = max(12, *(len(n) for n in mod.kernels))  # the columns stay aligned for long kernel names
     for name in mod.kernels:
         p = mod.problems[name]
-        inputs = ref.random_inputs(p, seed=args.seed)
+        try:
+            inputs = ref.random_inputs(p, seed=args.seed)
+        except MemoryError:
+            gb = sum(math.prod(s) for s in p.arg_shapes) * 8 / 1e9
+            raise ArgumentError(f"kernel {name}: its random inputs need about {gb:.3g} GB of memory at batch {p.batch}, "
+                                "more than this machine can allocate: choose a smaller --batch") from None
         t0 = time.perf_counter()
         got = mod[name](*inputs)
         elapsed = time.perf_counter() - t0
@@ -209,6 +217,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _batch(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_SIZE:  # the language's limit on every size (problem.py), said of the flag
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_SIZE} (2^31 - 1), got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="convdsl", description="A compiler for convolution gradients.")
     parser.add_argument("--version", action="version", version=f"convdsl {__version__}")
@@ -222,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--arch", default=None, help="sm_80, sm_89, sm_90, gfx942, ... for a GPU target (default: "
                        "sm_80 for cuda, gfx942 for rocm; with --target auto, the CUDA device's own); the CPU takes "
                        "none")
-        p.add_argument("--batch", type=_positive, default=None,
+        p.add_argument("--batch", type=_batch, default=None,
                        help="override every conv's batch size, `batch = ?` included (compiled for this batch)")
 
     c = sub.add_parser("compile", help="compile a .conv file to OUT.vmfb (+ OUT.json manifest)")
@@ -255,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target", default="cuda", help=f"the GPU target to tune for: {' or '.join(TUNED_BACKENDS)} "
                    "(default: cuda; the CPU has nothing to tune)")
     t.add_argument("--arch", default=None, help="sm_80, sm_90, gfx942, ... (default per target)")
-    t.add_argument("--batch", type=_positive, default=None,
+    t.add_argument("--batch", type=_batch, default=None,
                    help="override every conv's batch size, `batch = ?` included (compiled for this batch)")
     t.add_argument("--out", default="tune-build", help="candidates: output folder")
     t.add_argument("--cases", default=None, help="collect: the cases.json that phase 1 wrote")
@@ -282,6 +297,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"convdsl: error: {err.filename}: is a directory, expected a .conv file", file=sys.stderr)
     except OSError as err:  # unreadable input, unwritable output, ...
         print(f"convdsl: error: {err.filename or ''}: {err.strerror or err}", file=sys.stderr)
+    except MemoryError:
+        print("convdsl: error: out of memory (a smaller --batch, or fewer kernels with --kernel, needs less)",
+              file=sys.stderr)
     except KeyboardInterrupt:
         print("convdsl: interrupted", file=sys.stderr)
         return 130

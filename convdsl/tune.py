@@ -199,10 +199,22 @@ def candidates(problems: Sequence[ConvProblem], target: Target, out_dir: Path, j
     return path
 
 
+def _json_field(path: Path, field: str) -> list:
+    """`field` of the JSON object in `path`, or a ValueError naming the file, the place and what was expected."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{err.lineno}:{err.colno}: expected JSON, got a syntax error: {err.msg}") from None
+    if not isinstance(data, dict) or not isinstance(data.get(field), list):
+        raise ValueError(f"{path}: expected a JSON object with a list '{field}', got {type(data).__name__}"
+                         + (f" with keys {sorted(data)[:5]}" if isinstance(data, dict) else ""))
+    return data[field]
+
+
 def collect(results_path: Path, cases_path: Path, target: Target, db_path: Path = DB_PATH) -> dict:
     """Phase 3: the fastest correct candidate per kernel into the database; returns what changed."""
-    results = json.loads(results_path.read_text())["results"]
-    specs = {c["name"]: c["spec"] for c in json.loads(cases_path.read_text())["cases"]}
+    results = _json_field(results_path, "results")
+    specs = {c["name"]: c["spec"] for c in _json_field(cases_path, "cases")}
     db = json.loads(db_path.read_text()) if db_path.exists() else {}
     section = db.setdefault(target_key(target, iree_version()), {})
     chosen = {}

@@ -254,7 +254,7 @@ def test_batch_overrides_a_dynamic_batch(tmp_path, capsys):
     assert [line.split()[2] for line in out_lines[:-1]] == ["3x8x1x2", "3x6x1x3"]  # x, dy at batch 3
 
 
-@pytest.mark.parametrize("value", ["0", "-2", "two"])
+@pytest.mark.parametrize("value", ["0", "-2", "two", "2147483648"])
 def test_a_bad_batch_names_the_flag(value, capsys):
     with pytest.raises(SystemExit) as bad:
         main(["run", str(EXAMPLES[0]), "--target", "cpu", "--batch", value])
@@ -334,3 +334,45 @@ def test_an_error_after_the_status_line_starts_on_a_clean_line(tmp_path, monkeyp
     monkeypatch.setattr(sys, "stderr", terminal)
     assert main(["compile", str(source), "--target", "cpu", "-o", str(tmp_path / "x.vmfb")]) == 2
     assert re.search(r"\r +\rconvdsl: error: iree-compile failed", terminal.getvalue())
+
+
+TINY = """conv c { dims = 2; batch = 1; in_channels = 2; out_channels = 2; input = [4, 4]; filter = [3, 3]; padding = 1 }
+kernel dgrad = grad_input(c)
+"""
+
+
+def test_an_output_path_that_is_a_directory_is_named(tmp_path, capsys):
+    src = tmp_path / "tiny.conv"
+    src.write_text(TINY)
+    assert main(["compile", str(src), "--target", "cpu", "-o", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"convdsl: error: -o {tmp_path}: is a directory, expected OUT.vmfb"
+
+
+def test_a_batch_too_large_to_allocate_is_one_line(tmp_path, capsys):
+    src = tmp_path / "tiny.conv"
+    src.write_text(TINY)
+    assert main(["run", str(src), "--target", "cpu", "--batch", "2147483647"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("convdsl: error: kernel dgrad: its random inputs need about") and "--batch" in err[-1]
+
+
+@pytest.mark.parametrize("text, expected", [("{bad", ":1:2: expected JSON, got a syntax error"),
+                                            ('{"x": 1}', ": expected a JSON object with a list 'results'")])
+def test_tune_collect_names_a_malformed_file(tmp_path, capsys, text, expected):
+    bad = tmp_path / "results.json"
+    bad.write_text(text)
+    assert main(["tune", "collect", str(bad), "--cases", str(bad), "--target", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"convdsl: error: {bad}") and expected in err[-1]
+
+
+def test_a_missing_device_is_one_line(capsys):
+    from convdsl.backends.iree import runtime_config
+
+    try:
+        runtime_config("cuda")
+    except ValueError as err:  # TargetError: no CUDA device here
+        assert "found no device" in str(err) and "--target cpu" in str(err)
+    else:
+        pytest.skip("a CUDA device is present: the error cannot occur here")

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..abi import INTO_SUFFIX
 from ..reference import NUMPY_DTYPES
-from ..targets import Target
+from ..targets import Target, TargetError
 from .into_call import IntoCall, allocate_result
 
 
@@ -98,7 +98,12 @@ def runtime_config(driver: str):
     """
     import iree.runtime as rt
 
-    return rt.Config(driver)
+    try:
+        return rt.Config(driver)
+    except RuntimeError as err:  # no such device here (no GPU, no driver): said in one line, not a traceback
+        cause = str(err.__cause__ or err).strip().splitlines()
+        raise TargetError(f"IREE's {driver} driver found no device to run on ({cause[-1] if cause else 'no detail'}): "
+                          "run on a machine with one, or choose --target cpu") from err
 
 
 @dataclass
