@@ -32,7 +32,8 @@ class KernelPlan:
     problem: ConvProblem
     target: Target
     # "implicit-gemm"; "depthwise" (a stencil / reduction with no K or C loop); "gather" (few channels
-    # per group: one gather per output, see passes/gather.py)
+    # per group: one gather per output, see passes/gather.py); "im2col" (CPU: window gather + named
+    # matmul, see passes/gemm.py); "depthwise-named" (CPU depthwise grad_input: named depthwise convs)
     form: str
     compute_a: Optional[str] = None  # MLIR element type of operand A when computing in fp8
     compute_b: Optional[str] = None
@@ -133,7 +134,11 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
         else:
             compute_a, compute_b = (f"{c} values in f16" for c in problem.compute)
     form = "depthwise" if problem.depthwise else "implicit-gemm"
-    if policy.gather_applies(problem):
+    if policy.cpu_im2col(problem, target):
+        form = "im2col"  # the CPU's matmul path: window gather + named matmul (passes/gemm.py)
+    if policy.cpu_depthwise_named(problem, target):
+        form = "depthwise-named"  # CPU depthwise grad_input: IREE's named depthwise convolution per phase
+    if policy.gather_applies(problem) and form != "depthwise-named":
         # few channels per group: bound by memory, a gather per output beats any GEMM form
         return KernelPlan(problem, target, "gather",
                           row_blocks=policy.gather_row_blocks(problem) if problem.op == "grad_weight" else 0)
@@ -144,6 +149,7 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
                           pad_form=policy.default_pad_form(problem, target),
                           weight_k_inner=policy.weight_k_inner(problem, target))
     lo, hi = x_window(problem)
-    split = plan_split_k(problem) if problem.op == "grad_weight" else None
+    # im2col: one matmul whose reduction IREE tiles itself; no split-K
+    split = plan_split_k(problem) if problem.op == "grad_weight" and form != "im2col" else None
     return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split,
                       dy_first=policy.dy_first(problem, target), pad_form=policy.default_pad_form(problem, target))
