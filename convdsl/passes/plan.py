@@ -114,16 +114,25 @@ def _plan_bf16x3(problem: ConvProblem, target: Target) -> KernelPlan:
     # The f32 kernel's form decides.  Depthwise and gather kernels are bound by memory (a few MACs per
     # loaded value): matrix units bring them nothing and the split would triple their reads, so they
     # keep the plain f32 plan (on the FMA units).  The CPU runs the split kernel like a GPU does.
-    plain = plan_kernel(problem.with_(compute=None), target)
+    plain = _implicit_gemm(plan_kernel(problem.with_(compute=None), target))
     if plain.form != "implicit-gemm":
         return replace(plain, problem=problem)
-    inner = plan_kernel(bf16x3.split_problem(problem), target)
+    inner = _implicit_gemm(plan_kernel(bf16x3.split_problem(problem), target))
     assert inner.form == "implicit-gemm", inner.form  # a longer reduction never turns a GEMM into a gather
     if inner.pad_form == "fuse":
         # the hi/lo split feeding a tensor.pad fused into the contraction computed garbage (CK 3D
         # grad_input): the border gets its own pass
         inner = _with_ir_knobs(inner, Knobs(pad="gather"), target)
     return KernelPlan(problem, target, "implicit-gemm", bf16x3=inner)
+
+
+def _implicit_gemm(plan: KernelPlan) -> KernelPlan:
+    """The CPU's im2col plan as the implicit-GEMM plan: bf16x3 keeps that form (policy.cpu_im2col), its split
+    operands feeding the implicit GEMM directly."""
+    if plan.form != "im2col":
+        return plan
+    p = plan.problem
+    return replace(plan, form="implicit-gemm", split=plan_split_k(p) if p.op == "grad_weight" else None)
 
 
 def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
