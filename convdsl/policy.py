@@ -69,6 +69,24 @@ def dy_first(p: ConvProblem, target: Target) -> bool:
             and target.backend in CHANNELS_LAST_BACKENDS)
 
 
+def cpu_im2col(p: ConvProblem, target: Target) -> bool:
+    """CPU gradients with channels: the form "im2col" (a window gather, then a named linalg.matmul /
+    batch_matmul per group, passes/gemm.py), which IREE's llvm-cpu backend runs through data tiling and its
+    matmul microkernels; its implicit-GEMM generics ran 3 to 30x slower than PyTorch (docs/decisions.md#cpu-im2col).
+    Depthwise kernels (no GEMM) and few-channel groups (the gather form) keep their forms; fp8 compute, bf16x3
+    (whose split operands feed the implicit-GEMM form) and `batch = ?` keep the implicit-GEMM form."""
+    return (target.backend == "cpu" and p.op in ("grad_input", "transposed", "grad_weight") and not p.depthwise
+            and not gather_applies(p) and not p.fp8_compute and not p.bf16x3 and not p.dynamic_batch)
+
+
+def cpu_depthwise_named(p: ConvProblem, target: Target) -> bool:
+    """CPU depthwise grad_input in NHWGC: each stride phase as IREE's named depthwise convolution (form
+    "depthwise-named"), which its CPU pipeline vectorises along the channels; the stencil generic with the
+    taps innermost was 6x slower than PyTorch (docs/decisions.md#cpu-depthwise)."""
+    return (target.backend == "cpu" and p.op in ("grad_input", "transposed") and p.depthwise
+            and p.layout == "NHWGC" and not p.fp8_compute and not p.dynamic_batch)
+
+
 # The zero border around X or dY: the forms, and what each builds.
 PAD_FORMS = {
     "insert": "zeros + tensor.insert_slice",

@@ -130,8 +130,10 @@ class Target:
 
     def compile_flags(self) -> list[str]:
         if self.backend == "cpu":
+            # data tiling (packed matmul operands) and the matmul microkernels: IREE's fast path for the
+            # named matmuls of the im2col form (docs/decisions.md#cpu-im2col)
             return ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
-                    "--iree-llvmcpu-target-cpu=host"]
+                    "--iree-llvmcpu-target-cpu=host", "--iree-opt-data-tiling", "--iree-llvmcpu-enable-ukernels=all"]
         # IREE's own split reduction for the reductions convdsl leaves whole (docs/decisions.md#iree-split-reduction)
         gpu = ["--iree-dispatch-creation-enable-split-reduction"]
         if self.device_targets_attr() is not None:

@@ -7,6 +7,7 @@ follow the tensor's axis order.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Mapping, Sequence, Union
 
 from iree.compiler import ir
@@ -290,3 +291,21 @@ def multiply_add(a: ir.Value, b: ir.Value, acc: ir.Value) -> ir.Value:
     """acc + a*b in f32: operands are widened first, so f16/bf16/fp8 products are exact in f32."""
     f32 = ir.F32Type.get()
     return arith.addf(acc, arith.mulf(convert(a, f32), convert(b, f32)))
+
+
+def _reassociation(groups: Sequence[Sequence[int]]) -> ir.ArrayAttr:
+    i64 = ir.IntegerType.get_signless(64)
+    return ir.ArrayAttr.get([ir.ArrayAttr.get([ir.IntegerAttr.get(i64, i) for i in g]) for g in groups])
+
+
+def collapse(value: ir.Value, groups: Sequence[Sequence[int]]) -> ir.Value:
+    """Merge each group of consecutive axes into one (tensor.collapse_shape: a reshape, no copy)."""
+    shape = shape_of(value)
+    new_shape = [math.prod(shape[a] for a in g) for g in groups]
+    return tensor.CollapseShapeOp(tensor_type(new_shape, elem_of(value)), value, _reassociation(groups)).result
+
+
+def expand(value: ir.Value, groups: Sequence[Sequence[int]], shape: Sequence[int]) -> ir.Value:
+    """Split axis i of `value` into the axes groups[i] of `shape` (tensor.expand_shape: a reshape, no copy)."""
+    return tensor.ExpandShapeOp(tensor_type(shape, elem_of(value)), value, _reassociation(groups), [],
+                                list(shape)).result

@@ -20,10 +20,12 @@ from .ir import (
     REDUCTION,
     Space,
     activation_axes,
+    collapse,
     convert,
     elem_of,
     element_type,
     empty,
+    expand,
     extract,
     float_const,
     generic,
@@ -38,7 +40,7 @@ from .ir import (
     zeros,
 )
 from ..kernels.launch import Binary
-from . import bf16x3, extern, gather
+from . import bf16x3, extern, gather, gemm
 from .plan import KernelPlan
 
 
@@ -166,6 +168,8 @@ def _emit_op(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
     if p.op in ("grad_input", "transposed"):
         # transposed(x, w) is grad_input's arithmetic with x in dY's place
         return _grad_input(plan, args[0], args[1], bias)
+    if plan.form == "im2col":
+        return _grad_weight_im2col(plan, args[0], args[1], bias)
     return _grad_weight(plan, args[0], args[1], bias)
 
 
@@ -465,10 +469,18 @@ def _phase_weight(plan: KernelPlan, ph: Phase, w: ir.Value) -> ir.Value:
 
 def _phase_weight_axes(plan: KernelPlan) -> list[str]:
     taps = [f"t{i}" for i in range(plan.problem.dims)]
+    if plan.form == "im2col":
+        return ["g", *taps, "k", "c"]  # the GEMM's B: rows (taps, K), columns C
+    if plan.form == "depthwise-named":
+        return [*taps, "g", "k", "c"]  # the named depthwise op's filter [taps.., G] (K = C = 1)
     return ["g", "c", *taps, "k"] if plan.weight_k_inner else ["g", "k", *taps, "c"]
 
 
 def _grad_input_phase(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value, shape: list[int]) -> ir.Value:
+    if plan.form == "im2col":
+        return _grad_input_phase_im2col(plan, ph, dy, w, shape)
+    if plan.form == "depthwise-named":
+        return _grad_input_phase_depthwise_named(plan, ph, dy, w, shape)
     # dX[n, s*q + r, g, c] = sum_{j', k} dYpad[n, q + base + j'*o_step, g, k] * Wphase[g, k, j', c]
     # with base = off - (J-1)*o_step + pad_lo: the window of dY this phase reads starts there.
     # (Wphase is stored [g, c, j', k] with plan.weight_k_inner: the same values, K innermost.)
@@ -631,3 +643,113 @@ def _image_first(plan: KernelPlan, x_operand: tuple, dy_operand: tuple) -> tuple
     for a 1x1 filter on GPUs (plan.dy_first), a plain matmul that it gets wrong with X first.
     """
     return (dy_operand, x_operand) if plan.dy_first else (x_operand, dy_operand)
+
+
+# --- the CPU form "im2col": window gather + named matmul (passes/gemm.py) -------------------------
+def _phase_window(plan: KernelPlan, ph: Phase, dy: ir.Value) -> ir.Value:
+    """The part of the padded dY that phase `ph` reads: from off - (J-1)*o_step + pad_lo, Q + (J-1)*o_step long."""
+    p = plan.problem
+    sp = _spatial_positions(p, activation_axes(p, "ch"))
+    full = sizes_of(dy)
+    offsets, sizes = [0] * len(full), list(full)
+    for i, pos in enumerate(sp):
+        d1 = ph.dims[i]
+        offsets[pos] = d1.off - (d1.J - 1) * d1.o_step + plan.dy_pad_lo[i]
+        sizes[pos] = d1.Q + (d1.J - 1) * d1.o_step
+    return extract(dy, offsets, sizes, [1] * len(full))
+
+
+def _to_activation(p: ConvProblem, value: ir.Value, axes: list[str]) -> ir.Value:
+    """[G, N, S..., CH] (logical axes g, n, sp.., ch) in the problem's activation layout: a reshape where only
+    the unit G axis moves (one group, NHWGC or GNHWC), else a transpose (one elementwise generic)."""
+    src = ["g", "n", *[f"sp{i}" for i in range(p.dims)], "ch"]
+    if p.groups == 1 and [a for a in axes if a != "g"] == src[1:]:
+        shape = shape_of(value)
+        return _reshape_unit_g(value, src, axes, [shape[src.index(a)] for a in axes])
+    return _permute(value, src, axes)
+
+
+def _reshape_unit_g(value: ir.Value, src: list[str], axes: list[str], target: list[int]) -> ir.Value:
+    # [1, N, S..., CH] -> the layout with the unit G axis elsewhere: collapse to [N*S..., CH], then expand,
+    # putting G with the rows (GNHWC: before N) or with the channels (NHWGC: just before CH)
+    rows = collapse(value, [list(range(0, len(src) - 1)), [len(src) - 1]])
+    last_row = max(axes.index(a) for a in src[1:-1])
+    groups = [list(range(0, last_row + 1)), list(range(last_row + 1, len(axes)))]
+    return expand(rows, groups, target)
+
+
+def _grad_input_phase_im2col(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value, shape: list[int]) -> ir.Value:
+    # One stride phase as a GEMM over the rows m = (n, q) and the reduction (j', k):
+    #   dYcol[g, (n, q), (j', k)] = dYwin[n, q + j'*o_step, g, k]          (window gather)
+    #   R[g, (n, q), c] = sum_{(j', k)} dYcol[g, (n, q), (j', k)] * Wphase[g, (j', k), c]   (matmul)
+    # then R in the layout of dX's phase positions: dX[n, s*q + r, g, c] = R[g, (n, q), c].
+    p = plan.problem
+    dy_axes = activation_axes(p, "ch")
+    grouped = p.groups > 1
+    win = _phase_window(plan, ph, dy)
+    q = [f"q{i}" for i in range(p.dims)]
+    j = [f"j{i}" for i in range(p.dims)]
+    space = gemm.parallel_space(["g", "n", *q, *j, "k"])
+    dy_map = {"n": space["n"], "g": space["g"], "ch": space["k"]}
+    for i in range(p.dims):
+        dy_map[f"sp{i}"] = space[q[i]] + space[j[i]] * ph.dims[i].o_step
+    batch = sizes_of(dy)[p.batch_axis("y")]
+    col = gemm.gather(win, dy_axes, dy_map, space,
+                      [p.groups, batch, *[d.Q for d in ph.dims], *ph.taps, p.out_channels])
+    a = gemm.as_matrices(col, 1 + p.dims, grouped)
+    b = gemm.as_matrices(_phase_weight(plan, ph, w), p.dims + 1, grouped)  # [G, (j', k), C]
+    out = gemm.matmul(a, b)
+    logical = [p.groups, batch, *[d.Q for d in ph.dims], p.in_channels]
+    return _to_activation(p, gemm.from_matrices(out, logical, 1 + p.dims, grouped), dy_axes)
+
+
+def _grad_weight_im2col(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+    # dW as one GEMM per group over the rows m = (n, o):
+    #   Xcol[g, (n, o), (t, c)] = Xpad[n, o*s + t*d, g, c]                 (window gather; (c, t) for GKCYX)
+    #   dYt[g, k, (n, o)] = dY[n, o, g, k]                                (transpose)
+    #   dW[g, k, (t, c)] = sum_{(n, o)} dYt[g, k, (n, o)] * Xcol[g, (n, o), (t, c)]   (matmul)
+    p = plan.problem
+    x_axes, w_axes = activation_axes(p, "ch"), weight_axes(p)
+    sp = _spatial_positions(p, x_axes)
+    grouped = p.groups > 1
+    x = _x_window(plan, x, sp)
+    o = [f"o{i}" for i in range(p.dims)]
+    inner = w_axes[2:]  # the weight's column axes in its layout: t0.., c or c, t0..
+    space = gemm.parallel_space(["g", "n", *o, *inner])
+    x_map = {"n": space["n"], "g": space["g"], "ch": space["c"]}
+    for i in range(p.dims):
+        x_map[f"sp{i}"] = space[o[i]] * p.stride[i] + space[f"t{i}"] * p.dilation[i]
+    size = {"c": p.in_channels, **{f"t{i}": p.filter[i] for i in range(p.dims)}}
+    batch = sizes_of(x)[x_axes.index("n")]
+    col = gemm.gather(x, x_axes, x_map, space, [p.groups, batch, *p.output, *[size[a] for a in inner]])
+    dy_space = gemm.parallel_space(["g", "k", "n", *o])
+    dy_map = {"n": dy_space["n"], "g": dy_space["g"], "ch": dy_space["k"],
+              **{f"sp{i}": dy_space[o[i]] for i in range(p.dims)}}
+    dyt = gemm.gather(dy, activation_axes(p, "ch"), dy_map, dy_space, [p.groups, p.out_channels, batch, *p.output])
+    a = gemm.as_matrices(gemm.materialised(dyt), 1, grouped)  # [G, K, M]
+    b = gemm.as_matrices(col, 1 + p.dims, grouped)  # [G, M, (t, c)]
+    dw = gemm.from_matrices(gemm.matmul(a, b), list(p.w_shape), 1, grouped)
+    return _epilogue(p, dw, bias)
+
+
+# --- the CPU form "depthwise-named": grad_input of a depthwise convolution as IREE's named depthwise op ----
+_DEPTHWISE_OPS = {1: linalg.depthwise_conv_1d_nwc_wc, 2: linalg.depthwise_conv_2d_nhwc_hwc,
+                  3: linalg.depthwise_conv_3d_ndhwc_dhwc}
+
+
+def _grad_input_phase_depthwise_named(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value,
+                                      shape: list[int]) -> ir.Value:
+    # One stride phase of a depthwise grad_input (NHWGC, K = C = 1) is a stride-1 depthwise correlation
+    #   dX_r[n, q, g] = sum_j' dYwin[n, q + j'*o_step, g] * Wphase[j', g]
+    # i.e. linalg.depthwise_conv_Nd_n..c_..c with dilation o_step, which IREE's CPU pipeline vectorises along G.
+    p = plan.problem
+    win = _phase_window(plan, ph, dy)  # [N, S.., G, 1]
+    rank = len(shape_of(win))
+    channels = [[a] for a in range(rank - 2)] + [[rank - 2, rank - 1]]  # (G, 1) -> G
+    image = collapse(win, channels)
+    wph = _phase_weight(plan, ph, w)  # [J.., G, 1, 1]
+    filt = collapse(wph, [[a] for a in range(p.dims)] + [[p.dims, p.dims + 1, p.dims + 2]])
+    out = zeros([shape[0], *[d.Q for d in ph.dims], p.groups], ir.F32Type.get())
+    acc = _DEPTHWISE_OPS[p.dims](image, filt, outs=[out], strides=[1] * p.dims,
+                                 dilations=[d.o_step for d in ph.dims])
+    return expand(acc, channels, shape)

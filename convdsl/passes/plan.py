@@ -32,7 +32,8 @@ class KernelPlan:
     problem: ConvProblem
     target: Target
     # "implicit-gemm"; "depthwise" (a stencil / reduction with no K or C loop); "gather" (few channels
-    # per group: one gather per output, see passes/gather.py)
+    # per group: one gather per output, see passes/gather.py); "im2col" (CPU: window gather + named
+    # matmul, see passes/gemm.py); "depthwise-named" (CPU depthwise grad_input: named depthwise convs)
     form: str
     compute_a: Optional[str] = None  # MLIR element type of operand A when computing in fp8
     compute_b: Optional[str] = None
@@ -113,16 +114,25 @@ def _plan_bf16x3(problem: ConvProblem, target: Target) -> KernelPlan:
     # The f32 kernel's form decides.  Depthwise and gather kernels are bound by memory (a few MACs per
     # loaded value): matrix units bring them nothing and the split would triple their reads, so they
     # keep the plain f32 plan (on the FMA units).  The CPU runs the split kernel like a GPU does.
-    plain = plan_kernel(problem.with_(compute=None), target)
+    plain = _implicit_gemm(plan_kernel(problem.with_(compute=None), target))
     if plain.form != "implicit-gemm":
         return replace(plain, problem=problem)
-    inner = plan_kernel(bf16x3.split_problem(problem), target)
+    inner = _implicit_gemm(plan_kernel(bf16x3.split_problem(problem), target))
     assert inner.form == "implicit-gemm", inner.form  # a longer reduction never turns a GEMM into a gather
     if inner.pad_form == "fuse":
         # the hi/lo split feeding a tensor.pad fused into the contraction computed garbage (CK 3D
         # grad_input): the border gets its own pass
         inner = _with_ir_knobs(inner, Knobs(pad="gather"), target)
     return KernelPlan(problem, target, "implicit-gemm", bf16x3=inner)
+
+
+def _implicit_gemm(plan: KernelPlan) -> KernelPlan:
+    """The CPU's im2col plan as the implicit-GEMM plan: bf16x3 keeps that form (policy.cpu_im2col), its split
+    operands feeding the implicit GEMM directly."""
+    if plan.form != "im2col":
+        return plan
+    p = plan.problem
+    return replace(plan, form="implicit-gemm", split=plan_split_k(p) if p.op == "grad_weight" else None)
 
 
 def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
@@ -133,7 +143,11 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
         else:
             compute_a, compute_b = (f"{c} values in f16" for c in problem.compute)
     form = "depthwise" if problem.depthwise else "implicit-gemm"
-    if policy.gather_applies(problem):
+    if policy.cpu_im2col(problem, target):
+        form = "im2col"  # the CPU's matmul path: window gather + named matmul (passes/gemm.py)
+    if policy.cpu_depthwise_named(problem, target):
+        form = "depthwise-named"  # CPU depthwise grad_input: IREE's named depthwise convolution per phase
+    if policy.gather_applies(problem) and form != "depthwise-named":
         # few channels per group: bound by memory, a gather per output beats any GEMM form
         return KernelPlan(problem, target, "gather",
                           row_blocks=policy.gather_row_blocks(problem) if problem.op == "grad_weight" else 0)
@@ -144,6 +158,7 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
                           pad_form=policy.default_pad_form(problem, target),
                           weight_k_inner=policy.weight_k_inner(problem, target))
     lo, hi = x_window(problem)
-    split = plan_split_k(problem) if problem.op == "grad_weight" else None
+    # im2col: one matmul whose reduction IREE tiles itself; no split-K
+    split = plan_split_k(problem) if problem.op == "grad_weight" and form != "im2col" else None
     return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split,
                       dy_first=policy.dy_first(problem, target), pad_form=policy.default_pad_form(problem, target))

@@ -1,0 +1,133 @@
+"""The CPU forms "im2col" (window gather + named matmul) and "depthwise-named" (named depthwise convolution):
+which kernels take them, that their IR holds the named ops IREE's fast CPU paths need, and their results against
+the float64 reference."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from convdsl import policy
+from convdsl.backends.iree import LoadedModule, compile_mlir
+from convdsl.passes import lower_to_mlir
+from convdsl.passes.plan import plan_kernel
+from convdsl.problem import ConvProblem, Epilogue
+from convdsl.reference import random_inputs, reference, relative_error, tolerance
+from convdsl.targets import Target
+
+CPU = Target("cpu", "host")
+
+
+def conv(op: str, **changes) -> ConvProblem:
+    fields = dict(op=op, dims=2, groups=1, batch=2, in_channels=8, out_channels=6, input=(9, 9), filter=(3, 3),
+                  stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), layout="NHWGC",
+                  weight_layout="GKYXC", dtype="f32", name="k")
+    fields.update(changes)
+    return ConvProblem(**fields)
+
+
+def depthwise(op: str = "grad_input", **changes) -> ConvProblem:
+    return conv(op, **{"groups": 16, "in_channels": 1, "out_channels": 1, **changes})
+
+
+def function_text(mlir: str, name: str) -> str:
+    start = mlir.index(f"func.func @{name}(")
+    end = mlir.find("func.func @", start + 1)
+    return mlir[start:] if end < 0 else mlir[start:end]
+
+
+def check(p: ConvProblem) -> None:
+    module = LoadedModule(compile_mlir(lower_to_mlir([p], CPU), CPU), CPU)
+    inputs = random_inputs(p, seed=1)
+    got = module.call(p.name, *inputs, out_dtype=p.result_dtype)
+    assert got.shape == p.result_shape
+    err = relative_error(np.asarray(got, dtype=np.float64), reference(p, *inputs))
+    assert err <= tolerance(p), f"{p.describe()}: relative error {err:.3e} > {tolerance(p):.0e}"
+
+
+# --- which form -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["grad_input", "grad_weight", "transposed"])
+def test_cpu_gradients_with_channels_take_im2col(op):
+    assert plan_kernel(conv(op), CPU).form == "im2col"
+    assert plan_kernel(conv(op, groups=4), CPU).form == "im2col"
+
+
+def test_im2col_is_cpu_only_and_leaves_other_kernels_alone():
+    for target in (Target("cuda", "sm_80"), Target("rocm", "gfx942")):
+        assert not policy.cpu_im2col(conv("grad_input"), target)
+        assert not policy.cpu_depthwise_named(depthwise(), target)
+    assert plan_kernel(conv("forward"), CPU).form == "implicit-gemm"
+    assert plan_kernel(conv("grad_weight", dynamic_batch=True), CPU).form == "implicit-gemm"  # batch = ?
+    assert plan_kernel(conv("grad_input", groups=8, in_channels=2, out_channels=2), CPU).form == "gather"
+    assert plan_kernel(depthwise("grad_weight"), CPU).form != "im2col"
+
+
+def test_depthwise_grad_input_takes_the_named_op_in_nhwgc_only():
+    assert plan_kernel(depthwise(), CPU).form == "depthwise-named"
+    assert plan_kernel(depthwise(layout="GNHWC"), CPU).form != "depthwise-named"
+
+
+# --- the IR ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op, groups, named", [
+    ("grad_input", 1, "linalg.matmul"), ("grad_input", 4, "linalg.batch_matmul"),
+    ("grad_weight", 1, "linalg.matmul"), ("grad_weight", 4, "linalg.batch_matmul"),
+])
+def test_im2col_ir_is_a_named_matmul_and_parallel_gathers(op, groups, named):
+    text = function_text(lower_to_mlir([conv(op, groups=groups, stride=(2, 2))], CPU), "k")
+    assert f"{named} " in text
+    assert "reduction" not in text  # every generic is a gather or a copy: the GEMM is the named op's
+
+
+def test_depthwise_ir_is_the_named_depthwise_convolution():
+    text = function_text(lower_to_mlir([depthwise(stride=(2, 2))], CPU), "k")
+    assert text.count("linalg.depthwise_conv_2d_nhwc_hwc ") == 4  # one per stride phase
+    assert "reduction" not in text
+
+
+# --- results against the float64 reference ----------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["grad_input", "grad_weight"])
+@pytest.mark.parametrize("layout, weight_layout, groups", [
+    ("NHWGC", "GKYXC", 1), ("NHWGC", "GKCYX", 3), ("GNHWC", "GKYXC", 3), ("NGCHW", "GKCYX", 1), ("NGCHW", "GKYXC", 3),
+])
+@pytest.mark.parametrize("stride", [(1, 1), (2, 1)])
+def test_im2col_every_layout(op, layout, weight_layout, groups, stride):
+    check(conv(op, layout=layout, weight_layout=weight_layout, groups=groups, stride=stride))
+
+
+@pytest.mark.parametrize("op", ["grad_input", "grad_weight", "transposed"])
+@pytest.mark.parametrize("changes", [
+    dict(dims=1, input=(11,), filter=(3,), stride=(2,), dilation=(1,), pad_lo=(0,), pad_hi=(1,)),
+    dict(dims=3, input=(5, 6, 4), filter=(3, 3, 2), stride=(1, 2, 2), dilation=(1, 1, 1), pad_lo=(1, 1, 0),
+         pad_hi=(1, 1, 1)),
+    dict(dilation=(2, 2), pad_lo=(2, 1), pad_hi=(0, 2), stride=(2, 2)),
+    dict(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0)),
+    dict(filter=(4, 4), stride=(2, 2)),
+    dict(dtype="bf16", groups=2),
+    dict(epilogue=Epilogue("scale", -1.25), stride=(2, 2)),
+])
+def test_im2col_shapes_and_dtypes(op, changes):
+    check(conv(op, **changes))
+
+
+@pytest.mark.parametrize("op", ["grad_input", "grad_weight"])
+@pytest.mark.parametrize("stride", [(1, 1), (2, 2)])
+def test_im2col_bilinear_epilogue(op, stride):
+    check(conv(op, stride=stride, epilogue=Epilogue("bilinear", 0.5, -0.75)))
+
+
+@pytest.mark.parametrize("changes", [
+    {}, dict(stride=(2, 2)), dict(filter=(7, 7), pad_lo=(3, 3), pad_hi=(3, 3)),
+    dict(dilation=(2, 2), pad_lo=(2, 2), pad_hi=(2, 2), stride=(2, 1)),
+    dict(dims=1, input=(11,), filter=(3,), stride=(2,), dilation=(1,), pad_lo=(1,), pad_hi=(0,)),
+    dict(dims=3, input=(5, 6, 7), filter=(3, 3, 3), stride=(1, 2, 2), dilation=(1, 1, 1), pad_lo=(1, 1, 1),
+         pad_hi=(1, 1, 1)),
+    dict(dtype="bf16"), dict(epilogue=Epilogue("bilinear", 1.5, -0.5), stride=(2, 2)),
+])
+def test_depthwise_named_grad_input(changes):
+    check(depthwise(**changes))
+
+
+def test_depthwise_named_transposed():
+    check(depthwise("transposed", stride=(2, 2)))
