@@ -123,6 +123,28 @@ WIDE_FORMS += [_p(op="forward", dims=3, input=(5, 4, 6), filter=(2, 3, 3), strid
                _p(op="forward", groups=6, in_channels=1, out_channels=1, stride=(2, 2), name="fwd-dw-wide")]
 
 
+# the one-tap loop of grad_input_phases (1x1 filters, and stride phases of one tap): reductions that fill whole
+# BLOCK_K steps (unmasked channel loads) and ones that do not, padding, strided rows, zero phases
+ONE_TAP = [
+    _p(op="forward", in_channels=32, out_channels=24, filter=(1, 1), stride=(1, 1), dilation=(1, 1), pad_lo=(0, 0),
+       pad_hi=(0, 0), name="fwd-1x1-even"),
+    _p(op="forward", in_channels=20, out_channels=24, filter=(1, 1), stride=(2, 2), dilation=(1, 1), pad_lo=(1, 0),
+       pad_hi=(0, 1), name="fwd-1x1-odd-strided"),
+    _p(in_channels=8, out_channels=32, filter=(1, 1), stride=(2, 2), dilation=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0),
+       name="dgrad-1x1-s2"),
+    _p(in_channels=8, out_channels=16, filter=(3, 3), stride=(3, 3), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1),
+       input=(9, 9), name="dgrad-3x3-s3"),
+]
+
+
+def test_interpreted_one_tap_loop_matches_the_reference():
+    for p in ONE_TAP:
+        _, (launch,), _ = plan_launches(p, parse_tiles(SMALL_TILES), HOPPER)
+        taps = [math.prod(launch_j) for launch_j in zip(*dict(launch.constants)["J"])]
+        assert dict(launch.constants)["ONE_TAP"] and 1 in taps, p.name  # some phase runs the one-tap loop
+    _check(ONE_TAP, _interpret(ONE_TAP))
+
+
 def test_interpreted_wide_offsets_match_the_reference():
     assert len(WIDE_FORMS) == 10
     _check(WIDE_FORMS, _interpret(WIDE_FORMS, wide=True))
@@ -585,7 +607,7 @@ def test_flat_positions_holds_exactly_where_positions_lie_evenly_apart():
 def test_rule_and_overrides():
     p = _p(in_channels=64, out_channels=64)
     assert plan_kernel(p, HOPPER).form == "extern"
-    assert plan_kernel(p, CPU).form == "implicit-gemm"
+    assert plan_kernel(p, CPU).form == "im2col"  # the CPU's linalg form (policy.cpu_im2col)
     linalg = plan_kernel(p, HOPPER, Knobs(extern=False))
     assert linalg.form == "implicit-gemm" and "extern = false" in describe_plan(linalg)
     for other, why in (
