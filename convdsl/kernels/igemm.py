@@ -61,6 +61,8 @@ def grad_input_phases(
     ALPHA: tl.constexpr, PRECISION: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, WIDE: tl.constexpr,
+    # no phase has more than one tap (launch.one_tap): the phases of one tap take the one-tap loop
+    ONE_TAP: tl.constexpr,
 ):
     # One launch for every stride phase: each program finds its phase (a uniform branch) and runs that phase's
     # tile with the phase's constants folded in, so dX is written by one dispatch (IREE places it in the
@@ -104,29 +106,53 @@ def grad_input_phases(
                 w_col = w + g * W[0] + c * W[2]
 
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for step in tl.range(0, J[0][p] * J[1][p] * J[2][p] * K_STEPS, num_stages=NUM_STAGES):
-                j = wide_index(step // K_STEPS, WIDE)
-                k = (step % K_STEPS) * BLOCK_K + kk
-                j2 = j % J[2][p]
-                j1 = (j // J[2][p]) % J[1][p]
-                j0 = j // (J[2][p] * J[1][p])
-                o0 = q0 * RS[0] + (OFF[0][p] - j0 * OSTEP[0][p])
-                o1 = q1 * RS[1] + (OFF[1][p] - j1 * OSTEP[1][p])
-                o2 = q2 * RS[2] + (OFF[2][p] - j2 * OSTEP[2][p])
+            if ONE_TAP & (J[0][p] * J[1][p] * J[2][p] == 1) & (PACK == 1):
+                # one tap (1x1 filters; stride phases of one tap where no phase has more): each row's dY
+                # position is fixed, so the offsets and masks of the rows are formed once and the loop only walks
+                # the channels, as a plain GEMM does (the general loop below re-derives them every step: up to
+                # 2.9x slower on ResNet-50's 1x1 layers; docs/decisions.md#one-tap-loop)
+                o0 = q0 * RS[0] + OFF[0][p]
+                o1 = q1 * RS[1] + OFF[1][p]
+                o2 = q2 * RS[2] + OFF[2][p]
                 row_ok = m_ok & (o0 >= 0) & (o0 < O[0]) & (o1 >= 0) & (o1 < O[1]) & (o2 >= 0) & (o2 < O[2])
-                k_ok = k < K
-                a_ptrs = dy_row[:, None] + (o0 * DY[3] + o1 * DY[4] + o2 * DY[5])[:, None] + (k * DY[2])[None, :]
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                tap = ((Y0[0][p] + j0 * TSTEP[0][p]) * W[3] + (Y0[1][p] + j1 * TSTEP[1][p]) * W[4]
-                   + (Y0[2][p] + j2 * TSTEP[2][p]) * W[5])
-                if PACK > 1:
-                    b_ptrs = w_col[None, :] + (tap + (k % K_SUB) * W[1])[:, None]
-                    diagonal = (k // K_SUB)[:, None] == c_sub[None, :]
-                    b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :] & diagonal, other=0.0)
-                else:
-                    b_ptrs = w_col[None, :] + (tap + k * W[1])[:, None]
-                    b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                a_ptrs = dy_row[:, None] + (o0 * DY[3] + o1 * DY[4] + o2 * DY[5])[:, None] + (kk * DY[2])[None, :]
+                tap = Y0[0][p] * W[3] + Y0[1][p] * W[4] + Y0[2][p] * W[5]
+                b_ptrs = w_col[None, :] + (tap + kk * W[1])[:, None]
+                for step in tl.range(0, K_STEPS, num_stages=NUM_STAGES):
+                    if K % BLOCK_K == 0:  # masks constant along the channels: whole vectors per load
+                        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                        b = tl.load(b_ptrs, mask=c_ok[None, :], other=0.0)
+                    else:
+                        k_ok = kk < K - step * BLOCK_K
+                        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                        b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                    a_ptrs += BLOCK_K * DY[2]
+                    b_ptrs += BLOCK_K * W[1]
+            else:
+                for step in tl.range(0, J[0][p] * J[1][p] * J[2][p] * K_STEPS, num_stages=NUM_STAGES):
+                    j = wide_index(step // K_STEPS, WIDE)
+                    k = (step % K_STEPS) * BLOCK_K + kk
+                    j2 = j % J[2][p]
+                    j1 = (j // J[2][p]) % J[1][p]
+                    j0 = j // (J[2][p] * J[1][p])
+                    o0 = q0 * RS[0] + (OFF[0][p] - j0 * OSTEP[0][p])
+                    o1 = q1 * RS[1] + (OFF[1][p] - j1 * OSTEP[1][p])
+                    o2 = q2 * RS[2] + (OFF[2][p] - j2 * OSTEP[2][p])
+                    row_ok = m_ok & (o0 >= 0) & (o0 < O[0]) & (o1 >= 0) & (o1 < O[1]) & (o2 >= 0) & (o2 < O[2])
+                    k_ok = k < K
+                    a_ptrs = dy_row[:, None] + (o0 * DY[3] + o1 * DY[4] + o2 * DY[5])[:, None] + (k * DY[2])[None, :]
+                    a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    tap = ((Y0[0][p] + j0 * TSTEP[0][p]) * W[3] + (Y0[1][p] + j1 * TSTEP[1][p]) * W[4]
+                       + (Y0[2][p] + j2 * TSTEP[2][p]) * W[5])
+                    if PACK > 1:
+                        b_ptrs = w_col[None, :] + (tap + (k % K_SUB) * W[1])[:, None]
+                        diagonal = (k // K_SUB)[:, None] == c_sub[None, :]
+                        b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :] & diagonal, other=0.0)
+                    else:
+                        b_ptrs = w_col[None, :] + (tap + k * W[1])[:, None]
+                        b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
 
             out = acc * ALPHA
             i0 = R[0][p] + S[0] * q0

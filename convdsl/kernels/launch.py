@@ -174,6 +174,7 @@ def grad_input_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: s
         PRECISION=precision, PACK=tiles.pack,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         NUM_STAGES=tiles.stages, WIDE=needs_wide(p),
+        ONE_TAP=all(math.prod(d.J for d in ph.dims) <= 1 for ph in phases),
     )
     elem = operand_element(p)
     return Launch("grad_input_phases", f"{base}_phases", (elem, elem, ELEMENT[p.result_dtype]),
@@ -205,7 +206,7 @@ def forward_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str)
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
         PRECISION=precision, PACK=tiles.pack,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        NUM_STAGES=tiles.stages, WIDE=needs_wide(p),
+        NUM_STAGES=tiles.stages, WIDE=needs_wide(p), ONE_TAP=math.prod(taps) == 1,
     )
     elem = operand_element(p)
     return Launch("grad_input_phases", f"{base}_forward", (elem, elem, ELEMENT[p.result_dtype]),
