@@ -28,6 +28,7 @@ follows the one-GPU run of the same global batch within `--compare`'s tolerance,
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -200,6 +201,45 @@ def _profile(step, args: argparse.Namespace, device: torch.device, fmt) -> dict:
     return {}
 
 
+def check_gradients(args: argparse.Namespace) -> int:
+    """One training step's gradients of every parameter from the same weights and batch, with convdsl's
+    convolutions and with cuDNN's (both under bf16 autocast, channels-last), each against a float64 step:
+    convdsl's error must be within twice cuDNN's (or 1e-2).  This holds the gradients to account where loss
+    curves cannot: bf16 training drifts apart step by step for either backend."""
+    device = torch.device("cuda")
+    torch.manual_seed(args.seed)
+    groups, width = (32, 4) if args.resnext else (1, 64)
+    base = ResNet(groups=groups, width_per_group=width, classes=args.classes)
+    images, labels = next(iter(synthetic_batches(1, args.batch, args.image_size, args.classes, device, args.seed)))
+    grads = {}
+    for name, dtype, autocast in (("exact", torch.float64, False), ("cudnn", torch.float32, True),
+                                  ("convdsl", torch.float32, True)):
+        model = copy.deepcopy(base)
+        if name == "convdsl":
+            ct.convert(model)
+        model = model.to(device).to(dtype).to(memory_format=torch.channels_last)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = nn.CrossEntropyLoss()(model(images.to(dtype).contiguous(memory_format=torch.channels_last)),
+                                         labels)
+        loss.backward()
+        grads[name] = {n: p.grad.double() for n, p in model.named_parameters()}
+    worst, rows = 0.0, []
+    for n, exact in grads["exact"].items():
+        norm = exact.norm().clamp_min(1e-30)
+        mine = float((grads["convdsl"][n] - exact).norm() / norm)
+        theirs = float((grads["cudnn"][n] - exact).norm() / norm)
+        rows.append((n, mine, theirs))
+        worst = max(worst, mine / max(2 * theirs, 1e-2))
+    for n, mine, theirs in sorted(rows, key=lambda r: -r[1])[:8]:
+        print(f"{n:<40} convdsl {mine:.2e}  cuDNN {theirs:.2e}")
+    print(f"{len(rows)} parameters: largest convdsl error / max(2 x cuDNN's, 1e-2) = {worst:.2f} -> "
+          f"{'agree' if worst <= 1 else 'DIFFER'}")
+    if args.out:
+        args.out.write_text(json.dumps({"parameters": [{"name": n, "convdsl": a, "cudnn": b} for n, a, b in rows],
+                                        "worst_ratio": worst}, indent=1) + "\n")
+    return 0 if worst <= 1 else 1
+
+
 def build_bundle(args: argparse.Namespace) -> int:
     """Trace one training step on fake tensors (on the CPU: no GPU, no compute) and compile the stream kernels
     of every convolution it makes, forward and backward, into one bundle file."""
@@ -225,25 +265,31 @@ def build_bundle(args: argparse.Namespace) -> int:
     return 0
 
 
-def compare(a_path: Path, b_path: Path, window: int) -> int:
+def compare(a_path: Path, b_path: Path, window: int, agree_steps: int) -> int:
     """The loss curves agree where the running means over `window` steps differ by at most 5% of the first
-    loss plus twice the run-to-run noise (the standard deviation within the window), at every step."""
+    loss plus twice the run-to-run noise (the standard deviation within the window), at every step up to
+    `agree_steps`.  Past about 200 steps, where the model starts to memorise the 16 reused batches, bf16 runs
+    drift apart for either backend (cuDNN eager against cuDNN in CUDA graphs, same seed, leaves the band at step
+    264: docs/decisions.md#loss-curves), so later steps are reported, not judged; --check-gradients judges
+    the gradients themselves."""
     a, b = json.loads(a_path.read_text()), json.loads(b_path.read_text())
     la, lb = a["losses"], b["losses"]
     n = min(len(la), len(lb))
-    worst = 0.0
-    ok = True
+    worst, first_out = 0.0, None
     for i in range(window, n + 1):
         wa, wb = la[i - window:i], lb[i - window:i]
         gap = abs(statistics.fmean(wa) - statistics.fmean(wb))
         allowed = 0.05 * la[0] + 2 * max(statistics.pstdev(wa), statistics.pstdev(wb))
-        worst = max(worst, gap / allowed)
-        ok &= gap <= allowed
+        if gap > allowed and first_out is None:
+            first_out = i
+        if i <= agree_steps:
+            worst = max(worst, gap / allowed)
+    ok = worst <= 1
     print(f"{a['backend']}: {a['images_per_s']:.1f} images/s, {b['backend']}: {b['images_per_s']:.1f} images/s, "
           f"ratio {a['images_per_s'] / b['images_per_s']:.3f}")
     print(f"loss: first {la[0]:.3f} / {lb[0]:.3f}, last {statistics.fmean(la[-window:]):.3f} / "
-          f"{statistics.fmean(lb[-window:]):.3f}; largest gap {worst:.2f} of the allowed -> "
-          f"{'agree' if ok else 'DIFFER'}")
+          f"{statistics.fmean(lb[-window:]):.3f}; up to step {agree_steps}: largest gap {worst:.2f} of the allowed -> "
+          f"{'agree' if ok else 'DIFFER'}; first step beyond the band: {first_out or 'none'}")
     return 0 if ok else 1
 
 
@@ -263,16 +309,21 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-mode", default=None, help="torch.compile's mode, e.g. reduce-overhead")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA is present")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernels of three steps by total time")
+    ap.add_argument("--check-gradients", action="store_true",
+                    help="one step's parameter gradients, convdsl and cuDNN each against float64 (GPU)")
     ap.add_argument("--out", type=Path, help="write the loss curve and images/s here (JSON)")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="compare two --out files")
     ap.add_argument("--window", type=int, default=20, help="--compare: steps per running mean")
+    ap.add_argument("--agree-steps", type=int, default=200, help="--compare: the steps the curves must agree over")
     ap.add_argument("--bundle-out", type=Path, help="compile one step's kernels ahead into this bundle file")
     ap.add_argument("--arch", default="sm_90", help="--bundle-out: the CUDA arch to compile for")
     args = ap.parse_args(argv)
     if args.bundle_out:
         return build_bundle(args)
     if args.compare:
-        return compare(*args.compare, args.window)
+        return compare(*args.compare, args.window, args.agree_steps)
+    if args.check_gradients:
+        return check_gradients(args)
     train(args)
     return 0
 
