@@ -379,6 +379,20 @@ def plan_launches(p: ConvProblem, tiles: Optional[TileConfig], target: Target, x
     return tiles, (grad_input_launch(p, tiles, base, dot_precision(p)),), ()
 
 
+# the weight layout the GEMM kernels read fast where they read the weight (forward, grad_input, transposed)
+FAST_WEIGHT_LAYOUT = "GKYXC"
+
+
+def weight_copied(p: ConvProblem) -> bool:
+    """Whether the GEMM kernels read a GKYXC copy of a GKCYX weight (forward, grad_input and transposed read
+    the weight; grad_weight writes it).  In GKCYX a tile's reduction channels lie a filter's taps apart and its
+    columns C*taps apart, so every element is a load of its own: 1.25 ms against 0.19 for cuDNN on CK's NGCHW
+    forward shape (docs/decisions.md#weight-copy).  The copy is the weight's size, once per call.  Where the
+    filter has one tap or a group one channel the two layouts coincide."""
+    return (p.weight_layout != FAST_WEIGHT_LAYOUT and p.op != "grad_weight" and math.prod(p.filter) > 1
+            and p.in_channels > 1)
+
+
 @dataclass(frozen=True)
 class ExternLaunches:
     """The Triton launches of one kernel and what surrounds them: the tiles, the launches (one per kernel:
@@ -392,6 +406,8 @@ class ExternLaunches:
     launches: tuple[Launch, ...]
     partials_shape: tuple[int, ...] = ()
     copied_channels_last: tuple[str, ...] = ()
+    # the launches read a GKYXC copy of the weight (weight_copied)
+    weight_copied: bool = False
 
 
 def extern_launches(problem: ConvProblem, target: Target, knobs: Knobs) -> Optional[ExternLaunches]:
@@ -400,6 +416,11 @@ def extern_launches(problem: ConvProblem, target: Target, knobs: Knobs) -> Optio
     use, tiles, _ = extern_choice(problem, target, knobs)
     if not use:
         return None
+    copy_weight = weight_copied(problem)
+
+    def read(p: ConvProblem) -> ConvProblem:  # the problem as the launches read it (their weight strides)
+        return p.with_(weight_layout=FAST_WEIGHT_LAYOUT) if copy_weight else p
+
     if problem.layout == "NGCHW" and relayout_ngchw(problem, knobs):
         # the kernels on NHWGC copies of the activations (contiguous channels)
         inner = problem.with_(layout="NHWGC")
@@ -408,11 +429,11 @@ def extern_launches(problem: ConvProblem, target: Target, knobs: Knobs) -> Optio
             # grad_weight: only X copied; dY is read where it lies (one copy fewer)
             _, launches, partials = plan_launches(problem, tiles, target, x_layout=inner.layout)
             return ExternLaunches(problem, tiles, launches, partials, copied_channels_last=("x",))
-        _, launches, partials = plan_launches(inner, tiles, target)
+        _, launches, partials = plan_launches(read(inner), tiles, target)
         copied = tuple(n for n, s in zip(problem.arg_names, problem.arg_shapes) if s != problem.w_shape)
-        return ExternLaunches(inner, tiles, launches, partials, copied_channels_last=copied)
-    tiles, launches, partials = plan_launches(problem, tiles, target)
-    return ExternLaunches(problem, tiles, launches, partials)
+        return ExternLaunches(inner, tiles, launches, partials, copied_channels_last=copied, weight_copied=copy_weight)
+    tiles, launches, partials = plan_launches(read(problem), tiles, target)
+    return ExternLaunches(problem, tiles, launches, partials, weight_copied=copy_weight)
 
 
 # --- knobs over IREE's own GPU configuration ------------------------------------------------------

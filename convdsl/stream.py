@@ -58,6 +58,7 @@ class StreamKernel:
     knobs_source: str
     sum: Optional[StreamLaunch] = None  # grad_weight: the split-K sum, epilogue and cast
     rounds: tuple[StreamLaunch, ...] = ()  # fp8 compute: operand A's rounding, then B's
+    weight_copied: bool = False  # the launches read a GKYXC copy of the weight (policy.weight_copied)
 
     @property
     def result_copied(self) -> bool:
@@ -67,6 +68,7 @@ class StreamKernel:
     def describe(self) -> str:
         names = ", ".join(sl.launch.kernel for sl in self.launches)
         copies = f"; {', '.join(self.copied)} copied to NHWGC" if self.copied else ""
+        copies += f"; w copied to {policy.FAST_WEIGHT_LAYOUT}" if self.weight_copied else ""
         return (f"stream path: Triton kernels {names} (tiles {self.tiles}, {self.arch}){copies}; "
                 f"knobs from the {self.knobs_source}")
 
@@ -114,7 +116,7 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
         rounds = tuple(compiled(round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}"))
                        for i, (shape, dtype, kind) in enumerate(zip(p.arg_shapes, p.arg_dtypes, p.compute)))
     return StreamKernel(p, target.arch, ext.problem, ext.copied_channels_last, tuple(map(compiled, ext.launches)),
-                        ext.partials_shape, ext.tiles.label(), source, summed, rounds)
+                        ext.partials_shape, ext.tiles.label(), source, summed, rounds, ext.weight_copied)
 
 
 def _build(p: ConvProblem, target: Target) -> StreamKernel:
@@ -163,6 +165,7 @@ def _to_record(k: StreamKernel) -> dict:
         "launches": [_launch_record(sl) for sl in k.launches],
         "sum": _launch_record(k.sum) if k.sum else None,
         "rounds": [_launch_record(sl) for sl in k.rounds],
+        "weight_copied": k.weight_copied,
     }
 
 
@@ -191,7 +194,7 @@ def _from_record(r: dict) -> StreamKernel:
     return StreamKernel(problem, r["arch"], problem if planned == problem else planned, tuple(r["copied"]),
                         tuple(_launch_from_record(la) for la in r["launches"]), tuple(r["partials_shape"]),
                         r["tiles"], r["knobs_source"], _launch_from_record(r["sum"]) if r["sum"] else None,
-                        tuple(_launch_from_record(la) for la in r["rounds"]))
+                        tuple(_launch_from_record(la) for la in r["rounds"]), bool(r.get("weight_copied", False)))
 
 
 def save_bundle(kernels: Iterable[StreamKernel], path: Union[str, Path]) -> Path:

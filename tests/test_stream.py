@@ -17,6 +17,8 @@ from convdsl.problem import ConvProblem, Epilogue, problem_to_spec
 from convdsl.reference import tolerance
 from convdsl.targets import Target
 from convdsl.tuning.knobs import Knobs
+from convdsl.passes.explain import describe_plan
+from convdsl.passes.plan import plan_kernel
 
 pytest.importorskip("triton")
 torch = pytest.importorskip("torch")
@@ -53,6 +55,9 @@ CASES = [
                 pad_hi=(0,), layout="GNHWC"), SMALL),
     (BASE.with_(op="forward", dims=3, input=(4, 5, 6), filter=(2, 3, 2), stride=(1, 2, 1), dilation=(1, 1, 2),
                 pad_lo=(0, 1, 1), pad_hi=(1, 1, 0), weight_layout="GKCYX"), SMALL),
+    # GKCYX weights read through a GKYXC copy (policy.weight_copied): grad_input strided, transposed
+    (BASE.with_(op="grad_input", weight_layout="GKCYX", stride=(2, 1)), SMALL),
+    (BASE.with_(op="transposed", weight_layout="GKCYX", stride=(2, 2), layout="NGCHW"), SMALL),
     # depthwise forward: the direct kernel, strided, NGCHW through copies
     (BASE.with_(op="forward", groups=8, in_channels=1, out_channels=1, filter=(3, 3), stride=(2, 2), pad_lo=(1, 1),
                 pad_hi=(1, 1), layout="NGCHW"), None),
@@ -89,6 +94,21 @@ def test_wide_stream_kernel_matches_the_reference(interpreted, index):
     r = interpreted[f"wide{index}"]
     assert r["shape_ok"] and r["unwritten"] == 0, r
     assert r["error"] <= tolerance(p), f"{p.describe()}: relative error {r['error']:.2e}"
+
+
+def test_gkcyx_weights_are_copied_where_a_gemm_kernel_reads_them():
+    copied = {p.name: stream.plan_stream_kernel(p, HOPPER, Knobs()).weight_copied
+              for p in (BASE.with_(op=op, weight_layout=wl, name=f"{op}-{wl}")
+                        for op in ("forward", "grad_input", "transposed", "grad_weight") for wl in ("GKCYX", "GKYXC"))}
+    assert copied == {"forward-GKCYX": True, "grad_input-GKCYX": True, "transposed-GKCYX": True,
+                      "grad_weight-GKCYX": False, "forward-GKYXC": False, "grad_input-GKYXC": False,
+                      "transposed-GKYXC": False, "grad_weight-GKYXC": False}
+    # where the layouts coincide: one tap, or one channel per group (depthwise)
+    one_tap = BASE.with_(op="forward", weight_layout="GKCYX", filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0))
+    depthwise = BASE.with_(op="forward", weight_layout="GKCYX", groups=8, in_channels=1, out_channels=1)
+    assert not any(stream.plan_stream_kernel(p, HOPPER, Knobs()).weight_copied for p in (one_tap, depthwise))
+    # explain says so, for the module's kernel too
+    assert "w copied to GKYXC" in describe_plan(plan_kernel(BASE.with_(op="forward", weight_layout="GKCYX"), HOPPER))
 
 
 def test_stream_launches_are_the_modules_launches():

@@ -29,6 +29,8 @@ def describe_plan(self: KernelPlan) -> str:
         + f" -> {p.result_name} {list(p.result_shape)} {p.result_dtype}"
     )
     if self.extern is not None:
+        if self.extern.weight_copied:
+            lines.append("  layout: w copied to GKYXC for the kernels below (GKCYX tiles load element by element)")
         if self.channels_last is not None:
             lines.append("  layout: NGCHW activations copied to NHWGC and back around the kernels below")
             lines.extend(_describe_extern(self.channels_last))

@@ -12,7 +12,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..backends.cuda_driver import LoadedFunction, load_function
-from ..problem import activation_axes
+from ..policy import FAST_WEIGHT_LAYOUT
+from ..problem import activation_axes, weight_axes
 from ..stream import StreamKernel, StreamLaunch
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -75,13 +76,16 @@ class StreamRunner:
         to_nhwgc = _permutation(activation_axes(p, "ch"), activation_axes(channels_last, "ch"))
         self._copied = {p.arg_names.index(name): to_nhwgc for name in kernel.copied}
         self._back = _permutation(activation_axes(channels_last, "ch"), activation_axes(p, "ch"))
+        # GKCYX weights: the launches read a GKYXC copy (policy.weight_copied)
+        self._weight_order = (_permutation(weight_axes(p), weight_axes(p.with_(weight_layout=FAST_WEIGHT_LAYOUT)))
+                              if kernel.weight_copied else None)
         self._result_shape = kernel.planned.result_shape
         self._result_dtype = TORCH_DTYPES[p.result_dtype]
 
     @property
     def direct(self) -> bool:
         """Whether run_into applies: no layout copies and no fp8 rounding around the GEMM core."""
-        return not self.kernel.copied and not self.rounds
+        return not self.kernel.copied and not self.rounds and not self.kernel.weight_copied
 
     def run_into(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The fast path (`direct` kernels): a, b and out are any tensors whose memory is already laid out as the
@@ -103,6 +107,8 @@ class StreamRunner:
         for i, a in enumerate(operands):
             if i in self._copied:
                 operands[i] = a.permute(self._copied[i]).contiguous()
+            elif i == 1 and self._weight_order is not None:
+                operands[i] = a.permute(self._weight_order).contiguous()
             elif not a.is_contiguous() or a.data_ptr() % ALIGNMENT:
                 operands[i] = a.contiguous() if not a.is_contiguous() else a.clone()
         for i, launch in enumerate(self.rounds):  # fp8 compute: each operand rounded once, stored in f16
