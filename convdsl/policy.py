@@ -11,13 +11,13 @@ import math
 import re
 from typing import Optional
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .kernels.launch import (Launch, arch_number, forward_direct_launch, forward_launch, geometry,
                              grad_input_direct_launch, grad_input_launch, grad_weight_depthwise_launch,
                              grad_weight_launch, output_tiles, pad3, packable, packed_sizes, reduction_steps,
                              split_chunks, tiles_within_images, triton_version, depthwise_channel_blocks)
-from .kernels.tiles import TileConfig, matrix_block, parse_tiles
+from .kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
 from .problem import ConvProblem
 from .targets import Target
 from .tuning.knobs import Knobs
@@ -228,6 +228,11 @@ def default_forward_tiles(p: ConvProblem) -> TileConfig:
     takes its tiles, except 16-bit GEMMs with K >= 128 and C >= 64: there 256 columns lost up to 3.3x to
     128; 1x1 filters (long reductions over C alone) take 256 rows (docs/decisions.md#forward-tiles)."""
     swapped = default_grad_input_tiles(p.with_(in_channels=p.out_channels, out_channels=p.in_channels))
+    if swapped.pack == 1 and p.in_channels < MATRIX_BLOCK and math.prod(p.filter) > 1:
+        # few input channels (an RGB stem): the reduction over (taps, C) flattened (launch.flat_reduction),
+        # up to 64 of them per step, 64 rows (docs/decisions.md#flat-reduction)
+        return replace(swapped, block_m=64, block_k=matrix_block(p.in_channels * math.prod(p.filter), 64),
+                       warps=4, stages=3)
     if p.dtype == "f32" or swapped.pack != 1 or p.out_channels < 128 or p.in_channels < 64:
         return swapped
     one_by_one = all(f == 1 for f in p.filter)

@@ -145,6 +145,25 @@ def test_interpreted_one_tap_loop_matches_the_reference():
     _check(ONE_TAP, _interpret(ONE_TAP))
 
 
+# forward with fewer input channels than a reduction step (an RGB stem): the (taps, C) reduction flattened;
+# strided, padded, dilated, 1D/2D/3D, channel-first and GKCYX weights, steps that end past the last tap
+FLAT = [
+    _p(op="forward", groups=1, in_channels=3, out_channels=20, input=(11, 10), filter=(3, 3), stride=(2, 2),
+       dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 0), name="fwd-stem"),
+    _p(op="forward", groups=2, in_channels=1, out_channels=5, dims=1, input=(13,), filter=(5,), stride=(3,),
+       dilation=(2,), pad_lo=(2,), pad_hi=(1,), layout="GNHWC", weight_layout="GKCYX", name="fwd-flat-1d"),
+    _p(op="forward", groups=1, in_channels=2, out_channels=6, dims=3, input=(5, 4, 6), filter=(2, 3, 3),
+       stride=(2, 1, 2), dilation=(1, 1, 2), pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), layout="NGCHW", name="fwd-flat-3d"),
+]
+
+
+def test_interpreted_flat_reduction_matches_the_reference():
+    for p in FLAT:
+        _, (launch,), _ = plan_launches(p, parse_tiles(SMALL_TILES), HOPPER)
+        assert dict(launch.constants)["FLAT"], p.name
+    _check(FLAT, _interpret(FLAT))
+
+
 def test_interpreted_wide_offsets_match_the_reference():
     assert len(WIDE_FORMS) == 10
     _check(WIDE_FORMS, _interpret(WIDE_FORMS, wide=True))

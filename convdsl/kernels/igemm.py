@@ -63,6 +63,9 @@ def grad_input_phases(
     NUM_STAGES: tl.constexpr, WIDE: tl.constexpr,
     # no phase has more than one tap (launch.one_tap): the phases of one tap take the one-tap loop
     ONE_TAP: tl.constexpr,
+    # one phase with fewer reduction channels than a tile step holds (an RGB stem's 3): the reduction runs over
+    # (taps, channels) flattened, BLOCK_K of them per step, instead of a step per tap
+    FLAT: tl.constexpr,
 ):
     # One launch for every stride phase: each program finds its phase (a uniform branch) and runs that phase's
     # tile with the phase's constants folded in, so dX is written by one dispatch (IREE places it in the
@@ -106,7 +109,39 @@ def grad_input_phases(
                 w_col = w + g * W[0] + c * W[2]
 
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if ONE_TAP & (J[0][p] * J[1][p] * J[2][p] == 1) & (PACK == 1):
+            if FLAT:
+                # reduction index r = j * K + k over every tap j and channel k: per step BLOCK_K of them, each
+                # column of the A tile its own tap (a 2D window gather), the B tile's rows their own tap and channel
+                TAPS: tl.constexpr = J[0][p] * J[1][p] * J[2][p]
+                # dY position o = q * RS + (OFF - j * OSTEP): a row part (fixed) and a column part (per step),
+                # so that a tile's offsets and bounds cost one add (and a compare per dimension) per element
+                r0 = q0 * RS[0]
+                r1 = q1 * RS[1]
+                r2 = q2 * RS[2]
+                row_base = dy_row + r0 * DY[3] + r1 * DY[4] + r2 * DY[5]
+                for step in tl.range(0, (TAPS * K + BLOCK_K - 1) // BLOCK_K, num_stages=NUM_STAGES):
+                    r = step * BLOCK_K + kk
+                    r_ok = r < TAPS * K
+                    j = r // K
+                    k = r % K
+                    j2 = j % J[2][p]
+                    j1 = (j // J[2][p]) % J[1][p]
+                    j0 = j // (J[2][p] * J[1][p])
+                    d0 = OFF[0][p] - j0 * OSTEP[0][p]
+                    d1 = OFF[1][p] - j1 * OSTEP[1][p]
+                    d2 = OFF[2][p] - j2 * OSTEP[2][p]
+                    in_dy = (m_ok[:, None] & r_ok[None, :]
+                             & ((r0[:, None] + d0[None, :]) >= 0) & ((r0[:, None] + d0[None, :]) < O[0])
+                             & ((r1[:, None] + d1[None, :]) >= 0) & ((r1[:, None] + d1[None, :]) < O[1])
+                             & ((r2[:, None] + d2[None, :]) >= 0) & ((r2[:, None] + d2[None, :]) < O[2]))
+                    col = d0 * DY[3] + d1 * DY[4] + d2 * DY[5] + k * DY[2]
+                    a = tl.load(row_base[:, None] + col[None, :], mask=in_dy, other=0.0)
+                    tap = ((Y0[0][p] + j0 * TSTEP[0][p]) * W[3] + (Y0[1][p] + j1 * TSTEP[1][p]) * W[4]
+                           + (Y0[2][p] + j2 * TSTEP[2][p]) * W[5])
+                    b = tl.load(w_col[None, :] + (tap + k * W[1])[:, None], mask=r_ok[:, None] & c_ok[None, :],
+                                other=0.0)
+                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            elif ONE_TAP & (J[0][p] * J[1][p] * J[2][p] == 1) & (PACK == 1):
                 # one tap (1x1 filters; stride phases of one tap where no phase has more): each row's dY
                 # position is fixed, so the offsets and masks of the rows are formed once and the loop only walks
                 # the channels, as a plain GEMM does (the general loop below re-derives them every step: up to

@@ -174,11 +174,17 @@ def grad_input_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: s
         PRECISION=precision, PACK=tiles.pack,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         NUM_STAGES=tiles.stages, WIDE=needs_wide(p),
-        ONE_TAP=all(math.prod(d.J for d in ph.dims) <= 1 for ph in phases),
+        ONE_TAP=all(math.prod(d.J for d in ph.dims) <= 1 for ph in phases), FLAT=False,
     )
     elem = operand_element(p)
     return Launch("grad_input_phases", f"{base}_phases", (elem, elem, ELEMENT[p.result_dtype]),
                   tuple(consts.items()), check_grid(base, (first[-1], groups, 1)), tiles.warps, tiles.stages)
+
+
+def flat_reduction(p: ConvProblem, tiles: TileConfig) -> bool:
+    """Forward's reduction over (taps, C) flattened (the kernel's FLAT): where a step's BLOCK_K exceeds C (an RGB
+    stem's 3 channels filled 3 of a step's 16) and there are taps to flatten."""
+    return tiles.pack == 1 and p.in_channels < tiles.block_k and math.prod(p.filter) > 1
 
 
 def forward_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str) -> Launch:
@@ -207,6 +213,7 @@ def forward_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str)
         PRECISION=precision, PACK=tiles.pack,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         NUM_STAGES=tiles.stages, WIDE=needs_wide(p), ONE_TAP=math.prod(taps) == 1,
+        FLAT=flat_reduction(p, tiles),
     )
     elem = operand_element(p)
     return Launch("grad_input_phases", f"{base}_forward", (elem, elem, ELEMENT[p.result_dtype]),
