@@ -4,6 +4,8 @@ both memory formats, with and without bias, against torch.nn's convolutions in f
 model built from the modules; DistributedDataParallel over gloo; torch.nn's errors for bad calls."""
 from __future__ import annotations
 
+import shutil
+
 import os
 import socket
 
@@ -125,6 +127,22 @@ def test_torch_compile_fullgraph():
     x.grad = None
     model(x).sum().backward()
     assert _rel(y, model(x).detach().double()) <= 1e-6 and _rel(grad, x.grad.double()) <= 1e-6
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
+                    reason="torch.compile's default backend (Inductor) needs a C++ compiler on the CPU")
+def test_torch_compile_with_inductor_on_the_cpu():
+    # the default backend: Inductor generates C++ around convdsl's operators, which stay opaque calls
+    model = ct.convert(_model())
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True)
+    y = compiled(x)
+    y.sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    want = model(x)
+    want.sum().backward()
+    assert _rel(y, want.detach().double()) <= 1e-5 and _rel(grad, x.grad.double()) <= 1e-5
 
 
 def test_operator_registrations_pass_opcheck():
