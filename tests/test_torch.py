@@ -4,9 +4,8 @@ both memory formats, with and without bias, against torch.nn's convolutions in f
 model built from the modules; DistributedDataParallel over gloo; torch.nn's errors for bad calls."""
 from __future__ import annotations
 
-import shutil
-
 import os
+import shutil
 import socket
 
 import pytest
