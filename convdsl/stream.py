@@ -23,7 +23,8 @@ from typing import Iterable, Optional, Union
 
 from . import cache, policy
 from .backends.iree import iree_version
-from .kernels.launch import Binary, Launch, compile_launch, round_fp8_launch, sum_partials_launch, triton_version
+from .kernels.launch import (Binary, Launch, compile_launch, round_fp8_launch, sum_partials_launch, transpose_launch,
+                             triton_version)
 from .problem import ConvProblem, problem_from_spec, problem_to_spec
 from .targets import Target
 from .tuning import db
@@ -59,6 +60,11 @@ class StreamKernel:
     sum: Optional[StreamLaunch] = None  # grad_weight: the split-K sum, epilogue and cast
     rounds: tuple[StreamLaunch, ...] = ()  # fp8 compute: operand A's rounding, then B's
     weight_copied: bool = False  # the launches read a GKYXC copy of the weight (policy.weight_copied)
+    # the NGCHW -> NHWGC copies of the arguments in `copied` (in that order) and the result's copy back, as
+    # transpose launches (kernels/elementwise.py); empty where a grid would pass CUDA's limits (then the runner
+    # copies with PyTorch)
+    copy_in: tuple[StreamLaunch, ...] = ()
+    copy_out: Optional[StreamLaunch] = None
 
     @property
     def result_copied(self) -> bool:
@@ -115,8 +121,31 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
     if p.fp8_compute:
         rounds = tuple(compiled(round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}"))
                        for i, (shape, dtype, kind) in enumerate(zip(p.arg_shapes, p.arg_dtypes, p.compute)))
+    copy_in, copy_out = _layout_copies(p, ext.copied_channels_last, base, p.op != "grad_weight")
     return StreamKernel(p, target.arch, ext.problem, ext.copied_channels_last, tuple(map(compiled, ext.launches)),
-                        ext.partials_shape, ext.tiles.label(), source, summed, rounds, ext.weight_copied)
+                        ext.partials_shape, ext.tiles.label(), source, summed, rounds, ext.weight_copied,
+                        tuple(map(compiled, copy_in)), compiled(copy_out) if copy_out else None)
+
+
+def _layout_copies(p: ConvProblem, copied: tuple[str, ...], base: str, result_copied: bool
+                   ) -> tuple[tuple[Launch, ...], Optional[Launch]]:
+    """The transposes of the NGCHW arguments in `copied` to NHWGC (per image: [G*C, positions] to its transpose)
+    and of the NHWGC result back; none at all where one would not fit CUDA's grid."""
+    if not copied:
+        return (), None
+    ins = []
+    for name in copied:
+        i = p.arg_names.index(name)
+        shape = p.arg_shapes[i]  # (N, G, C, spatial...)
+        ins.append(transpose_launch(shape[0], shape[1] * shape[2], math.prod(shape[3:]), p.arg_dtypes[i],
+                                    f"{base}_{name}"))
+    out = None
+    if result_copied:
+        shape = p.result_shape
+        out = transpose_launch(shape[0], math.prod(shape[3:]), shape[1] * shape[2], p.result_dtype, f"{base}_out")
+    if any(la is None for la in ins) or (result_copied and out is None):
+        return (), None
+    return tuple(ins), out
 
 
 def _build(p: ConvProblem, target: Target) -> StreamKernel:
@@ -166,6 +195,8 @@ def _to_record(k: StreamKernel) -> dict:
         "sum": _launch_record(k.sum) if k.sum else None,
         "rounds": [_launch_record(sl) for sl in k.rounds],
         "weight_copied": k.weight_copied,
+        "copy_in": [_launch_record(sl) for sl in k.copy_in],
+        "copy_out": _launch_record(k.copy_out) if k.copy_out else None,
     }
 
 
@@ -194,7 +225,9 @@ def _from_record(r: dict) -> StreamKernel:
     return StreamKernel(problem, r["arch"], problem if planned == problem else planned, tuple(r["copied"]),
                         tuple(_launch_from_record(la) for la in r["launches"]), tuple(r["partials_shape"]),
                         r["tiles"], r["knobs_source"], _launch_from_record(r["sum"]) if r["sum"] else None,
-                        tuple(_launch_from_record(la) for la in r["rounds"]), bool(r.get("weight_copied", False)))
+                        tuple(_launch_from_record(la) for la in r["rounds"]), bool(r.get("weight_copied", False)),
+                        tuple(_launch_from_record(la) for la in r.get("copy_in", [])),
+                        _launch_from_record(r["copy_out"]) if r.get("copy_out") else None)
 
 
 def save_bundle(kernels: Iterable[StreamKernel], path: Union[str, Path]) -> Path:

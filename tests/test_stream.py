@@ -111,6 +111,15 @@ def test_gkcyx_weights_are_copied_where_a_gemm_kernel_reads_them():
     assert "w copied to GKYXC" in describe_plan(plan_kernel(BASE.with_(op="forward", weight_layout="GKCYX"), HOPPER))
 
 
+def test_ngchw_copies_are_transpose_launches():
+    dgrad = stream.plan_stream_kernel(BASE.with_(op="grad_input", layout="NGCHW"), HOPPER, Knobs())
+    assert dgrad.copied == ("dy",) and [sl.launch.kernel for sl in dgrad.copy_in] == ["transpose_planes"]
+    assert dgrad.copy_out is not None and dict(dgrad.copy_out.launch.constants)["ROWS"] == 7 * 6
+    wgrad = stream.plan_stream_kernel(BASE.with_(layout="NGCHW", input=(8, 8), filter=(3, 3), pad_hi=(1, 1),
+                                                 pad_lo=(1, 1)), HOPPER, Knobs(tiles="t16x16x16w4s2k2"))
+    assert wgrad.copied == ("x",) and len(wgrad.copy_in) == 1 and wgrad.copy_out is None  # dY read in place
+
+
 def test_stream_launches_are_the_modules_launches():
     # the stream kernel's GEMM core is the launch the IREE module embeds: same plan, same tiles, same split
     from convdsl.passes.plan import plan_kernel

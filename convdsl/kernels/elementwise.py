@@ -6,6 +6,8 @@ stream path, convdsl/stream.py): inside an IREE module the same steps are linalg
                  on every call, so the result is bitwise-reproducible), stored in the weight's layout: GKYXC
                  keeps the partials' (g, k, taps, c) order; GKCYX moves c before the taps:
                  offset (g, k) * C*T + c * T + t.  Each program sums BLOCK_E columns over all S rows.
+  transpose_planes: y[b, c, r] = x[b, r, c] per image b: the NGCHW <-> NHWGC copies around the kernels
+                 (an image's [G*C, positions] plane and its transpose), tiled so that both sides are coalesced.
   round_fp8:     each value rounded to the nearest fp8 (e4m3) or bf8 (e5m2) value, ties to even, stored in
                  f16 (exact): v -> rint(v * 2^-q) * 2^q, q = max(e, emin) - m, e the f32 exponent; both
                  scalings are exact.  rint(w) for |w| < 2^22 is (w + 1.5 * 2^23) - 1.5 * 2^23 in f32: the
@@ -58,3 +60,15 @@ def round_fp8(x, y, N: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BL
     scaled = v * up
     whole = (scaled + RINT_MAGIC) - RINT_MAGIC
     tl.store(y + i, (whole * down).to(tl.float16), mask=inside)
+
+
+@triton.jit
+def transpose_planes(x, y, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    # y[b, c, r] = x[b, r, c]: each of the grid's z images, a [ROWS, COLS] plane, transposed a BLOCK x BLOCK tile
+    # per program (Triton moves the tile through shared memory, so loads and stores are both coalesced)
+    c = wide_index(tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), WIDE)
+    r = wide_index(tl.program_id(1) * BLOCK + tl.arange(0, BLOCK), WIDE)
+    plane = wide_index(tl.program_id(2), WIDE) * (ROWS * COLS)
+    inside = (r < ROWS)[:, None] & (c < COLS)[None, :]
+    tile = tl.load(x + plane + r[:, None] * COLS + c[None, :], mask=inside)
+    tl.store(y + plane + c[None, :] * ROWS + r[:, None], tile, mask=inside)

@@ -475,7 +475,7 @@ def compile_launch(launch: Launch, arch: str) -> Binary:
 
 # --- the steps around the GEMM cores, for runtimes that launch the kernels themselves (kernels/elementwise.py)
 
-ELEMENTWISE_KERNELS = ("sum_partials", "round_fp8")
+ELEMENTWISE_KERNELS = ("sum_partials", "round_fp8", "transpose_planes")
 ELEMENTWISE_BLOCK = 1024
 # sum_partials: programs to aim for (two per SM of the largest GPUs)
 SUM_PROGRAMS = 264
@@ -507,3 +507,17 @@ def round_fp8_launch(elements: int, dtype: str, kind: str, base: str) -> Launch:
 
 
 
+
+
+TRANSPOSE_BLOCK = 64
+
+
+def transpose_launch(images: int, rows: int, cols: int, dtype: str, base: str) -> Optional[Launch]:
+    """y[b, c, r] = x[b, r, c] for `images` planes of rows x cols `dtype` elements (an NGCHW activation's
+    [G*C, positions] per image to NHWGC, or back), or None where the grid would pass CUDA's limits."""
+    grid = (-(-cols // TRANSPOSE_BLOCK), -(-rows // TRANSPOSE_BLOCK), images)
+    if grid[1] > GRID_YZ_MOST or grid[2] > GRID_YZ_MOST:
+        return None
+    consts = dict(ROWS=rows, COLS=cols, BLOCK=TRANSPOSE_BLOCK, WIDE=images * rows * cols >= WIDE_ELEMENTS)
+    return Launch("transpose_planes", f"{base}_transpose", (ELEMENT[dtype], ELEMENT[dtype]), tuple(consts.items()),
+                  grid, 4, 1)

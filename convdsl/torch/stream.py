@@ -64,17 +64,23 @@ class StreamRunner:
                 (self.core,) = [DriverLaunch(sl, self.index) for sl in kernel.launches]
                 self.sum = DriverLaunch(kernel.sum, self.index) if kernel.sum else None
                 self.rounds = [DriverLaunch(sl, self.index) for sl in kernel.rounds]
+                copy_in = [DriverLaunch(sl, self.index) for sl in kernel.copy_in]
+                self.copy_out = DriverLaunch(kernel.copy_out, self.index) if kernel.copy_out else None
             self._stream = lambda: _raw_stream(self.index)
         else:
             (self.core,) = [launcher(sl) for sl in kernel.launches]
             self.sum = launcher(kernel.sum) if kernel.sum else None
             self.rounds = [launcher(sl) for sl in kernel.rounds]
+            copy_in = [launcher(sl) for sl in kernel.copy_in]
+            self.copy_out = launcher(kernel.copy_out) if kernel.copy_out else None
             self._stream = lambda: 0
         p = kernel.problem
         channels_last = p.with_(layout="NHWGC")
         # the channel axis is named alike for X and dY: a permutation only moves axes
         to_nhwgc = _permutation(activation_axes(p, "ch"), activation_axes(channels_last, "ch"))
         self._copied = {p.arg_names.index(name): to_nhwgc for name in kernel.copied}
+        # the transposes that make those copies (by argument index), where the kernel has them
+        self._copy_in = {p.arg_names.index(name): launch for name, launch in zip(kernel.copied, copy_in)}
         self._back = _permutation(activation_axes(channels_last, "ch"), activation_axes(p, "ch"))
         # GKCYX weights: the launches read a GKYXC copy (policy.weight_copied)
         self._weight_order = (_permutation(weight_axes(p), weight_axes(p.with_(weight_layout=FAST_WEIGHT_LAYOUT)))
@@ -105,7 +111,13 @@ class StreamRunner:
         stream = self._stream()
         operands = list(args[:2])
         for i, a in enumerate(operands):
-            if i in self._copied:
+            if i in self._copy_in:  # NGCHW -> NHWGC by the transpose kernel
+                moved = torch.empty([a.shape[d] for d in self._copied[i]], dtype=a.dtype, device=self.device)
+                aligned = a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0
+                self._copy_in[i](stream, a if aligned else a.contiguous() if not a.is_contiguous() else a.clone(),
+                                 moved)
+                operands[i] = moved
+            elif i in self._copied:
                 operands[i] = a.permute(self._copied[i]).contiguous()
             elif i == 1 and self._weight_order is not None:
                 operands[i] = a.permute(self._weight_order).contiguous()
@@ -127,7 +139,11 @@ class StreamRunner:
                       and out.data_ptr() % ALIGNMENT == 0)
             result = out if direct else torch.empty(self._result_shape, dtype=self._result_dtype, device=self.device)
             self.core(stream, operands[0], operands[1], result)
-            if k.result_copied:
+            if k.result_copied and self.copy_out is not None:  # NHWGC -> NGCHW by the transpose kernel
+                back = torch.empty(k.problem.result_shape, dtype=self._result_dtype, device=self.device)
+                self.copy_out(stream, result, back)
+                result = back
+            elif k.result_copied:
                 result = result.permute(self._back)
                 if out is None:
                     return result.contiguous()
