@@ -492,13 +492,7 @@ def _grad_input_phase(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value, sh
     dy_axes = activation_axes(p, "ch")
     sp = _spatial_positions(p, dy_axes)
     wph = _phase_weight(plan, ph, w)
-    full = sizes_of(dy)
-    offsets, sizes = [0] * len(full), list(full)
-    for i, pos in enumerate(sp):
-        d1 = ph.dims[i]
-        offsets[pos] = d1.off - (d1.J - 1) * d1.o_step + plan.dy_pad_lo[i]
-        sizes[pos] = d1.Q + (d1.J - 1) * d1.o_step
-    window = extract(dy, offsets, sizes, [1] * len(full))
+    window = _phase_window(plan, ph, dy)
     q = [f"q{i}" for i in range(p.dims)]
     j = [f"j{i}" for i in range(p.dims)]
     space = _contraction_space(
