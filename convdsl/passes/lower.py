@@ -490,7 +490,6 @@ def _grad_input_phase(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value, sh
     # (Wphase is stored [g, c, j', k] with plan.weight_k_inner: the same values, K innermost.)
     p = plan.problem
     dy_axes = activation_axes(p, "ch")
-    sp = _spatial_positions(p, dy_axes)
     wph = _phase_weight(plan, ph, w)
     window = _phase_window(plan, ph, dy)
     q = [f"q{i}" for i in range(p.dims)]
