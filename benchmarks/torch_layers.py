@@ -1,6 +1,6 @@
-"""Where a training step's convolution time goes: every convolution call of one step (as a bundle from
-`examples/train_resnet.py --bundle-out` records them, one kernel per call), timed through convdsl's stream path
-and through cuDNN on the same tensors, summed over the step by how often each occurs.
+"""Where a training step's convolution time goes: every distinct convolution of one step (a bundle from
+`examples/train_resnet.py --bundle-out`, which writes beside it how often each runs per step, `.calls.json`),
+timed through convdsl's stream path and through cuDNN on the same tensors, summed over the step by those counts.
 
     python3 examples/train_resnet.py --bundle-out resnet50.convk --arch sm_90        # where Triton is
     python3 benchmarks/torch_layers.py --bundle resnet50.convk --out results/          # on the GPU machine
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -26,6 +25,7 @@ def main(argv=None) -> int:
     from benchmarks.gpu_bench import TorchConv, random_args, reference, rel_error, tolerance
     from benchmarks.torch_bench import _case_dict, _queued
     from convdsl import stream
+    from convdsl.problem import problem_from_spec
     from convdsl.torch.stream import StreamRunner
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,7 +34,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     kernels = stream.load_bundle(args.bundle)
-    calls = Counter(json.dumps(k.problem.record(), sort_keys=True) for k in kernels)
+    counts = args.bundle.with_suffix(".calls.json")
+    if not counts.exists():
+        raise SystemExit(f"--bundle: {counts} is missing (examples/train_resnet.py --bundle-out writes it)")
+    calls = {json.dumps(problem_from_spec(c["problem"]).record(), sort_keys=True): c["calls"]
+             for c in json.loads(counts.read_text())}
     first = {}
     for k in kernels:
         first.setdefault(json.dumps(k.problem.record(), sort_keys=True), k)

@@ -246,13 +246,15 @@ def build_bundle(args: argparse.Namespace) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from convdsl import stream
+    from convdsl.problem import problem_to_spec
     from convdsl.targets import Target
     from convdsl.torch import runtime
 
     groups, width = (32, 4) if args.resnext else (1, 64)
     model = ct.convert(ResNet(groups=groups, width_per_group=width, classes=args.classes))
     model = model.to(memory_format=torch.channels_last)
-    with runtime.recording(as_cuda=True) as problems, FakeTensorMode(allow_non_fake_inputs=True):
+    calls: dict = {}
+    with runtime.recording(as_cuda=True, calls=calls) as problems, FakeTensorMode(allow_non_fake_inputs=True):
         images = torch.randn(args.batch, 3, args.image_size, args.image_size)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = nn.CrossEntropyLoss()(model(images.contiguous(memory_format=torch.channels_last)),
@@ -261,7 +263,11 @@ def build_bundle(args: argparse.Namespace) -> int:
     target = Target("cuda", args.arch)
     kernels = [stream.stream_kernel(p, target) for p in problems if stream.unsupported_reason(p, target) is None]
     stream.save_bundle(kernels, args.bundle_out)
-    print(f"wrote {args.bundle_out}: {len(kernels)} stream kernels of {len(problems)} convolution calls")
+    # how often each kernel runs in a step, beside the bundle (benchmarks/torch_layers.py weighs by it)
+    counts = args.bundle_out.with_suffix(".calls.json")
+    counts.write_text(json.dumps([{"problem": problem_to_spec(p), "calls": n} for p, n in calls.items()]) + "\n")
+    print(f"wrote {args.bundle_out} and {counts}: {len(kernels)} stream kernels, {sum(calls.values())} convolution "
+          f"calls per step")
     return 0
 
 

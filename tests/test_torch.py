@@ -180,6 +180,21 @@ def test_recording_on_fake_tensors_lists_every_kernel_of_a_step():
     assert all(p.layout == "NHWGC" for p in problems if p.op == "forward")
 
 
+def test_recording_counts_the_calls_of_each_problem():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from convdsl.torch import runtime
+
+    same = ct.Conv2d(4, 4, 3, padding=1)
+    model = nn.Sequential(ct.Conv2d(3, 4, 3, padding=1), same, same, same)  # one layer called three times
+    calls: dict = {}
+    with runtime.recording(as_cuda=True, calls=calls) as problems, FakeTensorMode(allow_non_fake_inputs=True):
+        model(torch.randn(2, 3, 8, 8).requires_grad_()).sum().backward()
+    assert set(calls) == set(problems) and sum(calls.values()) == 4 + 4 + 4
+    repeated = [n for p, n in calls.items() if p.in_channels == 4]
+    assert sorted(repeated) == [3, 3, 3]  # forward, grad_input, grad_weight of the repeated layer
+
+
 def test_bad_calls_raise_torch_nn_errors():
     conv = ct.Conv2d(4, 6, 3)
     with pytest.raises(RuntimeError, match="Expected 3D .unbatched. or 4D"):

@@ -112,6 +112,7 @@ _runners: dict[tuple, StreamRunner] = {}
 _targets: dict[int, Target] = {}
 _recording: Optional[list[ConvProblem]] = None
 _recording_for_cuda = False
+_recording_calls: Optional[dict[ConvProblem, int]] = None  # counted calls per problem (recording(calls=...))
 _bundles_registered = False
 
 # Stream-kernel bundles compiled elsewhere (convdsl.stream.save_bundle), loaded before anything is compiled:
@@ -130,17 +131,18 @@ def _register_bundles() -> None:
 
 
 @contextlib.contextmanager
-def recording(as_cuda: bool = True) -> Iterator[list[ConvProblem]]:
-    """The problems the calls inside make, shapes only: run a model on fake tensors (FakeTensorMode, on the
-    CPU too) inside it to learn which kernels to compile ahead, e.g. into a bundle for a machine without a
-    compiler.  as_cuda: record the problems as CUDA calls make them (f32 follows cudnn.allow_tf32)."""
-    global _recording, _recording_for_cuda
-    previous, _recording = (_recording, _recording_for_cuda), []
-    _recording_for_cuda = as_cuda
+def recording(as_cuda: bool = True, calls: Optional[dict[ConvProblem, int]] = None) -> Iterator[list[ConvProblem]]:
+    """The problems the calls inside make (each once, in first-call order), shapes only: run a model on fake
+    tensors (FakeTensorMode, on the CPU too) inside it to learn which kernels to compile ahead, e.g. into a bundle
+    for a machine without a compiler.  as_cuda: record the problems as CUDA calls make them (f32 follows
+    cudnn.allow_tf32).  calls: a dict that counts the calls of each problem."""
+    global _recording, _recording_for_cuda, _recording_calls
+    previous, _recording = (_recording, _recording_for_cuda, _recording_calls), []
+    _recording_for_cuda, _recording_calls = as_cuda, calls
     try:
         yield _recording
     finally:
-        _recording, _recording_for_cuda = previous
+        _recording, _recording_for_cuda, _recording_calls = previous
 
 
 def recording_active() -> bool:
@@ -154,6 +156,8 @@ def note(op: str, a: torch.Tensor, b: torch.Tensor, **conv) -> None:
         p = problem_for(op, a, b, **conv)
         if p not in _recording:
             _recording.append(p)
+        if _recording_calls is not None:
+            _recording_calls[p] = _recording_calls.get(p, 0) + 1
 
 
 def _cuda_target(device: torch.device) -> Target:
