@@ -31,6 +31,13 @@ def _permutation(src: Sequence[str], dst: Sequence[str]) -> list[int]:
     return [list(src).index(a) for a in dst]
 
 
+def _bindable(a: torch.Tensor) -> torch.Tensor:
+    """`a` itself where a kernel can bind it (contiguous, ALIGNMENT-aligned), else a contiguous aligned copy."""
+    if a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0:
+        return a
+    return a.contiguous() if not a.is_contiguous() else a.clone()
+
+
 # A launch as the runner calls it: (stream handle, tensors in binding order) -> None
 Launcher = Callable[..., None]
 
@@ -113,16 +120,14 @@ class StreamRunner:
         for i, a in enumerate(operands):
             if i in self._copy_in:  # NGCHW -> NHWGC by the transpose kernel
                 moved = torch.empty([a.shape[d] for d in self._copied[i]], dtype=a.dtype, device=self.device)
-                aligned = a.is_contiguous() and a.data_ptr() % ALIGNMENT == 0
-                self._copy_in[i](stream, a if aligned else a.contiguous() if not a.is_contiguous() else a.clone(),
-                                 moved)
+                self._copy_in[i](stream, _bindable(a), moved)
                 operands[i] = moved
             elif i in self._copied:
                 operands[i] = a.permute(self._copied[i]).contiguous()
             elif i == 1 and self._weight_order is not None:
                 operands[i] = a.permute(self._weight_order).contiguous()
-            elif not a.is_contiguous() or a.data_ptr() % ALIGNMENT:
-                operands[i] = a.contiguous() if not a.is_contiguous() else a.clone()
+            else:
+                operands[i] = _bindable(a)
         for i, launch in enumerate(self.rounds):  # fp8 compute: each operand rounded once, stored in f16
             rounded = torch.empty(operands[i].shape, dtype=torch.float16, device=self.device)
             launch(stream, operands[i], rounded)
