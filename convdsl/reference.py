@@ -6,8 +6,9 @@ input i = o*s + y*d - lo for taps y in [0, R), and reads outside [0, I) are zero
 
 Internally every tensor is permuted to one canonical axis order:
     x, dx: (N, G, C, spatial...)    y, dy: (N, G, K, spatial...)    w, dw: (G, K, C, taps...)
-Each op is a loop over the filter taps (prod(R) iterations, small) of one einsum over a strided slice of an
-explicitly zero-padded activation; the padding makes every slice in range, so no index is clipped by hand.
+Each op is a loop over the filter taps (prod(R) iterations, small) of one batched matrix product per group
+over a strided slice of an explicitly zero-padded activation; the padding makes every slice in range, so no
+index is clipped by hand.  The batch is taken in chunks small enough to stay in cache across the taps.
 """
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ BF16X3_TOLERANCE = 1e-4
 # sums; the norm-wise error of a sum of such products stays near 1e-3 (random signs), so 5e-3 holds
 TF32_TOLERANCE = 5e-3
 
-# einsum letters for the spatial axes; up to 3 dims.
-_SPATIAL = "DHW"
-_TAPS = "ZYX"
+# activation values per batch chunk (see _batch_chunks): 2 MB of float64
+_CHUNK_ELEMENTS = 1 << 18
+# values per chunk of relative_error's sums of squares
+_NORM_CHUNK = 1 << 20
 
 
 # --- dtype helpers -------------------------------------------------------------------------------
@@ -65,15 +67,22 @@ def tolerance(problem: ConvProblem) -> float:
 
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     """||got - want||_2 / max(||want||_2, tiny), in float64; inf if `got` is not finite."""
-    g = np.asarray(got).astype(np.float64)
-    w = np.asarray(want).astype(np.float64)
+    g, w = np.asarray(got), np.asarray(want)
     if g.shape != w.shape:
         raise ValueError(f"relative_error: shapes differ, got {g.shape} and want {w.shape}")
     if not np.all(np.isfinite(g)):
         # nan would compare False against any tolerance anyway; inf makes the failure readable.
         return math.inf
-    denom = max(float(np.linalg.norm(w.ravel())), float(np.finfo(np.float64).tiny))
-    return float(np.linalg.norm((g - w).ravel())) / denom
+    # sums of squares a chunk at a time: no whole float64 copies of large results
+    g, w = g.reshape(-1), w.reshape(-1)
+    diff_sq = want_sq = 0.0
+    for start in range(0, g.size, _NORM_CHUNK):
+        gc = g[start:start + _NORM_CHUNK].astype(np.float64)
+        wc = w[start:start + _NORM_CHUNK].astype(np.float64, copy=False)
+        gc -= wc
+        diff_sq += float(np.dot(gc, gc))
+        want_sq += float(np.dot(wc, wc))
+    return math.sqrt(diff_sq) / max(math.sqrt(want_sq), float(np.finfo(np.float64).tiny))
 
 
 def random_inputs(problem: ConvProblem, seed: int = 0) -> list[np.ndarray]:
@@ -82,7 +91,11 @@ def random_inputs(problem: ConvProblem, seed: int = 0) -> list[np.ndarray]:
     out: list[np.ndarray] = []
     for shape, dtype_name in zip(problem.arg_shapes, problem.arg_dtypes):
         dtype = NUMPY_DTYPES[dtype_name]
-        a = rng.uniform(-1.0, 1.0, size=shape).astype(dtype)
+        # drawn in float32 (half the memory traffic of float64 draws), then rounded to the argument's dtype
+        a = rng.random(size=shape, dtype=np.float32)
+        a *= 2
+        a -= 1
+        a = a.astype(dtype, copy=False)
         # An exact zero (from the draw or from rounding a tiny draw) would let a kernel that skips that
         # element pass unnoticed; replace the rare ones with a value every dtype holds exactly.
         a[a == 0] = dtype(0.5)
@@ -113,7 +126,8 @@ def _weight_perm(weight_layout: str, dims: int) -> tuple[int, ...]:
 
 
 def _to_canonical(a: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
-    return np.ascontiguousarray(np.transpose(a, perm))
+    """A float64 copy of `a` in canonical order (weights: small)."""
+    return np.array(np.transpose(a, perm), dtype=np.float64, order="C")
 
 
 def _from_canonical(a: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
@@ -121,7 +135,13 @@ def _from_canonical(a: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
     return np.ascontiguousarray(np.transpose(a, np.argsort(perm)))
 
 
-# --- the three ops on canonical float64 tensors -------------------------------------------------
+def _chunk64(view: np.ndarray, chunk: slice) -> np.ndarray:
+    """A batch chunk of a canonical view (any dtype, any strides) as a contiguous float64 array: activations are
+    converted and reordered a chunk at a time, in cache, never as whole float64 copies."""
+    return np.array(view[chunk], dtype=np.float64, order="C")
+
+
+# --- the three ops on canonical views -------------------------------------------------
 def _tap_slices(p: ConvProblem, tap: tuple[int, ...]) -> tuple[slice, ...]:
     """For one filter tap y, the padded-input indices o*s + y*d (o in [0, O)) of every spatial dim."""
     return tuple(
@@ -138,42 +158,59 @@ def _crop(p: ConvProblem) -> tuple[slice, ...]:
     return tuple(slice(lo, lo + i) for lo, i in zip(p.pad_lo, p.input))
 
 
-def _forward(p: ConvProblem, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """y[n,g,k,o] = sum_{c,y} x[n,g,c,o*s+y*d-lo] * w[g,k,c,y]."""
-    sp = _SPATIAL[: p.dims]
+def _batch_chunks(p: ConvProblem, per_image: int) -> list[slice]:
+    """Slices of the batch, each about _CHUNK_ELEMENTS activation values: a chunk's padded input and result stay
+    in cache across the filter taps (one pass over the whole batch per tap was memory-bound)."""
+    step = max(1, _CHUNK_ELEMENTS // max(per_image, 1))
+    return [slice(n, min(n + step, p.batch)) for n in range(0, p.batch, step)]
+
+
+def _taps(p: ConvProblem):
+    return itertools.product(*(range(r) for r in p.filter))
+
+
+def _forward(p: ConvProblem, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
+    """y[n,g,k,o] = sum_{c,y} x[n,g,c,o*s+y*d-lo] * w[g,k,c,y]: per tap, w[..., y] (G, K, C) @ window (G, C, O).
+    x, y: canonical views (y is written); w: canonical float64."""
     pad = [(0, 0)] * 3 + list(zip(p.pad_lo, p.pad_hi))
-    xp = np.pad(x, pad)  # zeros stand in for the out-of-range reads
-    y = np.zeros((p.batch, p.groups, p.out_channels, *p.output), dtype=np.float64)
-    spec = f"ngc{sp},gkc->ngk{sp}"
-    for tap in itertools.product(*(range(r) for r in p.filter)):
-        xs = xp[(slice(None),) * 3 + _tap_slices(p, tap)]
-        y += np.einsum(spec, xs, w[(Ellipsis,) + tap])
-    return y
+    g, k, c, positions = p.groups, p.out_channels, p.in_channels, math.prod(p.output)
+    for chunk in _batch_chunks(p, g * c * math.prod(_padded_spatial(p))):
+        xp = np.pad(_chunk64(x, chunk), pad)  # zeros stand in for the out-of-range reads
+        yc = np.zeros((xp.shape[0], g, k, positions), dtype=np.float64)
+        for tap in _taps(p):
+            window = xp[(slice(None),) * 3 + _tap_slices(p, tap)].reshape(-1, g, c, positions)
+            yc += np.matmul(w[(Ellipsis,) + tap], window)
+        y[chunk] = yc.reshape(-1, g, k, *p.output)
 
 
-def _grad_input(p: ConvProblem, dy: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """dx[i] = sum over (o, y) with o*s + y*d - lo = i of dy[o] * w[y]: scatter-add per tap, then crop."""
-    sp = _SPATIAL[: p.dims]
-    # The padded buffer holds every index o*s + y*d; those landing in the padding are the reads forward
-    # would have zero-filled, so they are dropped by the crop.
-    dxp = np.zeros((p.batch, p.groups, p.in_channels, *_padded_spatial(p)), dtype=np.float64)
-    spec = f"ngk{sp},gkc->ngc{sp}"
-    for tap in itertools.product(*(range(r) for r in p.filter)):
-        # Within one tap the strided slice hits distinct indices, so += does not lose colliding updates.
-        dxp[(slice(None),) * 3 + _tap_slices(p, tap)] += np.einsum(spec, dy, w[(Ellipsis,) + tap])
-    return np.ascontiguousarray(dxp[(slice(None),) * 3 + _crop(p)])
+def _grad_input(p: ConvProblem, dy: np.ndarray, w: np.ndarray, dx: np.ndarray) -> None:
+    """dx[i] = sum over (o, y) with o*s + y*d - lo = i of dy[o] * w[y]: per tap, w[..., y]^T (G, C, K) @ dy
+    (G, K, O) scatter-added into a padded buffer, then cropped.  dy, dx: canonical views (dx is written)."""
+    g, k, c = p.groups, p.out_channels, p.in_channels
+    wt = [np.ascontiguousarray(np.swapaxes(w[(Ellipsis,) + tap], 1, 2)) for tap in _taps(p)]
+    for chunk in _batch_chunks(p, g * c * math.prod(_padded_spatial(p))):
+        dyc = _chunk64(dy, chunk).reshape(-1, g, k, math.prod(p.output))
+        # The padded buffer holds every index o*s + y*d; those landing in the padding are the reads forward
+        # would have zero-filled, so they are dropped by the crop.
+        dxp = np.zeros((dyc.shape[0], g, c, *_padded_spatial(p)), dtype=np.float64)
+        for wt_tap, tap in zip(wt, _taps(p)):
+            # Within one tap the strided slice hits distinct indices, so += does not lose colliding updates.
+            dxp[(slice(None),) * 3 + _tap_slices(p, tap)] += np.matmul(wt_tap, dyc).reshape(-1, g, c, *p.output)
+        dx[chunk] = dxp[(slice(None),) * 3 + _crop(p)]
 
 
 def _grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray) -> np.ndarray:
-    """dw[g,k,c,y] = sum_{n,o} x[n,g,c,o*s+y*d-lo] * dy[n,g,k,o]."""
-    sp = _SPATIAL[: p.dims]
+    """dw[g,k,c,y] = sum_{n,o} x[n,g,c,o*s+y*d-lo] * dy[n,g,k,o]: per tap, dy (G, K, O) @ window^T (G, O, C).
+    x, dy: canonical views; the result is canonical float64."""
     pad = [(0, 0)] * 3 + list(zip(p.pad_lo, p.pad_hi))
-    xp = np.pad(x, pad)
-    dw = np.zeros((p.groups, p.out_channels, p.in_channels, *p.filter), dtype=np.float64)
-    spec = f"ngc{sp},ngk{sp}->gkc"
-    for tap in itertools.product(*(range(r) for r in p.filter)):
-        xs = xp[(slice(None),) * 3 + _tap_slices(p, tap)]
-        dw[(Ellipsis,) + tap] = np.einsum(spec, xs, dy)
+    g, k, c, positions = p.groups, p.out_channels, p.in_channels, math.prod(p.output)
+    dw = np.zeros((p.groups, k, c, *p.filter), dtype=np.float64)
+    for chunk in _batch_chunks(p, g * c * math.prod(_padded_spatial(p))):
+        xp = np.pad(_chunk64(x, chunk), pad)
+        dyc = _chunk64(dy, chunk).reshape(-1, g, k, positions)
+        for tap in _taps(p):
+            window = xp[(slice(None),) * 3 + _tap_slices(p, tap)].reshape(-1, g, c, positions)
+            dw[(Ellipsis,) + tap] += np.matmul(dyc, np.swapaxes(window, 2, 3)).sum(axis=0)
     return dw
 
 
@@ -196,7 +233,7 @@ def reference(problem: ConvProblem, *args: np.ndarray) -> np.ndarray:
         a = np.asarray(a)
         if a.shape != tuple(shape):
             raise ValueError(f"{p.op}: argument {name} has shape {a.shape}, expected {tuple(shape)}")
-        arrays.append(a.astype(np.float64))
+        arrays.append(a)  # in its own dtype: the ops convert to float64 a batch chunk at a time
 
     a_op, b_op = arrays[0], arrays[1]
     if p.fp8_compute:
@@ -205,12 +242,13 @@ def reference(problem: ConvProblem, *args: np.ndarray) -> np.ndarray:
 
     act = _activation_perm(p.layout, p.dims)
     wgt = _weight_perm(p.weight_layout, p.dims)
-    if p.op == "forward":
-        conv = _from_canonical(_forward(p, _to_canonical(a_op, act), _to_canonical(b_op, wgt)), act)
-    elif p.op in ("grad_input", "transposed"):
-        conv = _from_canonical(_grad_input(p, _to_canonical(a_op, act), _to_canonical(b_op, wgt)), act)
+    if p.op in ("forward", "grad_input", "transposed"):
+        # the result is written through its canonical view, so it comes out in the layout without a copy
+        conv = np.empty(p.result_shape, dtype=np.float64)
+        op = _forward if p.op == "forward" else _grad_input
+        op(p, np.transpose(a_op, act), _to_canonical(b_op, wgt), np.transpose(conv, act))
     elif p.op == "grad_weight":
-        conv = _from_canonical(_grad_weight(p, _to_canonical(a_op, act), _to_canonical(b_op, act)), wgt)
+        conv = _from_canonical(_grad_weight(p, np.transpose(a_op, act), np.transpose(b_op, act)), wgt)
     else:  # ConvProblem validates op; this guards against a new op added there but not here
         raise ValueError(f"op: unknown {p.op!r}")
 
@@ -219,5 +257,5 @@ def reference(problem: ConvProblem, *args: np.ndarray) -> np.ndarray:
         return conv
     out = ep.alpha * conv
     if ep.kind == "bilinear":
-        out = out + ep.beta * arrays[2]
+        out = out + ep.beta * arrays[2].astype(np.float64)
     return out
