@@ -79,6 +79,113 @@ def test_module_matches_torch_nn(name, kwargs, shape, fmt, dtype):
         assert _rel(mod.bias.grad, ref.bias.grad) <= tol
 
 
+class _ReferenceRunner:
+    """A stand-in for a stream runner on the CPU: computes its problem with convdsl's float64 reference and
+    counts how it was called (run_into: the arguments as they lie; __call__: through convdsl's layout views)."""
+
+    direct = True
+
+    def __init__(self, problem) -> None:
+        self.problem = problem
+        self.calls = {"run_into": 0, "views": 0}
+
+    def _result(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        from convdsl.reference import reference
+
+        r = reference(self.problem, a.detach().numpy(), b.detach().numpy())
+        return torch.from_numpy(r).to(a.dtype)
+
+    def run_into(self, a, b, out):
+        from convdsl.torch import runtime
+
+        self.calls["run_into"] += 1
+        p = self.problem
+        av = runtime.activation_view(a, p.groups, p.layout)
+        bv = (runtime.activation_view(b, p.groups, p.layout) if p.op == "grad_weight"
+              else runtime.weight_view(b, p.groups, p.weight_layout))
+        assert av.data_ptr() == a.data_ptr() and av.is_contiguous() and bv.is_contiguous()  # read as they lie
+        r = self._result(av, bv)
+        if p.op == "grad_weight":
+            view = runtime._weight_result(r, p.weight_layout, p.dims)
+        else:
+            view = runtime._activation_result(r, p.layout, p.dims)
+        out.copy_(view)
+        return out
+
+    def __call__(self, av, bv):
+        self.calls["views"] += 1
+        return self._result(av.contiguous(), bv.contiguous())
+
+
+@pytest.fixture
+def planned_on_the_cpu(monkeypatch):
+    """The eager plans (convdsl/torch/ops.py) on CPU tensors, each problem's kernels a _ReferenceRunner."""
+    from convdsl.torch import runtime
+
+    runners = {}
+
+    def new_call(p, device, a, b):
+        runner = runners.setdefault(p, _ReferenceRunner(p))
+        return runtime._new_call_with(p, runner, a, b)
+
+    monkeypatch.setattr(runtime, "on_stream_device", lambda t: True)
+    monkeypatch.setattr(runtime, "_new_call", new_call)
+    monkeypatch.setattr(runtime, "_calls", {})
+    return runners
+
+
+def test_eager_plans_are_made_once_and_match_torch_nn(planned_on_the_cpu):
+    import copy
+    import pickle
+
+    mod, ref = _pair("Conv2d", dict(in_channels=8, out_channels=12, kernel_size=3, stride=2, padding=1, groups=4),
+                     torch.float32)
+    mod, ref = mod.to(memory_format=torch.channels_last), ref.to(memory_format=torch.channels_last)
+    for step in range(2):
+        x = torch.randn(2, 8, 9, 10).to(memory_format=torch.channels_last).requires_grad_()
+        xr = x.detach().double().requires_grad_()
+        y, yr = mod(x), ref(xr)
+        g = torch.randn(y.shape).to(memory_format=torch.channels_last)
+        y.backward(g)
+        yr.backward(g.double())
+        assert _rel(y, yr) <= 1e-5 and _rel(x.grad, xr.grad) <= 1e-5
+        assert _rel(mod.weight.grad, ref.weight.grad) <= 1e-5 and _rel(mod.bias.grad, ref.bias.grad) <= 1e-5
+        mod.zero_grad(), ref.zero_grad()
+    plans = mod.__dict__["_convdsl_eager_plans"]
+    assert len(plans) == 1 and next(iter(plans.values())) is not None
+    # forward, grad_input and grad_weight each ran twice, every time on the tensors as they lie
+    assert sorted(r.problem.op for r in planned_on_the_cpu.values()) == ["forward", "grad_input", "grad_weight"]
+    assert all(r.calls == {"run_into": 2, "views": 0} for r in planned_on_the_cpu.values())
+    # a changed module attribute is a new signature, not a stale plan
+    mod.stride, ref.stride = (1, 1), (1, 1)
+    x = torch.randn(2, 8, 9, 10).to(memory_format=torch.channels_last)
+    assert _rel(mod(x), ref(x.double())) <= 1e-5 and len(plans) == 2
+    # copies start without plans (they hold loaded kernels)
+    assert len(copy.deepcopy(mod).__dict__["_convdsl_eager_plans"]) == 0
+    assert len(pickle.loads(pickle.dumps(mod)).__dict__["_convdsl_eager_plans"]) == 0
+
+
+def test_eager_plans_fall_back_for_tensors_not_as_planned(planned_on_the_cpu):
+    mod, ref = _pair("Conv2d", dict(in_channels=4, out_channels=4, kernel_size=3, padding=1), torch.float32)
+    mod, ref = mod.to(memory_format=torch.channels_last), ref.to(memory_format=torch.channels_last)
+    x = torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last)
+    mod(x)  # the plan, made on an aligned input
+    # the same shape and strides at an address the kernels cannot bind: the general path copies it
+    storage = torch.randn(x.numel() + 1)
+    shifted = storage[1:].view(2, 6, 6, 4).permute(0, 3, 1, 2).requires_grad_()
+    assert shifted.stride() == x.stride() and shifted.data_ptr() % 16 != 0
+    y = mod(shifted)
+    assert _rel(y, ref(shifted.detach().double())) <= 1e-5
+    # dY in the other memory format than planned: the gradients take the general path, and are right
+    xr = shifted.detach().double().requires_grad_()
+    g = torch.randn(y.shape)  # contiguous, where y is channels-last
+    y.backward(g)
+    ref(xr).backward(g.double())
+    assert _rel(shifted.grad, xr.grad) <= 1e-5 and _rel(mod.weight.grad, ref.weight.grad) <= 1e-5
+    views = {r.problem.op: r.calls["views"] for r in planned_on_the_cpu.values() if r.calls["views"]}
+    assert sorted(views) == ["forward", "grad_input", "grad_weight"]  # each went the general way
+
+
 def test_bf16_module():
     mod, ref = _pair("Conv2d", dict(in_channels=8, out_channels=8, kernel_size=3, padding=1), torch.bfloat16)
     x = torch.randn(2, 8, 6, 6).to(torch.bfloat16).requires_grad_()

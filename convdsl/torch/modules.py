@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .ops import call_conv_transpose, call_convolution
+from .ops import call_conv_transpose, call_convolution, call_planned, plan_for
 
 
 def _same_padding(kernel_size, dilation) -> tuple[list[int], list[int]]:
@@ -63,12 +63,22 @@ class _ConvMixin:
             return _same_padding(self.kernel_size, self.dilation)
         return list(self.padding), list(self.padding)
 
+    def validate(self, x: torch.Tensor) -> None:
+        check_call(self, x, transposed=False)
+
+    def conv_arguments(self) -> tuple[list[int], list[int], list[int], list[int], int]:
+        """(stride, pad_lo, pad_hi, dilation, groups) as the operators take them."""
+        lo, hi = self._padding_lo_hi()
+        return list(self.stride), lo, hi, list(self.dilation), self.groups
+
     @_batched
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # on CUDA in eager mode, a repeated call finds its plan: no checks, no problem keys
+        plan = plan_for(self, x)
+        if plan is not None:
+            return call_planned(plan, x, self.weight, self.bias)
         check_call(self, x, transposed=False)
-        lo, hi = self._padding_lo_hi()
-        return call_convolution(x, self.weight, self.bias, list(self.stride), lo, hi, list(self.dilation),
-                                self.groups)
+        return call_convolution(x, self.weight, self.bias, *self.conv_arguments())
 
 
 class Conv1d(_ConvMixin, nn.Conv1d):

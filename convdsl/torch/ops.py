@@ -271,12 +271,117 @@ class EagerConvTranspose(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None
 
 
+class EagerPlans(dict):
+    """A module's eager plans by input signature (plan_for).  Copies and pickles of the module start without
+    them: plans hold kernels loaded on one device."""
+
+    def __reduce__(self):
+        return (EagerPlans, ())
+
+    def __deepcopy__(self, memo) -> "EagerPlans":
+        return EagerPlans()
+
+
+class _Plan:
+    """One convolution module's calls for one signature of its input and weight (shapes, strides, dtypes,
+    device, autocast, TF32 flag), worked out at the first call: the forward's direct call (runtime.direct_call)
+    and, per dY strides, the two gradients' (None where a gradient's kernels cannot read dY as it lies)."""
+
+    __slots__ = ("conv", "forward", "autocast", "bias_shape", "gradients")
+
+    def __init__(self, conv: tuple, forward, autocast: Optional[str], dims: int) -> None:
+        self.conv = conv  # (stride, pad_lo, pad_hi, dilation, groups)
+        self.forward = forward
+        self.autocast = autocast  # the device type whose autocast region the plan was made in, if any
+        self.bias_shape = (1, -1, *([1] * dims))
+        self.gradients: dict[tuple, tuple] = {}
+
+    def gradients_for(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple:
+        key = (dy.stride(), torch.backends.cudnn.allow_tf32)
+        calls = self.gradients.get(key)
+        if calls is None:
+            stride, lo, hi, dilation, groups = self.conv
+            conv = dict(stride=stride, pad_lo=lo, pad_hi=hi, dilation=dilation, groups=groups)
+            calls = self.gradients[key] = (
+                runtime.direct_call("grad_input", dy, w, spatial=x.shape[2:], filt=w.shape[2:], **conv),
+                runtime.direct_call("grad_weight", x, dy, spatial=x.shape[2:], filt=w.shape[2:], **conv))
+        return calls
+
+
+class PlannedConvolution(torch.autograd.Function):
+    """EagerConvolution with its calls worked out ahead (a _Plan): per call only the launches and their
+    results' allocations are left (docs/decisions.md#eager-plans)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, plan):
+        ctx.save_for_backward(x, w)
+        ctx.plan = plan
+        y = plan.forward.launch(x, w)
+        if bias is not None:
+            y = y.add_(bias.view(plan.bias_shape).to(y.dtype))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        plan = ctx.plan
+        grad_input, grad_weight = plan.gradients_for(dy, x, w)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = (grad_input.launch(dy, w) if grad_input is not None and runtime.aligned(dy, w)
+                  else _grad_input(dy, w, list(x.shape), *plan.conv))
+        if ctx.needs_input_grad[1]:
+            dw = (grad_weight.launch(x, dy) if grad_weight is not None and runtime.aligned(x, dy)
+                  else _grad_weight(x, dy, list(w.shape), *plan.conv))
+        if ctx.needs_input_grad[2]:
+            db = _bias_grad(dy)
+        return dx, dw, db, None
+
+
+_PLANS_ATTRIBUTE = "_convdsl_eager_plans"
+
+
+def plan_for(module: torch.nn.Module, x: torch.Tensor) -> Optional[_Plan]:
+    """The module's eager plan for x (CUDA, eager, kernels that read x and the weight as they lie), else None:
+    the first call of a signature validates it (validate) and works the plan out; later calls look it up."""
+    if not runtime.on_stream_device(x) or torch.compiler.is_compiling() or runtime.recording_active():
+        return None
+    w = module.weight
+    device_type = x.device.type
+    autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    key = (x.shape, x.stride(), x.dtype, x.get_device(), w.shape, w.stride(), w.dtype, w.get_device(), autocast,
+           module.stride, module.padding, module.dilation, module.groups, torch.backends.cudnn.allow_tf32)
+    plans = module.__dict__.get(_PLANS_ATTRIBUTE)
+    if plans is None:
+        plans = module.__dict__[_PLANS_ATTRIBUTE] = EagerPlans()
+    if key in plans:
+        return plans[key]
+    module.validate(x)  # torch.nn's errors for bad calls, before anything is planned
+    stride, lo, hi, dilation, groups = module.conv_arguments()
+    xc, wc = _autocast(device_type, x, w)
+    forward = runtime.direct_call("forward", xc.detach(), wc.detach(), spatial=x.shape[2:], filt=w.shape[2:],
+                                  stride=stride, pad_lo=lo, pad_hi=hi, dilation=dilation, groups=groups)
+    plan = plans[key] = (None if forward is None else
+                         _Plan((stride, lo, hi, dilation, groups), forward, device_type if autocast is not None else None,
+                               x.dim() - 2))
+    return plan
+
+
+def call_planned(plan: _Plan, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if plan.autocast:
+        x, w, bias = _autocast(plan.autocast, x, w, bias)
+    if not runtime.aligned(x, w):  # an offset view: the general path copies it
+        return EagerConvolution.apply(x, w, bias, *plan.conv)
+    return PlannedConvolution.apply(x, w, bias, plan)
+
+
 def _autocast(device_type: str, *tensors):
     """The floating tensors in the autocast region's dtype (what the operators' autocast kernel does)."""
     if not torch.is_autocast_enabled(device_type):
         return tensors
     dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
+    return tuple(t.to(dtype) if t is not None and t.dtype != dtype and t.is_floating_point() else t
+                 for t in tensors)
 
 
 def call_convolution(x, w, bias, stride, pad_lo, pad_hi, dilation, groups) -> torch.Tensor:

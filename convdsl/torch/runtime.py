@@ -223,11 +223,29 @@ class _Call:
     result_shape: tuple[int, ...] = ()
     result_format: torch.memory_format = torch.contiguous_format
 
+    def launch(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """A direct call on its arguments as they lie (the caller checked `aligned`): the result, queued."""
+        out = torch.empty(self.result_shape, dtype=a.dtype, device=a.device, memory_format=self.result_format)
+        return self.runner.run_into(a, b, out)
+
+
+def on_stream_device(t: torch.Tensor) -> bool:
+    """Whether calls on t can take the stream kernels (t is on a CUDA device)."""
+    return t.is_cuda
+
+
+def aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() % ALIGNMENT == 0 and b.data_ptr() % ALIGNMENT == 0
+
 
 def _new_call(p: ConvProblem, device: torch.device, a: torch.Tensor, b: torch.Tensor) -> _Call:
-    runner = _stream_runner(p, device) if device.type == "cuda" else None
+    runner = _stream_runner(p, device) if on_stream_device(a) else None
     if runner is None:
         return _Call(p, None, _iree_kernel(p, device))
+    return _new_call_with(p, runner, a, b)
+
+
+def _new_call_with(p: ConvProblem, runner, a: torch.Tensor, b: torch.Tensor) -> _Call:
     # direct when the views the kernels expect are the tensors' memory as it lies (contiguous views)
     av = activation_view(a, p.groups, p.layout)
     bv = weight_view(b, p.groups, p.weight_layout) if p.op != "grad_weight" else activation_view(b, p.groups, p.layout)
@@ -250,22 +268,23 @@ def _new_call(p: ConvProblem, device: torch.device, a: torch.Tensor, b: torch.Te
 _calls: dict[tuple, _Call] = {}
 
 
-def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], filt: Sequence[int],
-        stride: Sequence[int], pad_lo: Sequence[int], pad_hi: Sequence[int], dilation: Sequence[int],
-        groups: int) -> torch.Tensor:
-    """op's result as a PyTorch tensor in a's memory format."""
+def _key(op: str, a: torch.Tensor, b: torch.Tensor, spatial: Sequence[int], filt: Sequence[int],
+         stride: Sequence[int], pad_lo: Sequence[int], pad_hi: Sequence[int], dilation: Sequence[int],
+         groups: int) -> tuple:
     # keyed on the arguments as they come: whether they need a copy into a mapped memory format follows from
     # their shapes and strides, so a repeated call on tensors the kernels read in place skips all of that
-    key = (op, a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, tuple(spatial), tuple(filt),
-           tuple(stride), tuple(pad_lo), tuple(pad_hi), tuple(dilation), groups,
-           a.is_cuda and torch.backends.cudnn.allow_tf32)
+    return (op, a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, tuple(spatial), tuple(filt),
+            tuple(stride), tuple(pad_lo), tuple(pad_hi), tuple(dilation), groups,
+            a.is_cuda and torch.backends.cudnn.allow_tf32)
+
+
+def _call_of(key: tuple, op: str, a: torch.Tensor, b: torch.Tensor,
+             laid: Optional[tuple[torch.Tensor, torch.Tensor]], spatial: Sequence[int], filt: Sequence[int],
+             stride: Sequence[int], pad_lo: Sequence[int], pad_hi: Sequence[int], dilation: Sequence[int],
+             groups: int) -> _Call:
     call = _calls.get(key)
-    if call is not None and call.direct and a.data_ptr() % ALIGNMENT == 0 and b.data_ptr() % ALIGNMENT == 0:
-        # the kernels read the values through data pointers; autograd is the ops' own
-        out = torch.empty(call.result_shape, dtype=a.dtype, device=a.device, memory_format=call.result_format)
-        return call.runner.run_into(a, b, out)
-    laid_a, laid_b = _as_laid_out(op, a, b)
     if call is None:
+        laid_a, laid_b = laid if laid is not None else _as_laid_out(op, a, b)
         p = problem_for(op, laid_a, laid_b, spatial=spatial, filt=filt, stride=stride, pad_lo=pad_lo,
                         pad_hi=pad_hi, dilation=dilation, groups=groups)
         call = _new_call(p, laid_a.device, laid_a, laid_b)
@@ -274,11 +293,35 @@ def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], fi
         if call.direct and not as_given:
             call = dataclasses.replace(call, direct=False)
         call = _calls.setdefault(key, call)
+    return call
+
+
+def direct_call(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], filt: Sequence[int],
+                stride: Sequence[int], pad_lo: Sequence[int], pad_hi: Sequence[int], dilation: Sequence[int],
+                groups: int) -> Optional[_Call]:
+    """The call of op on tensors shaped and strided like a and b where its kernels read them as they lie
+    (`_Call.launch`), else None: callers that see the same tensors every step keep it (ops.py's eager plans)."""
+    key = _key(op, a, b, spatial, filt, stride, pad_lo, pad_hi, dilation, groups)
+    call = _call_of(key, op, a, b, None, spatial, filt, stride, pad_lo, pad_hi, dilation, groups)
+    return call if call.direct else None
+
+
+def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], filt: Sequence[int],
+        stride: Sequence[int], pad_lo: Sequence[int], pad_hi: Sequence[int], dilation: Sequence[int],
+        groups: int) -> torch.Tensor:
+    """op's result as a PyTorch tensor in a's memory format."""
+    key = _key(op, a, b, spatial, filt, stride, pad_lo, pad_hi, dilation, groups)
+    call = _calls.get(key)
+    if call is not None and call.direct and aligned(a, b):
+        # the kernels read the values through data pointers; autograd is the ops' own
+        return call.launch(a, b)
+    laid_a, laid_b = _as_laid_out(op, a, b)
+    if call is None:
+        call = _call_of(key, op, a, b, (laid_a, laid_b), spatial, filt, stride, pad_lo, pad_hi, dilation, groups)
     a, b = laid_a.detach(), laid_b.detach()
     p = call.problem
-    if call.direct and a.data_ptr() % ALIGNMENT == 0 and b.data_ptr() % ALIGNMENT == 0:
-        out = torch.empty(call.result_shape, dtype=a.dtype, device=a.device, memory_format=call.result_format)
-        return call.runner.run_into(a, b, out)
+    if call.direct and aligned(a, b):
+        return call.launch(a, b)
     av = activation_view(a, groups, p.layout)
     bv = weight_view(b, groups, p.weight_layout) if op != "grad_weight" else activation_view(b, groups, p.layout)
     if call.runner is not None:
