@@ -89,6 +89,37 @@ def _median_ms(fn, reps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+GRAPH_CALLS = 20
+
+
+def graph_ms(fn, reps: int = 7) -> float:
+    """GPU time per call of `fn`, GRAPH_CALLS calls captured in one CUDA graph and replayed: no host time between
+    the kernels, for either side (queued eager calls of small convolutions wait on the host, cuDNN's most)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (workspace, algorithm choice)
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / GRAPH_CALLS)
+    del graph
+    return statistics.median(times)
+
+
 def _queued(fn, reps: int = 5) -> dict:
     """Per call: wall time of QUEUED calls and one synchronisation, their CUDA-event time, and the host time to
     queue them (median over reps)."""

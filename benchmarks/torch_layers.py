@@ -1,6 +1,8 @@
 """Where a training step's convolution time goes: every distinct convolution of one step (a bundle from
 `examples/train_resnet.py --bundle-out`, which writes beside it how often each runs per step, `.calls.json`),
 timed through convdsl's stream path and through cuDNN on the same tensors, summed over the step by those counts.
+GPU time per call comes from CUDA-graph replays (no host time between kernels); the CUDA-event time of queued
+eager calls is kept beside it.
 
     python3 examples/train_resnet.py --bundle-out resnet50.convk --arch sm_90        # where Triton is
     python3 benchmarks/torch_layers.py --bundle resnet50.convk --out results/          # on the GPU machine
@@ -23,7 +25,7 @@ def main(argv=None) -> int:
     import torch
 
     from benchmarks.gpu_bench import TorchConv, random_args, reference, rel_error, tolerance
-    from benchmarks.torch_bench import _case_dict, _queued
+    from benchmarks.torch_bench import _case_dict, _queued, graph_ms
     from convdsl import stream
     from convdsl.problem import problem_from_spec
     from convdsl.torch.stream import StreamRunner
@@ -56,11 +58,12 @@ def main(argv=None) -> int:
         del ref
         targs = conv.to_torch(inputs)
         cudnn = conv.fn(conv.like(targs[0].dtype))
-        mine = _queued(lambda: runner(*inputs))["kernel_ms"]
-        theirs = _queued(lambda: cudnn(*targs))["kernel_ms"]
+        mine = graph_ms(lambda: runner(*inputs))
+        theirs = graph_ms(lambda: cudnn(*targs))
         row = {"describe": p.describe(), "op": p.op, "calls": calls[key], "convdsl_ms": mine, "cudnn_ms": theirs,
                "step_difference_ms": calls[key] * (mine - theirs), "error": err, "ok": err <= tolerance(cd),
-               "stream": k.describe()}
+               "queued_convdsl_ms": _queued(lambda: runner(*inputs))["kernel_ms"],
+               "queued_cudnn_ms": _queued(lambda: cudnn(*targs))["kernel_ms"], "stream": k.describe()}
         rows.append(row)
         del inputs, targs, got
         torch.cuda.empty_cache()

@@ -211,9 +211,35 @@ def direct_forward(p: ConvProblem) -> bool:
     return p.op == "forward" and p.depthwise
 
 
+# _dense_16bit_tiles: rows from which 128 x 256 tiles beat 128 x 128 on multi-tap filters, measured on an H100
+# (ResNet-50's 3x3 GEMMs at 14x14: 12544 rows, 29 against 35 us; at 7x7: 3136 rows, 52 against 40 us)
+DENSE_WIDE_ROWS = 8192
+
+
+def _dense_16bit_tiles(p: ConvProblem, rows: int, columns: int, reduction: int) -> Optional[TileConfig]:
+    """forward's and grad_input's tiles for one dense 16-bit GEMM (one group, no packing, no fp8 compute) with at
+    least 128 columns, as a CUDA-graph sweep of ResNet-50's step chose them (docs/decisions.md#step-tiles):
+    a reduction of one step (64) takes 128 x 64 tiles (the kernel is bound by its loads and stores); filters of
+    several taps with 256 columns or more and enough rows to fill the GPU with them take 128 x 256; the rest
+    128 x 128 (256-wide tiles leave most SMs idle on 7x7 and 14x14 maps).  None outside that domain."""
+    if p.dtype not in ("f16", "bf16") or p.compute is not None or p.groups != 1 or columns < 128:
+        return None
+    if reduction <= 64:
+        return TileConfig(128, 64, 64, warps=4, stages=4)
+    if math.prod(p.filter) > 1 and columns >= 256 and rows >= DENSE_WIDE_ROWS:
+        return TileConfig(128, 256, 64, warps=8, stages=3)
+    return TileConfig(128, 128, 64, warps=8, stages=3)
+
+
 def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
-    """Tiles for shapes the tuning database does not hold: columns as wide as C up to 256, three stages for the
-    widest; few-channel groups packed (default_pack) (docs/decisions.md#default-tiles)."""
+    """Tiles for shapes the tuning database does not hold: dense 16-bit GEMMs as _dense_16bit_tiles says (rows:
+    the positions of one stride phase), else columns as wide as C up to 256, three stages for the widest;
+    few-channel groups packed (default_pack) (docs/decisions.md#default-tiles)."""
+    taps = math.prod(p.filter)
+    dense = _dense_16bit_tiles(p, p.batch * math.prod(p.input) // math.prod(p.stride), p.in_channels,
+                               p.out_channels * taps)
+    if dense is not None and default_pack(p) == 1:
+        return dense
     pack = default_pack(p)
     _, c, k = packed_sizes(p, pack)
     block_n = matrix_block(c, 256)
@@ -224,19 +250,20 @@ def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
 
 
 def default_forward_tiles(p: ConvProblem) -> TileConfig:
-    """Forward runs on grad_input's GEMM kernel with the channels' roles swapped (columns K, reduction C), and
-    takes its tiles, except 16-bit GEMMs with K >= 128 and C >= 64: there 256 columns lost up to 3.3x to
-    128; 1x1 filters (long reductions over C alone) take 256 rows (docs/decisions.md#forward-tiles)."""
+    """Forward runs on grad_input's GEMM kernel with the channels' roles swapped (columns K, reduction C x taps):
+    dense 16-bit GEMMs with C >= 64 as _dense_16bit_tiles says (docs/decisions.md#step-tiles), else grad_input's
+    tiles of the swapped problem."""
     swapped = default_grad_input_tiles(p.with_(in_channels=p.out_channels, out_channels=p.in_channels))
     if swapped.pack == 1 and p.in_channels < MATRIX_BLOCK and math.prod(p.filter) > 1:
         # few input channels (an RGB stem): the reduction over (taps, C) flattened (launch.flat_reduction),
         # up to 64 of them per step, 64 rows (docs/decisions.md#flat-reduction)
         return replace(swapped, block_m=64, block_k=matrix_block(p.in_channels * math.prod(p.filter), 64),
                        warps=4, stages=3)
-    if p.dtype == "f32" or swapped.pack != 1 or p.out_channels < 128 or p.in_channels < 64:
+    dense = _dense_16bit_tiles(p, p.batch * math.prod(p.output), p.out_channels,
+                               p.in_channels * math.prod(p.filter))
+    if dense is None or swapped.pack != 1 or p.in_channels < 64:
         return swapped
-    one_by_one = all(f == 1 for f in p.filter)
-    return TileConfig(256 if one_by_one else 128, 128, 64, warps=8, stages=3)
+    return dense
 
 
 def direct_grad_input_tiles(p: ConvProblem) -> TileConfig:
@@ -249,12 +276,16 @@ def direct_grad_input_tiles(p: ConvProblem) -> TileConfig:
 
 def default_grad_weight_tiles(p: ConvProblem) -> TileConfig:
     """Rows (K) as tall as K up to 128, 128 columns (taps x C); f32 with 64 columns and 4 warps, which
-    pays most for f32 (docs/decisions.md#default-tiles); few-channel groups packed (default_pack)."""
+    pays most for f32 (docs/decisions.md#default-tiles); few-channel groups packed (default_pack).  Dense 16-bit
+    GEMMs: 4 warps and 4 stages, 64 x 64 tiles below 128 rows (docs/decisions.md#step-tiles)."""
     pack = default_pack(p)
     _, _, k = packed_sizes(p, pack)
     block_m = matrix_block(k, 128)
     if p.dtype == "f32":
         return TileConfig(block_m, 64, 32, warps=4, stages=3, pack=pack)
+    if pack == 1 and p.groups == 1 and p.compute is None:
+        return TileConfig(128, 128, 64, warps=4, stages=4) if block_m >= 128 else \
+            TileConfig(64, 64, 64, warps=4, stages=4)
     return TileConfig(block_m, 128, 64, warps=8 if block_m >= 128 else 4, stages=3 if block_m >= 128 else 4,
                       pack=pack)
 

@@ -1,0 +1,136 @@
+"""Tile sweep of the GEMMs of one ResNet-50 training step (batch 64, bf16 autocast, channels-last): forward,
+grad_input and grad_weight, each distinct problem with every candidate tile shape.
+
+    python3 benchmarks/step_tiles.py build BUNDLE [--ops forward,grad_input,grad_weight] [--jobs 2]   # where Triton is
+    python3 benchmarks/step_tiles.py run BUNDLE OUT.json                                           # on a CUDA GPU
+
+`build` records the problems of a traced training step and compiles each with every candidate into one bundle;
+`run` times each candidate by CUDA-graph replay (20 calls a graph, median of 7 replays: no host time between
+the kernels; small ResNet GEMMs take 10 to 30 us, less than a queued eager call's host time), checks it against
+the first candidate's result, and times cuDNN on the same tensors.  docs/decisions.md#step-tiles holds what it
+found.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+CANDIDATES = {
+    "forward": ["t128x128x64w8s3", "t256x128x64w8s3", "t128x256x64w8s3", "t128x64x64w4s4", "t64x128x64w4s4",
+                "t128x128x64w4s4", "t64x64x64w4s4"],
+    "grad_weight": ["t128x128x64w8s3", "t64x128x64w4s4", "t128x64x64w4s4", "t128x256x64w8s3", "t64x64x64w4s4",
+                    "t128x128x64w4s4"],
+}
+CANDIDATES["grad_input"] = CANDIDATES["forward"]
+
+
+def problems(ops: list[str]):
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import convdsl.torch as ct
+    import train_resnet as tr
+    from convdsl.torch import runtime
+
+    model = ct.convert(tr.ResNet(classes=100)).to(memory_format=torch.channels_last)
+    with runtime.recording(as_cuda=True) as seen, FakeTensorMode(allow_non_fake_inputs=True):
+        images = torch.randn(64, 3, 224, 224)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.CrossEntropyLoss()(model(images.contiguous(memory_format=torch.channels_last)),
+                                               torch.zeros(64, dtype=torch.long))
+        loss.backward()
+    return [p for p in seen if p.op in ops]
+
+
+def _compile(job):
+    from convdsl import stream
+    from convdsl.targets import Target
+    from convdsl.tuning.knobs import Knobs
+
+    index, p, tiles = job
+    try:
+        return stream.plan_stream_kernel(p.with_(name=f"s{index}_{tiles}"), Target("cuda", "sm_90"),
+                                         Knobs(tiles=tiles), compile=True)
+    except Exception as e:  # a candidate the problem cannot take (say, a tile past its size): left out, said
+        print("skip", index, tiles, type(e).__name__, str(e)[:100], flush=True)
+        return None
+
+
+def build(bundle: Path, ops: list[str], jobs: int) -> None:
+    from convdsl import stream
+
+    found = problems(ops)
+    print(len(found), "problems", flush=True)
+    work = [(i, p, c) for i, p in enumerate(found) for c in CANDIDATES[p.op]]
+    with ProcessPoolExecutor(jobs) as pool:
+        kernels = [k for k in pool.map(_compile, work, chunksize=4) if k is not None]
+    stream.save_bundle(kernels, bundle)
+    print(f"wrote {bundle}: {len(kernels)} kernels", flush=True)
+
+
+def run(bundle: Path, out: Path) -> None:
+    import torch
+
+    from benchmarks.gpu_bench import TorchConv, random_args, rel_error
+    from benchmarks.torch_bench import _case_dict, graph_ms
+    from convdsl import stream
+    from convdsl.torch.stream import StreamRunner
+
+    device = torch.device("cuda", 0)
+    groups: dict[int, list] = {}
+    for k in stream.load_bundle(bundle):
+        index, tiles = k.problem.name[1:].split("_", 1)
+        groups.setdefault(int(index), []).append((tiles, k))
+    results = {}
+    for index, candidates in sorted(groups.items()):
+        p = candidates[0][1].problem
+        case = _case_dict(p)
+        args = random_args(case, seed=1)
+        conv = TorchConv(case)
+        targs = conv.to_torch(args)
+        cudnn = conv.fn(conv.like(targs[0].dtype))
+        row, first = {}, None
+        for tiles, k in candidates:
+            runner = StreamRunner(k, device)
+            y = runner(*args)
+            if first is None:
+                first = y.double()
+            row[tiles] = {"ms": graph_ms(lambda: runner(*args)), "err_vs_first": rel_error(y, first)}
+        best = min(row, key=lambda c: row[c]["ms"])
+        results[index] = {"problem": p.with_(name="kernel").record(), "describe": p.describe(), "times": row,
+                          "best": best, "cudnn_ms": graph_ms(lambda: cudnn(*targs))}
+        print(index, p.describe(), {c: round(v["ms"], 4) for c, v in row.items()}, "best", best,
+              "cuDNN", round(results[index]["cudnn_ms"], 4), flush=True)
+        del args, targs, first
+        torch.cuda.empty_cache()
+    versions = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                "cudnn": torch.backends.cudnn.version(), "command": "python3 benchmarks/step_tiles.py run BUNDLE OUT"}
+    out.write_text(json.dumps({"versions": versions, "results": results}, indent=1, default=str) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=("build", "run"))
+    ap.add_argument("bundle", type=Path)
+    ap.add_argument("out", type=Path, nargs="?")
+    ap.add_argument("--ops", default="forward,grad_input,grad_weight")
+    ap.add_argument("--jobs", type=int, default=2, help="build: compiling processes")
+    args = ap.parse_args(argv)
+    if args.mode == "build":
+        build(args.bundle, args.ops.split(","), args.jobs)
+    else:
+        if args.out is None:
+            ap.error("run: OUT.json is required")
+        run(args.bundle, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
