@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 # cuFuncSetAttribute: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _MAX_DYNAMIC_SHARED = 8
@@ -83,13 +83,21 @@ class LoadedFunction:
     def launch(self, grid: tuple[int, int, int], stream: int, pointers: Sequence[int]) -> None:
         """Queue the kernel on `stream` (a CUstream handle) with these device pointers; the parameters after
         them (Triton's scratch pointers, never read: scratch size 0) are passed as 0."""
-        slots = self._slots
-        for i, ptr in enumerate(pointers):
-            slots[i].value = ptr
-        status = self._launch(self.handle, grid[0], grid[1], grid[2], self.threads, 1, 1, self.shared_bytes,
-                              stream, self._pointers, None)
-        if status != 0:
-            _check(_driver(), status, f"cuLaunchKernel({self.name})")
+        self.bind(grid)(stream, pointers)
+
+    def bind(self, grid: tuple[int, int, int]) -> Callable[[int, Sequence[int]], None]:
+        """launch with `grid` fixed: its arguments converted to C once, not at every call."""
+        fixed = (self.handle, *(ctypes.c_uint(v) for v in (*grid, self.threads, 1, 1, self.shared_bytes)))
+        slots, parameters, driver_launch, name = self._slots, self._pointers, self._launch, self.name
+
+        def launch(stream: int, pointers: Sequence[int]) -> None:
+            for slot, pointer in zip(slots, pointers):
+                slot.value = pointer
+            status = driver_launch(*fixed, stream, parameters, None)
+            if status != 0:
+                _check(_driver(), status, f"cuLaunchKernel({name})")
+
+        return launch
 
 
 def load_function(image: bytes, kind: str, name: str, threads: int, shared_bytes: int, params: int,

@@ -50,9 +50,10 @@ class DriverLaunch:
         self.grid = sl.launch.grid
         self.function: LoadedFunction = load_function(b.data, b.kind, b.name, b.threads, b.shared_bytes, b.params,
                                                       device)
+        self._launch = self.function.bind(self.grid)
 
     def __call__(self, stream: int, *tensors: torch.Tensor) -> None:
-        self.function.launch(self.grid, stream, [t.data_ptr() for t in tensors])
+        self._launch(stream, [t.data_ptr() for t in tensors])
 
 
 class StreamRunner:
