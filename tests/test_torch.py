@@ -92,7 +92,7 @@ class _ReferenceRunner:
     def _result(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         from convdsl.reference import reference
 
-        r = reference(self.problem, a.detach().numpy(), b.detach().numpy())
+        r = reference(self.problem, a.detach().float().numpy(), b.detach().float().numpy())  # bf16: exact in f32
         return torch.from_numpy(r).to(a.dtype)
 
     def run_into(self, a, b, out):
@@ -163,6 +163,30 @@ def test_eager_plans_are_made_once_and_match_torch_nn(planned_on_the_cpu):
     # copies start without plans (they hold loaded kernels)
     assert len(copy.deepcopy(mod).__dict__["_convdsl_eager_plans"]) == 0
     assert len(pickle.loads(pickle.dumps(mod)).__dict__["_convdsl_eager_plans"]) == 0
+
+
+def test_eager_plans_under_autocast_cast_the_weight_inside_the_convolution(planned_on_the_cpu):
+    mod, ref = _pair("Conv2d", dict(in_channels=8, out_channels=8, kernel_size=3, padding=1, bias=False),
+                     torch.float32)
+    mod, ref = mod.to(memory_format=torch.channels_last), ref.to(memory_format=torch.channels_last)
+    for _ in range(2):  # the plan's first call, then a hit
+        x = torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = mod(x)
+        assert y.dtype == torch.bfloat16 and type(y.grad_fn).__name__ == "PlannedConvolutionBackward"
+        # the weight parameter feeds the convolution's node directly (no cast node of its own), the input
+        # through autocast's cast
+        (x_fn, _), (w_fn, _) = y.grad_fn.next_functions[:2]
+        assert type(x_fn).__name__ == "ToCopyBackward0" and w_fn.variable is mod.weight
+        g = torch.randn(y.shape).to(memory_format=torch.channels_last)
+        y.backward(g.to(torch.bfloat16))
+        xr = x.detach().double().requires_grad_()
+        ref(xr).backward(g.double())
+        assert x.grad.dtype == torch.float32 and mod.weight.grad.dtype == torch.float32
+        assert _rel(x.grad, xr.grad) <= TOLERANCE[torch.bfloat16]
+        assert _rel(mod.weight.grad, ref.weight.grad) <= TOLERANCE[torch.bfloat16]
+        mod.zero_grad(), ref.zero_grad()
+    assert all(r.calls["views"] == 0 and r.calls["run_into"] == 2 for r in planned_on_the_cpu.values())
 
 
 def test_eager_plans_fall_back_for_tensors_not_as_planned(planned_on_the_cpu):

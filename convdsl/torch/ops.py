@@ -287,12 +287,17 @@ class _Plan:
     device, autocast, TF32 flag), worked out at the first call: the forward's direct call (runtime.direct_call)
     and, per dY strides, the two gradients' (None where a gradient's kernels cannot read dY as it lies)."""
 
-    __slots__ = ("conv", "forward", "autocast", "bias_shape", "gradients")
+    __slots__ = ("conv", "forward", "autocast", "compute_dtype", "weight_dtype", "bias_shape", "gradients")
 
-    def __init__(self, conv: tuple, forward, autocast: Optional[str], dims: int) -> None:
+    def __init__(self, conv: tuple, forward, autocast: Optional[str], compute_dtype: torch.dtype,
+                 weight_dtype: torch.dtype, dims: int) -> None:
         self.conv = conv  # (stride, pad_lo, pad_hi, dilation, groups)
         self.forward = forward
         self.autocast = autocast  # the device type whose autocast region the plan was made in, if any
+        # the kernels' dtype and the weight parameter's: under autocast the weight is cast inside the
+        # convolution's own autograd node and its gradient cast back there (no separate cast nodes)
+        self.compute_dtype = compute_dtype
+        self.weight_dtype = weight_dtype
         self.bias_shape = (1, -1, *([1] * dims))
         self.gradients: dict[tuple, tuple] = {}
 
@@ -314,6 +319,9 @@ class PlannedConvolution(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, bias, plan):
+        # under autocast, w is the parameter (f32, say): cast here, where autograd does not record it, and its
+        # gradient cast back in backward; one autograd node per convolution instead of three
+        w = w if w.dtype == plan.compute_dtype else w.to(plan.compute_dtype)
         ctx.save_for_backward(x, w)
         ctx.plan = plan
         y = plan.forward.launch(x, w)
@@ -333,6 +341,8 @@ class PlannedConvolution(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = (grad_weight.launch(x, dy) if grad_weight is not None and runtime.aligned(x, dy)
                   else _grad_weight(x, dy, list(w.shape), *plan.conv))
+            if dw.dtype != plan.weight_dtype:
+                dw = dw.to(plan.weight_dtype)
         if ctx.needs_input_grad[2]:
             db = _bias_grad(dy)
         return dx, dw, db, None
@@ -362,16 +372,16 @@ def plan_for(module: torch.nn.Module, x: torch.Tensor) -> Optional[_Plan]:
     forward = runtime.direct_call("forward", xc.detach(), wc.detach(), spatial=x.shape[2:], filt=w.shape[2:],
                                   stride=stride, pad_lo=lo, pad_hi=hi, dilation=dilation, groups=groups)
     plan = plans[key] = (None if forward is None else
-                         _Plan((stride, lo, hi, dilation, groups), forward, device_type if autocast is not None else None,
-                               x.dim() - 2))
+                         _Plan((stride, lo, hi, dilation, groups), forward,
+                               device_type if autocast is not None else None, wc.dtype, w.dtype, x.dim() - 2))
     return plan
 
 
 def call_planned(plan: _Plan, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if plan.autocast:
-        x, w, bias = _autocast(plan.autocast, x, w, bias)
+    if plan.autocast:  # the input and bias as autocast casts them; the weight inside PlannedConvolution
+        x, bias = _autocast(plan.autocast, x, bias)
     if not runtime.aligned(x, w):  # an offset view: the general path copies it
-        return EagerConvolution.apply(x, w, bias, *plan.conv)
+        return EagerConvolution.apply(x, w.to(plan.compute_dtype), bias, *plan.conv)
     return PlannedConvolution.apply(x, w, bias, plan)
 
 
