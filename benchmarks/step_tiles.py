@@ -1,9 +1,12 @@
 """Tile sweep of the GEMMs of one ResNet-50 training step (batch 64, bf16 autocast, channels-last): forward,
-grad_input and grad_weight, each distinct problem with every candidate tile shape.
+grad_input and grad_weight, each distinct problem with every candidate tile shape; or of named suite cases.
 
     python3 benchmarks/step_tiles.py build BUNDLE [--ops forward,grad_input,grad_weight] [--jobs 2]   # where Triton is
+    python3 benchmarks/step_tiles.py build BUNDLE --cases deeplab_atrous_dgrad ck15_dgrad_3d_f32 [--tf32]
     python3 benchmarks/step_tiles.py run BUNDLE OUT.json                                           # on a CUDA GPU
 
+`--cases` takes suite cases and their forward convolutions as `benchmarks/torch_bench.py` builds them (`--tf32`:
+the f32 cases with compute = tf32, as PyTorch runs them with TF32 allowed).
 `build` records the problems of a traced training step and compiles each with every candidate into one bundle;
 `run` times each candidate by CUDA-graph replay (20 calls a graph, median of 7 replays: no host time between
 the kernels; small ResNet GEMMs take 10 to 30 us, less than a queued eager call's host time), checks it against
@@ -29,6 +32,13 @@ CANDIDATES = {
                     "t128x128x64w4s4"],
 }
 CANDIDATES["grad_input"] = CANDIDATES["forward"]
+# f32 operands (TF32 or three passes): 32-wide reduction steps
+F32_CANDIDATES = ["t128x64x32w4s3", "t128x128x32w8s3", "t128x128x32w4s3", "t64x128x32w4s4", "t128x64x32w4s4",
+                  "t256x64x32w8s3", "t64x64x32w4s4", "t128x32x32w4s4"]
+
+
+def candidates(p) -> list[str]:
+    return F32_CANDIDATES if p.dtype == "f32" else CANDIDATES[p.op]
 
 
 def problems(ops: list[str]):
@@ -63,12 +73,13 @@ def _compile(job):
         return None
 
 
-def build(bundle: Path, ops: list[str], jobs: int) -> None:
+def build(bundle: Path, ops: list[str], jobs: int, cases: list[str], tf32: bool) -> None:
+    from benchmarks.torch_bench import problems as suite_problems
     from convdsl import stream
 
-    found = problems(ops)
+    found = [p for p in suite_problems(cases, tf32) if p.op in ops] if cases else problems(ops)
     print(len(found), "problems", flush=True)
-    work = [(i, p, c) for i, p in enumerate(found) for c in CANDIDATES[p.op]]
+    work = [(i, p, c) for i, p in enumerate(found) for c in candidates(p)]
     with ProcessPoolExecutor(jobs) as pool:
         kernels = [k for k in pool.map(_compile, work, chunksize=4) if k is not None]
     stream.save_bundle(kernels, bundle)
@@ -122,9 +133,11 @@ def main(argv=None) -> int:
     ap.add_argument("out", type=Path, nargs="?")
     ap.add_argument("--ops", default="forward,grad_input,grad_weight")
     ap.add_argument("--jobs", type=int, default=2, help="build: compiling processes")
+    ap.add_argument("--cases", nargs="*", help="build: these suite cases (and their forward convolutions) instead")
+    ap.add_argument("--tf32", action="store_true", help="build --cases: the f32 cases with compute = tf32")
     args = ap.parse_args(argv)
     if args.mode == "build":
-        build(args.bundle, args.ops.split(","), args.jobs)
+        build(args.bundle, args.ops.split(","), args.jobs, args.cases or [], args.tf32)
     else:
         if args.out is None:
             ap.error("run: OUT.json is required")
