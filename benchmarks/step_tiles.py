@@ -66,6 +66,10 @@ def _compile(job):
 
     index, p, tiles = job
     try:
+        if tiles.startswith("split"):  # --splits: the default tiles, split_k forced ("split0": the rule's)
+            split = int(tiles[5:])
+            return stream.plan_stream_kernel(p.with_(name=f"s{index}_{tiles}", split_k=split or None),
+                                             Target("cuda", "sm_90"), Knobs(), compile=True)
         return stream.plan_stream_kernel(p.with_(name=f"s{index}_{tiles}"), Target("cuda", "sm_90"),
                                          Knobs(tiles=tiles), compile=True)
     except Exception as e:  # a candidate the problem cannot take (say, a tile past its size): left out, said
@@ -73,13 +77,17 @@ def _compile(job):
         return None
 
 
-def build(bundle: Path, ops: list[str], jobs: int, cases: list[str], tf32: bool) -> None:
+def build(bundle: Path, ops: list[str], jobs: int, cases: list[str], tf32: bool, splits: list[int]) -> None:
     from benchmarks.torch_bench import problems as suite_problems
     from convdsl import stream
 
     found = [p for p in suite_problems(cases, tf32) if p.op in ops] if cases else problems(ops)
     print(len(found), "problems", flush=True)
-    work = [(i, p, c) for i, p in enumerate(found) for c in candidates(p)]
+    if splits:  # grad_weight's split-K chunks instead of tiles: the rule's first, then each forced count
+        found = [p for p in found if p.op == "grad_weight"]
+        work = [(i, p, f"split{s}") for i, p in enumerate(found) for s in [0, *splits]]
+    else:
+        work = [(i, p, c) for i, p in enumerate(found) for c in candidates(p)]
     with ProcessPoolExecutor(jobs) as pool:
         kernels = [k for k in pool.map(_compile, work, chunksize=4) if k is not None]
     stream.save_bundle(kernels, bundle)
@@ -135,9 +143,11 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="build: compiling processes")
     ap.add_argument("--cases", nargs="*", help="build: these suite cases (and their forward convolutions) instead")
     ap.add_argument("--tf32", action="store_true", help="build --cases: the f32 cases with compute = tf32")
+    ap.add_argument("--splits", type=int, nargs="*", help="build: grad_weight with these split-K chunk counts "
+                    "(and the rule's, 'split0') instead of tile candidates")
     args = ap.parse_args(argv)
     if args.mode == "build":
-        build(args.bundle, args.ops.split(","), args.jobs, args.cases or [], args.tf32)
+        build(args.bundle, args.ops.split(","), args.jobs, args.cases or [], args.tf32, args.splits or [])
     else:
         if args.out is None:
             ap.error("run: OUT.json is required")
