@@ -71,6 +71,40 @@ def test_against_cudnn_and_float64(name, kwargs, shape, precision, channels_last
     assert outs["convdsl"][0].is_contiguous(memory_format=fmt)
 
 
+def test_autocast_steps_against_cudnn_and_float64():
+    """A mixed-precision step as training runs it: f32 parameters, bf16 autocast, channels-last.  Outputs are
+    bf16, gradients f32 like the parameters; the weight reaches the convolution's autograd node directly (its
+    cast is inside that node); against cuDNN under the same autocast and a float64 model, on the plan's first
+    call and on a hit."""
+    _, kwargs, shape = MODULES[0]
+    fmt = torch.channels_last
+    torch.manual_seed(0)
+    ref = nn.Conv2d(**kwargs).cuda().to(memory_format=fmt)
+    mine = ct.Conv2d(**kwargs).cuda().to(memory_format=fmt)
+    mine.load_state_dict(ref.state_dict())
+    exact = nn.Conv2d(**kwargs).cuda().double()
+    exact.load_state_dict({k: v.double() for k, v in ref.state_dict().items()})
+    for step in range(2):
+        x = torch.randn(shape, device="cuda").to(memory_format=fmt)
+        g = torch.randn(shape[0], kwargs["out_channels"], *shape[2:], device="cuda").to(memory_format=fmt)
+        outs = {}
+        for label, m in (("cudnn", ref), ("convdsl", mine), ("exact", exact)):
+            xi = (x.double() if label == "exact" else x.clone()).requires_grad_()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=label != "exact"):
+                y = m(xi)
+            y.backward(g.to(y.dtype))
+            outs[label] = (y, xi.grad, m.weight.grad, m.bias.grad)
+            if label == "convdsl":
+                assert y.dtype == torch.bfloat16 and type(y.grad_fn).__name__ == "PlannedConvolutionBackward"
+                assert y.grad_fn.next_functions[1][0].variable is mine.weight
+            m.zero_grad()
+        for i, what in enumerate(("output", "grad_input", "grad_weight", "grad_bias")):
+            assert outs["convdsl"][i].dtype == outs["cudnn"][i].dtype
+            mine_err = _rel(outs["convdsl"][i], outs["exact"][i])
+            cudnn_err = _rel(outs["cudnn"][i], outs["exact"][i])
+            assert mine_err <= max(1e-2, 2 * cudnn_err), f"step {step} {what}: {mine_err:.2e} (cuDNN {cudnn_err:.2e})"
+
+
 def test_the_stream_path_is_taken():
     conv = ct.Conv2d(64, 64, 3, padding=1).cuda().half().to(memory_format=torch.channels_last)
     x = torch.randn(4, 64, 16, 16, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)

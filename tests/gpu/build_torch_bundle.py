@@ -45,6 +45,12 @@ def main() -> int:
                     _step(model, torch.randn(shape).to(DTYPES[dtype_name]).to(memory_format=fmt))
                 problems += seen
     torch.backends.cudnn.allow_tf32 = True
+    name, kwargs, shape = MODULES[0]  # test_autocast_steps_against_cudnn_and_float64: f32 parameters, bf16 autocast
+    model = getattr(ct, name)(**kwargs).to(memory_format=torch.channels_last)
+    with runtime.recording(as_cuda=True) as seen, FakeTensorMode(allow_non_fake_inputs=True), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        _step(model, torch.randn(shape).to(memory_format=torch.channels_last))
+    problems += seen
     model = _cpu_model()
     conv = ct.Conv2d(64, 64, 3, padding=1).half().to(memory_format=torch.channels_last)
     with runtime.recording(as_cuda=True) as seen, FakeTensorMode(allow_non_fake_inputs=True):
