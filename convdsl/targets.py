@@ -41,20 +41,29 @@ def _arch_number(arch: str) -> int:
 class GpuFacts:
     """What the planning policy (convdsl/policy.py) reads off a GPU to size its grids: streaming
     multiprocessors (compute units), the shared memory of one and what each resident block reserves of it,
-    and the warps (waves) one can hold."""
+    and the warps (waves) one can hold; and what bounds one workgroup's configuration (backends/iree_config.py):
+    the shared memory (LDS) one workgroup may use and the threads of a subgroup (warp or wavefront)."""
 
     sm_count: int
     shared_per_sm: int
     shared_reserved_per_block: int
     warps_per_sm: int
+    workgroup_memory: int
+    subgroup_size: int
 
 
 # The chip each arch is planned for (where one arch spans several chips, its data-centre part): the split-K
 # and depthwise grids aim at whole waves of its SMs.  From the vendors' datasheets: H100 SXM, A100, L40S, MI300X.
-HOPPER = GpuFacts(sm_count=132, shared_per_sm=228 * 1024, shared_reserved_per_block=1024, warps_per_sm=64)
-AMPERE = GpuFacts(sm_count=108, shared_per_sm=164 * 1024, shared_reserved_per_block=1024, warps_per_sm=64)
-ADA = GpuFacts(sm_count=142, shared_per_sm=100 * 1024, shared_reserved_per_block=1024, warps_per_sm=48)
-CDNA3 = GpuFacts(sm_count=304, shared_per_sm=64 * 1024, shared_reserved_per_block=0, warps_per_sm=32)
+# workgroup_memory is what one block may use (CUDA's opt-in maximum: 227, 163 and 99 KB; CDNA3's 64 KB of LDS),
+# the same limits as IREE's target descriptions (max_workgroup_memory_bytes), which reject a kernel over them.
+HOPPER = GpuFacts(sm_count=132, shared_per_sm=228 * 1024, shared_reserved_per_block=1024, warps_per_sm=64,
+                  workgroup_memory=227 * 1024, subgroup_size=32)
+AMPERE = GpuFacts(sm_count=108, shared_per_sm=164 * 1024, shared_reserved_per_block=1024, warps_per_sm=64,
+                  workgroup_memory=163 * 1024, subgroup_size=32)
+ADA = GpuFacts(sm_count=142, shared_per_sm=100 * 1024, shared_reserved_per_block=1024, warps_per_sm=48,
+               workgroup_memory=99 * 1024, subgroup_size=32)
+CDNA3 = GpuFacts(sm_count=304, shared_per_sm=64 * 1024, shared_reserved_per_block=0, warps_per_sm=32,
+                 workgroup_memory=64 * 1024, subgroup_size=64)
 GPU_FACTS = {"sm_80": AMPERE, "sm_86": AMPERE, "sm_89": ADA, "sm_90": HOPPER, "gfx942": CDNA3}
 
 

@@ -5,11 +5,18 @@ workgroup size) stays the same and each subgroup does more work.
 `--iree-hal-dump-executable-configurations-to` writes each configured executable, we edit the
 contraction's attributes, and `--iree-hal-substitute-executable-configurations-from` compiles the
 edited ones.  (The tuning-spec flag is ignored by IREE's CUDA backend.)
+
+Scaling is bounded by the target's workgroup memory (GpuFacts.workgroup_memory): a scaled configuration whose
+operand tiles would not fit is scaled less (fit_knobs), and an edited configuration IREE still rejects falls
+back to IREE's own for that kernel, recorded in the KnobResult that compile_with_knobs_reported returns
+(docs/decisions.md#iree-knob-memory).
 """
 from __future__ import annotations
 
+import logging
 import re
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -19,6 +26,8 @@ from . import iree as _iree
 
 
 _LIST = r"\[([0-9, ]*)\]"
+
+log = logging.getLogger("convdsl.iree_config")
 
 
 def _get(text: str, key: str) -> Optional[list[int]]:
@@ -30,13 +39,50 @@ def _set(text: str, key: str, values: Sequence[int]) -> str:
     return re.sub(rf"\b{key} = {_LIST}", f"{key} = [{', '.join(str(v) for v in values)}]", text, count=1)
 
 
-def apply_knobs(config: str, knobs: Knobs) -> Optional[str]:
-    """Edit one configured executable's contraction config; None when it has no matrix-unit config."""
-    if "mma_kind" not in config or knobs.config_default:
-        return None if "mma_kind" not in config else config
-    workgroup, subgroup = _get(config, "workgroup"), _get(config, "subgroup")
-    reduction, padding = _get(config, "reduction"), _get(config, "padding")
-    padding_conv = _get(config, "padding_conv")
+# Bytes per element of the matrix instructions' operand and accumulator types, as IREE names them in mma_kind
+# (MFMA_F32_16x16x16_F16, NV_MMA_SYNC_F32_16x8x16_BF16, MFMA_F32_16x16x32_F8E4M3FNUZ, ...).
+def _type_bytes(name: str) -> Optional[int]:
+    name = name.upper()
+    if name.startswith(("F8", "I8", "BF8", "FP8")):
+        return 1
+    if name in ("F16", "BF16", "I16"):
+        return 2
+    if name in ("F32", "XF32", "I32"):
+        return 4
+    return None
+
+
+_MMA = re.compile(r"mma_kind = #iree_gpu\.\w*mma_layout<(?:\w+?_)?([A-Z0-9]+)_(\d+)x(\d+)x(\d+)_([A-Z0-9]+)>")
+
+# IREE pipelines whose prefetch stages load the next tiles into registers and keep one shared-memory buffer per
+# promoted operand (IREE 3.13: TileAndFuse with prefetch_num_stages = 3 at exactly 64 KB compiles for gfx942).
+# For any other pipeline each stage is counted as a buffer of its own, the cautious reading.
+SINGLE_BUFFER_PIPELINES = ("TileAndFuse", "VectorDistribute")
+
+
+def _promoted(config: str) -> list[int]:
+    m = re.search(rf"\bpromote_operands = {_LIST}", config)
+    return [int(v) for v in m.group(1).split(",")] if m and m.group(1).strip() else [0, 1]
+
+
+def _buffers(config: str, prefetch: Optional[int]) -> int:
+    pipeline = re.search(r"pipeline = #iree_gpu\.pipeline<(\w+)>", config) or \
+        re.search(r"#iree_codegen\.translation_info<pipeline = (\w+)", config)
+    if pipeline and any(name in pipeline.group(1) for name in SINGLE_BUFFER_PIPELINES):
+        return 1
+    if prefetch is None:
+        stages = re.search(r"prefetch_num_stages = (\d+)", config)
+        prefetch = int(stages.group(1)) if stages else 1
+    return max(1, prefetch)
+
+
+def _scaled_lists(config: str, knobs: Knobs) -> Optional[dict[str, Optional[list[int]]]]:
+    """The workgroup, subgroup, reduction and padding lists with `knobs` applied; None without a matrix-unit config."""
+    if "mma_kind" not in config:
+        return None
+    lists = {k: _get(config, k) for k in ("workgroup", "subgroup", "reduction", "padding", "padding_conv")}
+    workgroup, subgroup, reduction = lists["workgroup"], lists["subgroup"], lists["reduction"]
+    padding, padding_conv = lists["padding"], lists["padding_conv"]
     if not workgroup or not subgroup or not reduction:
         return None
     tiled = [i for i, (w, s) in enumerate(zip(workgroup, subgroup)) if w > 0 and s > 0]
@@ -56,20 +102,160 @@ def apply_knobs(config: str, knobs: Knobs) -> Optional[str]:
 
     scale(n_dim, knobs.n_scale)
     scale(m_dim, knobs.m_scale)
-    if knobs.k_scale != 1:
+    if knobs.k_scale != 1 and any(r > 0 for r in reduction):
         k_dim = max(i for i, r in enumerate(reduction) if r > 0)
         new = max(1, int(reduction[k_dim] * knobs.k_scale))
         if padding and k_dim < len(padding) and padding[k_dim]:
             padding[k_dim] = padding[k_dim] * new // reduction[k_dim]
         reduction[k_dim] = new
-    out = _set(_set(_set(config, "workgroup", workgroup), "subgroup", subgroup), "reduction", reduction)
-    if padding:
-        out = _set(out, "padding", padding)
-    if padding_conv:
-        out = _set(out, "padding_conv", padding_conv)
+    return lists
+
+
+def workgroup_memory_bytes(config: str, knobs: Knobs = Knobs()) -> Optional[int]:
+    """The shared memory the contraction's promoted tiles take with `knobs` applied: A (rows x reduction) and
+    B (reduction x columns) in the operands' element size, the accumulator (rows x columns) where it is promoted
+    too, times the pipeline's buffers.  Rows: the workgroup tile's dims other than the columns' (the innermost
+    tiled one); reduction: the reduction tiles, the innermost in units of the instruction's K (IREE's units).
+    None where the config cannot be read (no matrix-unit config, an mma_kind not recognised)."""
+    lists = _scaled_lists(config, knobs)
+    mma = _MMA.search(config)
+    if lists is None or mma is None:
+        return None
+    acc_bytes, operand_bytes = _type_bytes(mma.group(1)), _type_bytes(mma.group(5))
+    if acc_bytes is None or operand_bytes is None:
+        return None
+    workgroup, subgroup, reduction = lists["workgroup"], lists["subgroup"], lists["reduction"]
+    tiled = [i for i, (w, s) in enumerate(zip(workgroup, subgroup)) if w > 0 and s > 0]
+    columns = workgroup[tiled[-1]]
+    rows = 1
+    for i in tiled[:-1]:
+        rows *= workgroup[i]
+    reduced = [i for i, r in enumerate(reduction) if r > 0]
+    depth = 1
+    for i in reduced:
+        depth *= reduction[i] * (int(mma.group(4)) if i == reduced[-1] else 1)
+    promoted = _promoted(config)
+    total = ((rows * depth if 0 in promoted else 0) + (depth * columns if 1 in promoted else 0)) * operand_bytes
+    if 2 in promoted:
+        total += rows * columns * acc_bytes
+    return total * _buffers(config, knobs.prefetch)
+
+
+def _halvings(value: int) -> list[int]:
+    out = [value]
+    while out[-1] > 1:
+        out.append(out[-1] // 2)
+    return out
+
+
+def fit_knobs(config: str, knobs: Knobs, workgroup_memory: int) -> Knobs:
+    """`knobs`, or the largest scaling below them whose tiles fit in `workgroup_memory` bytes (workgroup_memory_bytes):
+    N, M and a K scale above 1 are halved down to 1, and of the fitting choices the one with the largest tile
+    (N x M x K) is taken, N kept before M.  Knobs the config cannot be measured for are returned as they are."""
+    asked = workgroup_memory_bytes(config, knobs)
+    if asked is None or asked <= workgroup_memory or knobs.config_default:
+        return knobs
+    k_choices = [knobs.k_scale] + [k for k in _halvings(int(knobs.k_scale)) if k < knobs.k_scale]
+    prefetches = [knobs.prefetch] if knobs.prefetch is None else _halvings(knobs.prefetch)
+    fitting = []
+    for n in _halvings(knobs.n_scale):
+        for m in _halvings(knobs.m_scale):
+            for k in k_choices:
+                for p in prefetches:
+                    candidate = replace(knobs, n_scale=n, m_scale=m, k_scale=float(k), prefetch=p)
+                    size = workgroup_memory_bytes(config, candidate)
+                    if size is not None and size <= workgroup_memory:
+                        fitting.append(((n * m * k, n, m, k, p or 0), candidate))
+    if not fitting:
+        # not even IREE's own tiles fit as measured here: keep IREE's configuration
+        return replace(knobs, n_scale=1, m_scale=1, k_scale=1.0, prefetch=None)
+    return max(fitting, key=lambda item: item[0])[1]
+
+
+def apply_knobs(config: str, knobs: Knobs, workgroup_memory: Optional[int] = None) -> Optional[str]:
+    """Edit one configured executable's contraction config; None when it has no matrix-unit config.
+    With `workgroup_memory` the knobs are first fitted to it (fit_knobs)."""
+    if "mma_kind" not in config or knobs.config_default:
+        return None if "mma_kind" not in config else config
+    if workgroup_memory is not None:
+        knobs = fit_knobs(config, knobs, workgroup_memory)
+    lists = _scaled_lists(config, knobs)
+    if lists is None:
+        return None
+    out = config
+    for key in ("workgroup", "subgroup", "reduction", "padding", "padding_conv"):
+        if lists[key]:
+            out = _set(out, key, lists[key])
     if knobs.prefetch is not None:
         out = re.sub(r"prefetch_num_stages = \d+", f"prefetch_num_stages = {knobs.prefetch}", out)
     return out
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """One contraction dispatch of a kernel as compiled: its executable's name, the knobs applied to IREE's
+    configuration of it (fitted to the target's workgroup memory), and the shared memory they take (None: not
+    measurable), with the asked knobs' where they were scaled down."""
+
+    executable: str
+    applied: Knobs
+    memory_bytes: Optional[int]
+    asked_memory_bytes: Optional[int] = None
+    workgroup: tuple[int, ...] = ()
+    reduction: tuple[int, ...] = ()
+
+    def as_dict(self) -> dict:
+        return {"executable": self.executable, "applied": self.applied.label(), "memory_bytes": self.memory_bytes,
+                "asked_memory_bytes": self.asked_memory_bytes, "workgroup": list(self.workgroup),
+                "reduction": list(self.reduction)}
+
+
+@dataclass(frozen=True)
+class KnobResult:
+    """What became of one kernel's knobs over IREE's configuration in one compile: the knobs asked, each
+    contraction dispatch's applied configuration, and, where IREE's own configuration was kept instead of
+    the edited one, why (`default_kept`; IREE's error, or no matrix-unit dispatch to edit)."""
+
+    kernel: str
+    asked: Knobs
+    workgroup_memory: int
+    dispatches: tuple[DispatchConfig, ...] = ()
+    default_kept: Optional[str] = None
+
+    @property
+    def fitted(self) -> bool:
+        """Whether some dispatch took a smaller scaling than asked, to fit the workgroup memory."""
+        return any(d.applied != self.asked for d in self.dispatches)
+
+    def describe(self) -> str:
+        """One line for `convdsl explain` and the log."""
+        asked = self.asked.label()
+        if self.default_kept is not None:
+            return f"IREE's default configuration kept (knobs {asked} not applied): {self.default_kept}"
+        parts = []
+        for d in self.dispatches:
+            if d.applied == self.asked:
+                parts.append(f"{d.executable}: {asked} as asked" +
+                             (f" ({d.memory_bytes} bytes of workgroup memory)" if d.memory_bytes is not None else ""))
+            else:
+                parts.append(f"{d.executable}: {asked} needs {d.asked_memory_bytes} bytes of workgroup memory, the "
+                             f"target has {self.workgroup_memory}: scaled to {d.applied.label()} "
+                             f"({d.memory_bytes} bytes)")
+        return "IREE configuration: " + "; ".join(parts)
+
+    def as_dict(self) -> dict:
+        return {"kernel": self.kernel, "asked": self.asked.label(), "workgroup_memory": self.workgroup_memory,
+                "dispatches": [d.as_dict() for d in self.dispatches], "default_kept": self.default_kept,
+                "note": self.describe()}
+
+
+def _first_error(message: str, executable: str) -> str:
+    """IREE's first error line about `executable` (else its first error line), without the source location."""
+    lines = [ln.strip() for ln in message.splitlines() if "error:" in ln]
+    about = [ln for ln in lines if executable in ln] or lines
+    if not about:
+        return "iree-compile rejected the edited configuration"
+    return re.sub(r"^.*?error:\s*", "", about[0])[:400]
 
 
 def compile_with_knobs(mlir: str, target: Target, knobs_by_kernel: dict[str, Knobs],
@@ -77,30 +263,80 @@ def compile_with_knobs(mlir: str, target: Target, knobs_by_kernel: dict[str, Kno
     """Compile `mlir` with each named kernel's contraction dispatch configured by its knobs.
 
     strict=False (compiles): knobs IREE rejects fall back to IREE's config; strict=True (tuning): raise.
+    What became of each kernel's knobs: compile_with_knobs_reported.
     """
+    return compile_with_knobs_reported(mlir, target, knobs_by_kernel, extra_flags, strict)[0]
+
+
+def compile_with_knobs_reported(mlir: str, target: Target, knobs_by_kernel: dict[str, Knobs],
+                                extra_flags: Sequence[str] = (), strict: bool = False
+                                ) -> tuple[bytes, dict[str, KnobResult]]:
+    """compile_with_knobs, and for each kernel with knobs over IREE's configuration a KnobResult: the scaling
+    applied to each of its dispatches (fitted to the target's workgroup memory), or why IREE's own configuration
+    was kept.  A kernel whose edited configuration IREE rejects keeps IREE's (the others keep theirs); each such
+    fallback is logged as a warning on the "convdsl.iree_config" logger."""
     active = {k: v for k, v in knobs_by_kernel.items() if not v.config_default}
     if not active or target.backend == "cpu":
-        return _iree.compile_mlir(mlir, target, extra_flags)
+        return _iree.compile_mlir(mlir, target, extra_flags), {}
+    limit = target.gpu.workgroup_memory
+    results: dict[str, KnobResult] = {}
     with tempfile.TemporaryDirectory(prefix="convdsl-tune-") as tmp:
         dumped, edited = Path(tmp) / "dumped", Path(tmp) / "edited"
         edited.mkdir()
         _iree.compile_mlir(mlir, target, [*extra_flags, "--compile-to=executable-configurations",
                                     f"--iree-hal-dump-executable-configurations-to={dumped}"])
-        for path in dumped.glob("*.mlir"):
+        files: dict[str, list[Path]] = {k: [] for k in active}
+        dispatches: dict[str, list[DispatchConfig]] = {k: [] for k in active}
+        for path in sorted(dumped.glob("*.mlir")):
             kernel = next((k for k in active if f"_{k}_dispatch_" in path.name), None)
             if kernel is None:
                 continue
-            text = apply_knobs(path.read_text(), active[kernel])
-            if text is not None:
-                # the substitution looks executables up by name: configured_<name>.mlir -> <name>.mlir
-                (edited / path.name.removeprefix("configured_")).write_text(text)
-        if not any(edited.iterdir()):
-            return _iree.compile_mlir(mlir, target, extra_flags)
-        try:
-            return _iree.compile_mlir(mlir, target, [*extra_flags,
-                                               f"--iree-hal-substitute-executable-configurations-from={edited}"])
-        except _iree.CompileError:
-            if strict:
-                raise
-            # knobs that IREE cannot lower for this shape (a heuristic's guess): IREE's own config
-            return _iree.compile_mlir(mlir, target, extra_flags)
+            config, knobs = path.read_text(), active[kernel]
+            if "mma_kind" not in config:
+                continue
+            fitted = fit_knobs(config, knobs, limit)
+            text = apply_knobs(config, fitted)
+            if text is None:
+                continue
+            # the substitution looks executables up by name: configured_<name>.mlir -> <name>.mlir
+            name = path.name.removeprefix("configured_")
+            (edited / name).write_text(text)
+            files[kernel].append(edited / name)
+            lists = _scaled_lists(config, fitted) or {}
+            dispatches[kernel].append(DispatchConfig(
+                Path(name).stem, fitted, workgroup_memory_bytes(config, fitted),
+                workgroup_memory_bytes(config, knobs) if fitted != knobs else None,
+                tuple(lists.get("workgroup") or ()), tuple(lists.get("reduction") or ())))
+        for kernel, knobs in active.items():
+            if not files[kernel]:
+                results[kernel] = KnobResult(kernel, knobs, limit, default_kept=(
+                    "no contraction dispatch on matrix instructions in IREE's configuration to edit"))
+            else:
+                results[kernel] = KnobResult(kernel, knobs, limit, tuple(dispatches[kernel]))
+                if results[kernel].fitted:
+                    log.info("%s: %s", kernel, results[kernel].describe())
+        while True:
+            if not any(edited.iterdir()):
+                vmfb = _iree.compile_mlir(mlir, target, extra_flags)
+                break
+            try:
+                vmfb = _iree.compile_mlir(mlir, target, [*extra_flags,
+                                                   f"--iree-hal-substitute-executable-configurations-from={edited}"])
+                break
+            except _iree.CompileError as err:
+                if strict:
+                    raise
+                # knobs that IREE cannot lower for this shape (a heuristic's guess): IREE's own config for the
+                # kernels the error names (all the edited ones where it names none), the others kept
+                message = str(err)
+                named = [k for k, paths in files.items() if any(p.stem in message for p in paths)]
+                for kernel in named or [k for k, paths in files.items() if paths]:
+                    executable = files[kernel][0].stem
+                    reason = "iree-compile rejected the edited configuration: " + _first_error(
+                        message, next((p.stem for p in files[kernel] if p.stem in message), executable))
+                    for path in files[kernel]:
+                        path.unlink()
+                    files[kernel] = []
+                    results[kernel] = replace(results[kernel], default_kept=reason)
+                    log.warning("%s on %s: %s", kernel, target, results[kernel].describe())
+    return vmfb, results
