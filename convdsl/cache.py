@@ -179,6 +179,31 @@ def store(key: str, vmfb: bytes, suffix: str = ".vmfb") -> Optional[Path]:
     return path
 
 
+# What the compile of an entry decided beside its bytes (which IREE configuration each kernel took), read by
+# `convdsl explain` and the manifest.  Kept out of the hit/miss/store counts: it is a note, not an entry.
+NOTE_SUFFIX = ".notes.json"
+
+
+def store_note(key: str, note: dict) -> None:
+    path = entry_path(key, NOTE_SUFFIX)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=NOTE_SUFFIX, dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(note, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as err:
+        warnings.warn(f"convdsl cache: could not write {path}: {err}", RuntimeWarning, stacklevel=2)
+
+
+def load_note(key: str) -> Optional[dict]:
+    try:
+        note = json.loads(entry_path(key, NOTE_SUFFIX).read_text())
+    except (OSError, ValueError):
+        return None
+    return note if isinstance(note, dict) else None
+
+
 def evict(key: str) -> None:
     """Delete the entry for `key` if there is one (e.g. it passed the checksum but IREE cannot load it)."""
     _unlink(entry_path(key))

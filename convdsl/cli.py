@@ -15,7 +15,7 @@ import numpy as np
 from . import __version__, tune
 from .backends.iree import CompileError
 from .compiler import compile as compile_module
-from .compiler import knobs_by_kernel, load_problems, tuned_knobs
+from .compiler import iree_config_notes, knobs_by_kernel, load_problems, tuned_knobs
 from .frontend import ConvSyntaxError, parse_file
 from .module import ArgumentError, resolve_target
 from .passes import STAGE_NAMES, LoweringError, Stage, run_pipeline
@@ -24,6 +24,7 @@ from .problem import MAX_SIZE, ConvProblem, ProblemError
 from .progress import CompileStep
 from . import reference as ref  # through the module: a patched reference (tests) is seen
 from .targets import BACKENDS, TargetError
+from .tuning.knobs import Knobs
 
 
 def _progress(enabled: bool, message: str) -> None:
@@ -139,6 +140,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     target = resolve_target(args.target, args.arch)
     problems = load_problems(args.file, args.batch)
+    # the whole file's module, as `convdsl compile` builds it: its compile recorded what IREE took
+    notes = iree_config_notes(problems, target) if target.backend != "cpu" else {}
     if args.kernel:
         problems = [p for p in problems if p.name == args.kernel]
         if not problems:
@@ -160,6 +163,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
             for plan in stage.plans:
                 print(describe_plan(plan))
                 print(f"  knobs: {knobs[plan.problem.name].label()}, from the {sources[plan.problem.name]}")
+                line = _iree_config_line(plan.problem.name, knobs[plan.problem.name], notes)
+                if line:
+                    print(f"  {line}")
         elif name == "gemm-cores":
             print(describe_binaries(stage.binaries))
         else:
@@ -171,6 +177,17 @@ def cmd_explain(args: argparse.Namespace) -> int:
         run_pipeline(problems, target, observe, knobs, progress=status.step if status.enabled else None)
     print(f"// compile with: iree-compile kernel.mlir {' '.join(target.compile_flags())} -o kernel.vmfb")
     return 0
+
+
+def _iree_config_line(name: str, knobs: Knobs, notes: Optional[dict]) -> str:
+    """What the module's compile made of a kernel's knobs over IREE's configuration (scaled to fit the
+    workgroup memory, or IREE's default kept and why); '' where the knobs set none."""
+    if knobs.config_default:
+        return ""
+    if notes is None:
+        return "IREE configuration: not compiled into the cache yet (`convdsl compile` records what IREE took)"
+    note = notes.get(name)
+    return note["note"] if note else ""
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -7,12 +7,15 @@ The stages, in order (compile_vmfb):
   1. knobs      each kernel's knobs, looked up once: the tuning database's entry, else policy's rules
   2. key        the cache key of everything that changes the bytes; a hit ends here
   3. pipeline   plan -> Triton GEMM cores -> linalg -> canonical IR (passes/pipeline.py)
-  4. backend    iree-compile, with the knobs' IREE configuration where they set one (backends/)
-  5. store      the bytes, atomically, under the key (cache.py)
+  4. backend    iree-compile, with the knobs' IREE configuration where they set one (backends/), fitted to the
+                target's workgroup memory; a kernel whose edited configuration IREE rejects keeps IREE's own
+  5. store      the bytes, atomically, under the key (cache.py), and beside them a note of what each kernel's
+                knobs became (iree_config_notes: `convdsl explain` and the manifest say it)
 """
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -21,7 +24,7 @@ import convdsl
 from . import cache, policy
 from .cache import source_digest
 from .backends import iree as _iree
-from .backends.iree_config import compile_with_knobs
+from .backends.iree_config import compile_with_knobs_reported
 from .frontend import ConvSyntaxError, parse, parse_file
 from .kernels.launch import triton_version
 from .module import CompiledModule, resolve_target
@@ -31,6 +34,8 @@ from .progress import CompileStep, ProgressFn
 from .targets import Target
 from .tuning import db
 from .tuning.knobs import Knobs
+
+log = logging.getLogger("convdsl.compiler")
 
 # Bump when the key's JSON changes, so old entries are never misread.
 KEY_SCHEMA = 1
@@ -138,10 +143,25 @@ def compile_vmfb(problems: Sequence[ConvProblem], target: Target, extra_flags: S
     if target.backend == "cpu" or all(k.config_default for k in knobs.values()):
         vmfb = _iree.compile_mlir(mlir, target, extra_flags)  # through the module: a patched compile_mlir is seen
     else:
-        vmfb = compile_with_knobs(mlir, target, knobs, extra_flags)
+        vmfb, results = compile_with_knobs_reported(mlir, target, knobs, extra_flags)
+        # recorded with the entry: a cache hit compiles nothing, yet explain and the manifest can still say it
+        cache.store_note(key, {"iree_config": {k: r.as_dict() for k, r in results.items()}})
+        kept = [k for k, r in results.items() if r.default_kept is not None and r.dispatches]
+        if kept:
+            log.warning("%s: IREE's default configuration kept for %s (convdsl explain says why)", target,
+                        ", ".join(kept))
     cache.stats.compiles += 1
     cache.store(key, vmfb)
     return vmfb
+
+
+def iree_config_notes(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = ()
+                      ) -> Optional[dict[str, dict]]:
+    """What the compile of `problems` for `target` made of each kernel's knobs over IREE's configuration
+    (KnobResult.as_dict by kernel name; kernels without such knobs absent), or None where that module has not
+    been compiled into this cache."""
+    note = cache.load_note(cache_key(list(problems), target, extra_flags))
+    return None if note is None else note.get("iree_config", {})
 
 
 def compile(
@@ -162,4 +182,5 @@ def compile(
             raise ValueError(f"--kernel: no kernel named {', '.join(unknown)}; kernels: "
                              + ", ".join(p.name for p in problems))
         problems = [p for p in problems if p.name in kernels]
-    return CompiledModule(problems, tgt, compile_vmfb(problems, tgt, progress=progress))
+    vmfb = compile_vmfb(problems, tgt, progress=progress)
+    return CompiledModule(problems, tgt, vmfb, iree_config=iree_config_notes(problems, tgt))

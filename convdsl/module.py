@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -50,8 +50,11 @@ def cuda_available() -> bool:
         return False
 
 
-def manifest(problems: Sequence[ConvProblem], target: Target) -> dict:
-    """What `convdsl compile` writes beside the .vmfb: enough to call every function without convdsl."""
+def manifest(problems: Sequence[ConvProblem], target: Target,
+             iree_config: Optional[Mapping[str, dict]] = None) -> dict:
+    """What `convdsl compile` writes beside the .vmfb: enough to call every function without convdsl; and,
+    where the compile recorded it, what each kernel's knobs over IREE's configuration became (`iree_config`:
+    the scaling applied, or `default_kept`: why IREE's own configuration was kept)."""
     kernels = []
     for p in problems:
         kernels.append(
@@ -74,6 +77,8 @@ def manifest(problems: Sequence[ConvProblem], target: Target) -> dict:
                 "spec": problem_to_spec(p),
             }
         )
+        if iree_config and p.name in iree_config:
+            kernels[-1]["iree_config"] = iree_config[p.name]
     return {
         "target": target.backend,
         "arch": target.arch,
@@ -143,10 +148,13 @@ class Kernel:
 class CompiledModule:
     """A .vmfb with one function per kernel, loaded on its target's device; kernels are attributes."""
 
-    def __init__(self, problems: Sequence[ConvProblem], target: Target, vmfb: bytes) -> None:
+    def __init__(self, problems: Sequence[ConvProblem], target: Target, vmfb: bytes,
+                 iree_config: Optional[Mapping[str, dict]] = None) -> None:
         self.problems = {p.name: p for p in problems}
         self.target = target
         self.vmfb = vmfb
+        # per kernel, what its knobs over IREE's configuration became (compiler.iree_config_notes); None: unknown
+        self.iree_config = dict(iree_config) if iree_config is not None else None
         self._loaded: Optional[LoadedModule] = None
 
     @property
@@ -172,7 +180,7 @@ class CompiledModule:
         return list(self.problems)
 
     def manifest(self) -> dict:
-        return manifest(list(self.problems.values()), self.target)
+        return manifest(list(self.problems.values()), self.target, self.iree_config)
 
     def save(self, path: Union[str, Path]) -> Path:
         """Write OUT.vmfb and OUT.json beside it."""

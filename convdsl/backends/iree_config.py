@@ -230,6 +230,8 @@ class KnobResult:
     def describe(self) -> str:
         """One line for `convdsl explain` and the log."""
         asked = self.asked.label()
+        if self.default_kept is not None and not self.dispatches:
+            return f"IREE configuration: knobs {asked} unused: {self.default_kept}"
         if self.default_kept is not None:
             return f"IREE's default configuration kept (knobs {asked} not applied): {self.default_kept}"
         parts = []
