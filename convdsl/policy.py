@@ -478,7 +478,8 @@ def iree_knobs(p: ConvProblem, target: Target) -> Knobs:
     """Knobs for a shape the tuning database does not hold, generalised from the shapes tuned on an H200.
 
     Large f16/bf16 GEMMs take doubled tiles (and a third prefetch stage for long reductions), small ones a
-    doubled N tile, f32 and depthwise none (docs/decisions.md#iree-knob-rules).
+    doubled N tile, f32 and depthwise none (docs/decisions.md#iree-knob-rules).  They are fitted to the target's
+    workgroup memory where IREE's configuration is known (backends/iree_config.fit_knobs: gfx942 has 64 KB).
     """
     sixteen_bit = p.dtype in ("f16", "bf16") or p.fp8_compute or p.bf16x3  # tf32: f32 on the linalg form
     if target.backend == "cpu" or p.depthwise or not sixteen_bit:
