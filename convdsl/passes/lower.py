@@ -174,6 +174,8 @@ def _emit_op(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
         return _grad_input(plan, args[0], args[1], bias)
     if plan.form == "im2col":
         return _grad_weight_im2col(plan, args[0], args[1], bias)
+    if plan.form == "depthwise-named":
+        return _grad_weight_depthwise_named(plan, args[0], args[1], bias)
     return _grad_weight(plan, args[0], args[1], bias)
 
 
@@ -750,3 +752,37 @@ def _grad_input_phase_depthwise_named(plan: KernelPlan, ph: Phase, dy: ir.Value,
     acc = _DEPTHWISE_OPS[p.dims](image, filt, outs=[out], strides=[1] * p.dims,
                                  dilations=[d.o_step for d in ph.dims])
     return expand(acc, channels, shape)
+
+
+def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+    # grad_weight of a depthwise convolution (NHWGC, K = C = 1), per spatial dim i (stride s, dilation d):
+    #   dW[g, t] = sum_n sum_o Xpad_n[o*s + t*d, g] * dY[n, o, g]        Xpad_n: image n of X from -lo (_x_window)
+    # For one image n this is a depthwise correlation whose "image" is Xpad_n, whose "filter" is dY[n] and
+    # whose output positions are the taps t:
+    #   D_n[0, t, g] = sum_o Img[0, t*d + o*s, g] * Flt[o, g]     Img = Xpad_n [1, P.., G], Flt = dY[n] [O.., G]
+    # i.e. linalg.depthwise_conv_Nd_n..c_..c with strides = d (the step between output positions t) and
+    # dilations = s (the step between filter positions o); Img's extent (O-1)*s + (R-1)*d + 1 is x_window's.
+    # The images' convolutions accumulate into one [1, R.., G] tensor in batch order (each takes the last one's
+    # result as its init), so dW[g, t] = D[0, t, g] with no partials.  Each image's zero border is its own
+    # tensor.pad (plan.pad_form "fuse"), which IREE fuses into that image's convolution: a padded copy of X cost
+    # as much as the convolutions (docs/decisions.md#cpu-depthwise-wgrad).  The batch stays out of the
+    # channels: folding it in (one convolution over N*G channels) needed transposed copies of X and dY.
+    p = plan.problem
+    axes = activation_axes(p, "ch")  # n, sp.., g, ch (NHWGC)
+    sp = _spatial_positions(p, axes)
+    rank = len(axes)
+    merge_channels = [[a] for a in range(rank - 2)] + [[rank - 2, rank - 1]]  # (G, 1) -> G
+    acc = zeros([1, *p.filter, p.groups], ir.F32Type.get())
+    for n in range(p.batch):
+        image = _x_window(plan, extract(x, [n] + [0] * (rank - 1), [1, *sizes_of(x)[1:]], [1] * rank), sp)
+        image = collapse(image, merge_channels)  # [1, P.., G]
+        dy_n = extract(dy, [n] + [0] * (rank - 1), [1, *sizes_of(dy)[1:]], [1] * rank)
+        filt = collapse(dy_n, [[0, 1], *merge_channels[2:]])  # [O.., G]
+        acc = _DEPTHWISE_OPS[p.dims](image, filt, outs=[acc], strides=list(p.dilation), dilations=list(p.stride))
+    # D[0, t.., g] -> dW in the weight layout (K = C = 1: GKYXC and GKCYX are both [G, 1, t.., 1] up to unit axes)
+    taps = [f"t{i}" for i in range(p.dims)]
+    space = Space([("g", PARALLEL), *[(t, PARALLEL) for t in taps]])
+    loops = {a: space[a] for a in ["g", *taps]}
+    dw = generic(space, [acc], empty(list(p.w_shape), ir.F32Type.get()),
+                 [space.access(["u", *taps, "g"], loops), space.access(weight_axes(p), loops)], lambda v, _: v)
+    return _epilogue(p, dw, bias)
