@@ -80,10 +80,12 @@ def cpu_im2col(p: ConvProblem, target: Target) -> bool:
 
 
 def cpu_depthwise_named(p: ConvProblem, target: Target) -> bool:
-    """CPU depthwise grad_input in NHWGC: each stride phase as IREE's named depthwise convolution (form
-    "depthwise-named"), which its CPU pipeline vectorises along the channels; the stencil generic with the
-    taps innermost was 6x slower than PyTorch (docs/decisions.md#cpu-depthwise)."""
-    return (target.backend == "cpu" and p.op in ("grad_input", "transposed") and p.depthwise
+    """CPU depthwise gradients in NHWGC as IREE's named depthwise convolution (form "depthwise-named"), which its
+    CPU pipeline vectorises along the channels.  grad_input: one per stride phase; the stencil generic with the
+    taps innermost was 6x slower than PyTorch (docs/decisions.md#cpu-depthwise).  grad_weight: one per image,
+    X as its image and dY as its filter; the gather form ran at 0.06x PyTorch (docs/decisions.md#cpu-depthwise-wgrad).
+    `batch = ?` (grad_weight has one convolution per image) and fp8 compute keep their forms."""
+    return (target.backend == "cpu" and p.op in ("grad_input", "transposed", "grad_weight") and p.depthwise
             and p.layout == "NHWGC" and not p.fp8_compute and not p.dynamic_batch)
 
 
@@ -99,7 +101,9 @@ def default_pad_form(problem: ConvProblem, target: Target) -> str:
     # IREE copies an unfused border element by element; a fused tensor.pad costs no pass but only pays on
     # matrix units (docs/decisions.md#zero-border-forms)
     if target.backend == "cpu":
-        return "insert"
+        # depthwise-named grad_weight pads each image for its own convolution, which IREE fuses: an unfused
+        # padded X cost as much as the convolutions (docs/decisions.md#cpu-depthwise-wgrad)
+        return "fuse" if problem.op == "grad_weight" and cpu_depthwise_named(problem, target) else "insert"
     sixteen_bit = problem.dtype in ("f16", "bf16") or problem.fp8_compute
     if sixteen_bit and problem.op in ("grad_input", "transposed") and all(s == 1 for s in problem.stride):
         return "fuse"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from convdsl import policy
 from convdsl.backends.iree import LoadedModule, compile_mlir
@@ -131,3 +133,86 @@ def test_depthwise_named_grad_input(changes):
 
 def test_depthwise_named_transposed():
     check(depthwise("transposed", stride=(2, 2)))
+
+
+# --- depthwise grad_weight: one named depthwise convolution per image -----------------------------------
+
+def test_depthwise_grad_weight_takes_the_named_op_where_intended():
+    for dims, changes in [(1, dict(dims=1, input=(11,), filter=(3,), stride=(1,), dilation=(1,), pad_lo=(1,),
+                                   pad_hi=(1,))), (2, {}), (3, dict(dims=3, input=(5, 6, 7), filter=(3, 3, 3),
+                                                                    stride=(1, 1, 1), dilation=(1, 1, 1),
+                                                                    pad_lo=(1, 1, 1), pad_hi=(1, 1, 1)))]:
+        plan = plan_kernel(depthwise("grad_weight", **changes), CPU)
+        assert plan.form == "depthwise-named" and plan.split is None and plan.pad_form == "fuse", dims
+    # elsewhere the rules are unchanged: other layouts, batch = ?, GPUs, grouped kernels with channels, forward
+    assert plan_kernel(depthwise("grad_weight", layout="GNHWC"), CPU).form == "gather"
+    assert plan_kernel(depthwise("grad_weight", layout="NGCHW"), CPU).form == "gather"
+    assert plan_kernel(depthwise("grad_weight", dynamic_batch=True), CPU).form != "depthwise-named"
+    for target in (Target("cuda", "sm_80"), Target("rocm", "gfx942")):
+        assert not policy.cpu_depthwise_named(depthwise("grad_weight"), target)
+    assert plan_kernel(conv("grad_weight", groups=8, in_channels=2, out_channels=2), CPU).form == "gather"
+    assert plan_kernel(conv("grad_weight", groups=4), CPU).form == "im2col"
+    assert plan_kernel(depthwise("forward"), CPU).form == "depthwise"
+    # only this form pads with a fused tensor.pad on the CPU
+    assert plan_kernel(depthwise("grad_input"), CPU).pad_form == "insert"
+    assert plan_kernel(conv("grad_weight"), CPU).pad_form == "insert"
+
+
+def test_depthwise_grad_weight_ir_is_one_named_convolution_per_image():
+    text = function_text(lower_to_mlir([depthwise("grad_weight", batch=3, stride=(2, 2))], CPU), "k")
+    assert text.count("linalg.depthwise_conv_2d_nhwc_hwc ") == 3  # batch 3: unrolled
+    assert "tensor.pad" in text and "reduction" not in text and "scf.for" not in text
+    # batch 9: a loop over two steps of IMAGES_PER_STEP images, then one more
+    text = function_text(lower_to_mlir([depthwise("grad_weight", batch=9)], CPU), "k")
+    assert "scf.for" in text and text.count("linalg.depthwise_conv_2d_nhwc_hwc ") == 5
+
+
+def test_cpu_module_with_tensor_pad_gets_the_fuse_flag(monkeypatch):
+    from convdsl.backends.iree import FUSE_PAD_FLAG
+    import iree.compiler as ireec
+
+    seen = []
+    monkeypatch.setattr(ireec, "compile_str", lambda mlir, extra_args: seen.append(list(extra_args)) or b"vmfb")
+    compile_mlir(lower_to_mlir([depthwise("grad_weight")], CPU), CPU)
+    compile_mlir(lower_to_mlir([conv("grad_weight")], CPU), CPU)
+    assert FUSE_PAD_FLAG in seen[0] and FUSE_PAD_FLAG not in seen[1]
+
+
+_1D = dict(dims=1, input=(13,), filter=(3,), stride=(1,), dilation=(1,), pad_lo=(1,), pad_hi=(1,))
+_3D = dict(dims=3, input=(5, 6, 7), filter=(3, 3, 3), stride=(1, 2, 2), dilation=(1, 1, 1), pad_lo=(1, 1, 1),
+           pad_hi=(1, 0, 1))
+
+
+@pytest.mark.parametrize("changes", [
+    {}, dict(batch=1), dict(stride=(2, 2)), dict(stride=(2, 1), pad_lo=(0, 2), pad_hi=(1, 0)),
+    dict(dilation=(2, 2), pad_lo=(2, 2), pad_hi=(2, 2), stride=(2, 1)),
+    dict(filter=(7, 7), pad_lo=(3, 3), pad_hi=(3, 3)), dict(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0)),
+    dict(pad_lo=(0, 0), pad_hi=(0, 0), input=(10, 9)),  # no border; the last input row never read
+    dict(batch=9, stride=(2, 2)),  # the loop over steps of images, then the rest
+    _1D, dict(_1D, stride=(2,), dilation=(2,), pad_lo=(2,), pad_hi=(0,)), _3D, dict(_3D, batch=1),
+    dict(dtype="bf16"), dict(weight_layout="GKCYX", stride=(2, 2)),
+    dict(epilogue=Epilogue("bilinear", 1.5, -0.5), stride=(2, 2)), dict(epilogue=Epilogue("scale", -1.25)),
+])
+def test_depthwise_named_grad_weight(changes):
+    p = depthwise("grad_weight", **changes)
+    assert plan_kernel(p, CPU).form == "depthwise-named"
+    check(p)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.data())
+def test_depthwise_named_grad_weight_index_algebra(data):
+    # random 1D/2D depthwise grad_weights (stride, dilation, borders on either side, cropped tails) against the
+    # float64 reference: the named op's strides = dilation, dilations = stride and the images' borders
+    dims = data.draw(st.integers(1, 2))
+    f = [data.draw(st.integers(1, 4)) for _ in range(dims)]
+    s = [data.draw(st.integers(1, 3)) for _ in range(dims)]
+    d = [data.draw(st.integers(1, 2)) for _ in range(dims)]
+    lo = [data.draw(st.integers(0, (fi - 1) * di)) for fi, di in zip(f, d)]
+    hi = [data.draw(st.integers(0, (fi - 1) * di)) for fi, di in zip(f, d)]
+    size = [data.draw(st.integers(max(1, (fi - 1) * di + 1 - l - h), 9)) for fi, di, l, h in zip(f, d, lo, hi)]
+    p = depthwise("grad_weight", dims=dims, batch=data.draw(st.integers(1, 3)), groups=data.draw(st.integers(2, 20)),
+                  input=tuple(size), filter=tuple(f), stride=tuple(s), dilation=tuple(d), pad_lo=tuple(lo),
+                  pad_hi=tuple(hi))
+    assert plan_kernel(p, CPU).form == "depthwise-named"
+    check(p)

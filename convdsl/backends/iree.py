@@ -61,7 +61,7 @@ def compile_mlir(mlir: str, target: Target, extra_flags: Sequence[str] = ()) -> 
 
     mlir = with_device_targets(mlir, target)
     flags = [*target.compile_flags(), *extra_flags]
-    if target.backend != "cpu" and "tensor.pad" in mlir:
+    if "tensor.pad" in mlir:
         flags.append(FUSE_PAD_FLAG)
     try:
         return ireec.compile_str(mlir, extra_args=flags)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Mapping, Optional
 
 from iree.compiler import ir
-from iree.compiler.dialects import arith, cf, func, linalg, tensor, util
+from iree.compiler.dialects import arith, cf, func, linalg, scf, tensor, util
 
 from .. import policy
 from ..abi import ASYNC_SUFFIX, INTO_SUFFIX
@@ -174,6 +174,8 @@ def _emit_op(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
         return _grad_input(plan, args[0], args[1], bias)
     if plan.form == "im2col":
         return _grad_weight_im2col(plan, args[0], args[1], bias)
+    if plan.form == "depthwise-named":
+        return _grad_weight_depthwise_named(plan, args[0], args[1], bias)
     return _grad_weight(plan, args[0], args[1], bias)
 
 
@@ -732,6 +734,8 @@ def _grad_weight_im2col(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optio
 # --- the CPU form "depthwise-named": grad_input of a depthwise convolution as IREE's named depthwise op ----
 _DEPTHWISE_OPS = {1: linalg.depthwise_conv_1d_nwc_wc, 2: linalg.depthwise_conv_2d_nhwc_hwc,
                   3: linalg.depthwise_conv_3d_ndhwc_dhwc}
+# depthwise-named grad_weight: images per step of its loop over the batch (see _grad_weight_depthwise_named)
+IMAGES_PER_STEP = 4
 
 
 def _grad_input_phase_depthwise_named(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value,
@@ -750,3 +754,64 @@ def _grad_input_phase_depthwise_named(plan: KernelPlan, ph: Phase, dy: ir.Value,
     acc = _DEPTHWISE_OPS[p.dims](image, filt, outs=[out], strides=[1] * p.dims,
                                  dilations=[d.o_step for d in ph.dims])
     return expand(acc, channels, shape)
+
+
+def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+    # grad_weight of a depthwise convolution (NHWGC, K = C = 1), per spatial dim i (stride s, dilation d):
+    #   dW[g, t] = sum_n sum_o Xpad_n[o*s + t*d, g] * dY[n, o, g]        Xpad_n: image n of X from -lo (_x_window)
+    # For one image n this is a depthwise correlation whose "image" is Xpad_n, whose "filter" is dY[n] and
+    # whose output positions are the taps t:
+    #   D_n[0, t, g] = sum_o Img[0, t*d + o*s, g] * Flt[o, g]     Img = Xpad_n [1, P.., G], Flt = dY[n] [O.., G]
+    # i.e. linalg.depthwise_conv_Nd_n..c_..c with strides = d (the step between output positions t) and
+    # dilations = s (the step between filter positions o); Img's extent (O-1)*s + (R-1)*d + 1 is x_window's.
+    # The images' convolutions accumulate into one [1, R.., G] tensor in batch order (each takes the last one's
+    # result as its init), so dW[g, t] = D[0, t, g] with no partials.  Batches of 2 x IMAGES_PER_STEP or more
+    # run as an scf.for over steps of IMAGES_PER_STEP images, the rest unrolled: one convolution per image
+    # unrolled took iree-compile 3.4 s at batch 64, and a loop of one image per step cost 10-15% at batch 4.
+    # Each image's zero border is its own tensor.pad (plan.pad_form "fuse"), which IREE fuses into that image's
+    # convolution: a padded copy of X cost as much as the convolutions (docs/decisions.md#cpu-depthwise-wgrad).
+    # The batch stays out of the channels: folding it in (one convolution over N*G channels) needed transposed
+    # copies of X and dY and ran slower.
+    p = plan.problem
+    axes = activation_axes(p, "ch")  # n, sp.., g, ch (NHWGC)
+    sp = _spatial_positions(p, axes)
+    rank = len(axes)
+    merge_channels = [[a] for a in range(rank - 2)] + [[rank - 2, rank - 1]]  # (G, 1) -> G
+    index = ir.IndexType.get()
+
+    def const(v: int) -> ir.Value:
+        return arith.ConstantOp(index, v).result
+
+    def convolve(acc: ir.Value, n: ir.Value) -> ir.Value:  # acc + D_n
+        image = collapse(_x_window(plan, _image(x, n), sp), merge_channels)  # [1, P.., G]
+        filt = collapse(_image(dy, n), [[0, 1], *merge_channels[2:]])  # [O.., G]
+        return _DEPTHWISE_OPS[p.dims](image, filt, outs=[acc], strides=list(p.dilation), dilations=list(p.stride))
+
+    step = IMAGES_PER_STEP
+    looped = p.batch - p.batch % step if p.batch >= 2 * step else 0
+    acc = zeros([1, *p.filter, p.groups], ir.F32Type.get())
+    if looped:
+        loop = scf.ForOp(const(0), const(looped), const(step), [acc])
+        with ir.InsertionPoint(loop.body):
+            first, inner = loop.induction_variable, loop.inner_iter_args[0]
+            for j in range(step):
+                inner = convolve(inner, arith.addi(first, const(j)) if j else first)
+            scf.YieldOp([inner])
+        acc = loop.results[0]
+    for n in range(looped, p.batch):
+        acc = convolve(acc, const(n))
+    # D[0, t.., g] -> dW in the weight layout (K = C = 1: GKYXC and GKCYX are both [G, 1, t.., 1] up to unit axes)
+    taps = [f"t{i}" for i in range(p.dims)]
+    space = Space([("g", PARALLEL), *[(t, PARALLEL) for t in taps]])
+    loops = {a: space[a] for a in ["g", *taps]}
+    dw = generic(space, [acc], empty(list(p.w_shape), ir.F32Type.get()),
+                 [space.access(["u", *taps, "g"], loops), space.access(weight_axes(p), loops)], lambda v, _: v)
+    return _epilogue(p, dw, bias)
+
+
+def _image(value: ir.Value, n: ir.Value) -> ir.Value:
+    """Image n (an index value) of an activation whose first axis is the batch: [1, ...] (tensor.extract_slice)."""
+    sizes = shape_of(value)
+    dynamic = ir.ShapedType.get_dynamic_stride_or_offset()
+    return tensor.extract_slice(tensor_type([1, *sizes[1:]], elem_of(value)), value, [n], [], [],
+                                [dynamic] + [0] * (len(sizes) - 1), [1, *sizes[1:]], [1] * len(sizes))

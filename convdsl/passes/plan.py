@@ -35,7 +35,7 @@ class KernelPlan:
     target: Target
     # "implicit-gemm"; "depthwise" (a stencil / reduction with no K or C loop); "gather" (few channels
     # per group: one gather per output, see passes/gather.py); "im2col" (CPU: window gather + named
-    # matmul, see passes/gemm.py); "depthwise-named" (CPU depthwise grad_input: named depthwise convs)
+    # matmul, see passes/gemm.py); "depthwise-named" (CPU depthwise gradients: named depthwise convs)
     form: str
     compute_a: Optional[str] = None  # MLIR element type of operand A when computing in fp8
     compute_b: Optional[str] = None
@@ -148,7 +148,8 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
     if policy.cpu_im2col(problem, target):
         form = "im2col"  # the CPU's matmul path: window gather + named matmul (passes/gemm.py)
     if policy.cpu_depthwise_named(problem, target):
-        form = "depthwise-named"  # CPU depthwise grad_input: IREE's named depthwise convolution per phase
+        # CPU depthwise gradients: IREE's named depthwise convolution per phase (grad_input) or image (grad_weight)
+        form = "depthwise-named"
     if policy.gather_applies(problem) and form != "depthwise-named":
         # few channels per group: bound by memory, a gather per output beats any GEMM form
         return KernelPlan(problem, target, "gather",
@@ -160,7 +161,8 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
                           pad_form=policy.default_pad_form(problem, target),
                           weight_k_inner=policy.weight_k_inner(problem, target))
     lo, hi = x_window(problem)
-    # im2col: one matmul whose reduction IREE tiles itself; no split-K
-    split = plan_split_k(problem) if problem.op == "grad_weight" and form != "im2col" else None
+    # im2col: one matmul whose reduction IREE tiles itself; depthwise-named: one convolution per image; no split-K
+    whole = form in ("im2col", "depthwise-named")
+    split = plan_split_k(problem) if problem.op == "grad_weight" and not whole else None
     return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split,
                       dy_first=policy.dy_first(problem, target), pad_form=policy.default_pad_form(problem, target))
