@@ -12,7 +12,7 @@ from typing import Iterator, Optional, Sequence, TextIO
 
 import numpy as np
 
-from . import __version__, tune
+from . import __version__, peak, tune
 from .backends.iree import CompileError
 from .compiler import compile as compile_module
 from .compiler import iree_config_notes, knobs_by_kernel, load_problems, tuned_knobs
@@ -23,7 +23,7 @@ from .passes.explain import describe_binaries, describe_plan
 from .problem import MAX_SIZE, ConvProblem, ProblemError
 from .progress import CompileStep
 from . import reference as ref  # through the module: a patched reference (tests) is seen
-from .targets import BACKENDS, TargetError
+from .targets import BACKENDS, Target, TargetError
 from .tuning.knobs import Knobs
 
 
@@ -107,6 +107,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch, kernels=kernels,
                              progress=status.step if status.enabled else None)
     _progress(True, f"compiled {len(mod.kernels)} kernels for {mod.target} in {time.perf_counter() - t0:.1f} s")
+    # on the CPU, --bench reports each kernel's share of the machine's matmul peak, measured once and cached
+    matmul_peak = _matmul_peak(mod.target) if args.bench and mod.target.backend == "cpu" else None
     passed = failed = 0
     width = max(12, *(len(n) for n in mod.kernels))  # the columns stay aligned for long kernel names
     for name in mod.kernels:
@@ -124,8 +126,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             elapsed = mod.loaded.time(name, inputs, repeat=args.repeat, out_shape=p.result_shape,
                                       out_dtype=p.result_dtype)
         shapes = " ".join("x".join(map(str, s)) for s in p.arg_shapes) + " -> " + "x".join(map(str, p.result_shape))
-        line = (f"{name:<{width}} {p.op:<11} {shapes:<40} {elapsed * 1e3:9.3f} ms {p.flops / elapsed / 1e12:8.3f} TFLOP/s "
+        if matmul_peak is None:
+            rate = f"{p.flops / elapsed / 1e12:8.3f} TFLOP/s"
+        else:
+            rate = f"{_fixed(p.flops / elapsed / 1e9, 2):>8} GFLOP/s"
+        line = (f"{name:<{width}} {p.op:<11} {shapes:<40} {elapsed * 1e3:9.3f} ms {rate} "
                 f"{_bytes_moved(p) / elapsed / 1e9:8.2f} GB/s")
+        if matmul_peak is not None:
+            line += f" {_share(p.flops / elapsed / 1e9, matmul_peak)} of matmul peak ({matmul_peak:.1f} GFLOP/s)"
         if args.check:
             err = ref.relative_error(np.asarray(got, dtype=np.float64), ref.reference(p, *inputs))
             ok = err <= ref.tolerance(p)
@@ -135,6 +143,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     # without --check nothing was compared, so nothing "passed"
     print(f"{passed} passed, {failed} failed" if args.check else f"{len(mod.kernels)} kernels ran (unchecked: add --check)")
     return 1 if failed else 0
+
+
+def _matmul_peak(target: Target) -> float:
+    """The CPU's matmul GFLOP/s from the cache, else measured now (said on the terminal) and cached."""
+    gflops = peak.cached(target)
+    if gflops is None:
+        n = peak.MATMUL_SIZE
+        _progress(True, f"measuring the matmul peak of {target} (f32 linalg.matmul {n}x{n}x{n}; once, then "
+                        "cached) ...")
+        gflops = peak.measure(target)
+        _progress(True, f"matmul peak: {gflops:.1f} GFLOP/s")
+    return gflops
+
+
+def _fixed(value: float, decimals: int) -> str:
+    """`value` with `decimals` decimals, or two significant digits where that shows more (0.0021, not 0.00): a
+    tiny kernel's rate and share never read 0."""
+    if 0 < value < 1:
+        decimals = max(decimals, 1 - math.floor(math.log10(value)))
+    return f"{value:.{decimals}f}"
+
+
+def _share(gflops: float, of: float) -> str:
+    """A percentage, right-aligned: 45.2%, 104.0%, 0.25%, 0.0021%."""
+    return f"{_fixed(100 * gflops / of, 1)}%".rjust(6)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -268,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kernel", default=None, help="run only the kernel of this name (default: every kernel)")
     r.add_argument("--check", action="store_true",
                    help="compare each result with the float64 reference and report PASS/FAIL (exit 1 on a FAIL)")
-    r.add_argument("--bench", action="store_true", help="time: median of --repeat runs after warm-up")
+    r.add_argument("--bench", action="store_true", help="time: median of --repeat runs after warm-up; on the CPU "
+                   "with GFLOP/s and the share of the machine's matmul peak (measured on first use, then cached)")
     r.add_argument("--repeat", type=_positive, default=20, help="--bench: timed runs per kernel (at least 1)")
     r.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     r.set_defaults(fn=cmd_run)
