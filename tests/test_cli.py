@@ -105,13 +105,140 @@ def test_unknown_kernel_is_a_clear_error(capsys):
     assert "no kernel named nope" in capsys.readouterr().err
 
 
-def test_run_bench_times_every_kernel(capsys):
+@pytest.fixture
+def small_peak(tmp_path, monkeypatch):
+    """A cache of its own (the peak is measured afresh) and a 128^3 matmul for the peak: fast enough for a test."""
+    from convdsl import peak
+
+    monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(peak, "MATMUL_SIZE", 128)
+    monkeypatch.setattr(peak, "REPEAT", 3)
+    return tmp_path / "cache"
+
+
+def test_run_bench_times_every_kernel(small_peak, capsys):
     code = main(["run", str(EXAMPLES[0].parent / "resnext.conv"), "--target", "cpu", "--bench", "--repeat", "2",
                  "--batch", "1"])
     out = capsys.readouterr().out
     assert code == 0
-    timed = [line for line in out.splitlines() if " ms " in line and "TFLOP/s" in line]
-    assert timed and all(float(line.split(" ms ")[0].split()[-1]) > 0 for line in timed)
+    timed = [line for line in out.splitlines() if " ms " in line and "GFLOP/s" in line]
+    assert len(timed) == 4 and all(float(line.split(" ms ")[0].split()[-1]) > 0 for line in timed)
+
+
+BENCH_LINE = re.compile(r" ([0-9.]+) ms +([0-9.]+) GFLOP/s +([0-9.]+) GB/s +([0-9.]+)% of matmul peak "
+                        r"\(([0-9.]+) GFLOP/s\)")
+
+
+# large enough for rates of several GFLOP/s, whose printed digits the share can be checked against
+MEDIUM = ("conv c { dims = 2; batch = 1; in_channels = 32; out_channels = 32; input = [24, 24]; filter = [3, 3]; "
+          "padding = 1 }\nkernel dx = grad_input(c)\nkernel dw = grad_weight(c)\n")
+
+
+def test_cpu_bench_reports_gflops_and_the_share_of_the_matmul_peak(small_peak, tmp_path, capsys):
+    from convdsl import peak
+    from convdsl.targets import Target
+
+    source = tmp_path / "medium.conv"
+    source.write_text(MEDIUM)
+    assert main(["run", str(source), "--target", "cpu", "--bench", "--repeat", "3", "--check"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if " ms " in ln]
+    assert len(lines) == 2 and "TFLOP/s" not in out, out
+    measured = peak.cached(Target("cpu", "host"))
+    assert measured is not None and measured > 0
+    for line in lines:
+        match = BENCH_LINE.search(line)
+        assert match, line
+        ms, gflops, _, share, of = map(float, match.groups())
+        assert ms > 0 and gflops > 0 and share > 0
+        assert of == pytest.approx(measured, abs=0.051)  # the peak printed is the one measured and cached
+        assert share == pytest.approx(100 * gflops / of, rel=0.03)  # to the digits printed
+        assert line.endswith("PASS")  # --check's verdict still ends the line
+
+
+def test_the_matmul_peak_is_measured_once_then_read_from_the_cache(small_peak, tmp_path, monkeypatch, capsys):
+    from convdsl import cache, peak
+    from convdsl.targets import Target
+
+    source = tmp_path / "three.conv"
+    source.write_text(THREE)
+    entry = cache.entry_path(peak.peak_key(Target("cpu", "host")), peak.SUFFIX)
+    assert not entry.exists()
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["run", str(source), "--target", "cpu", "--bench", "--repeat", "1", "--kernel", "first"]) == 0
+    assert "measuring the matmul peak of cpu:host (f32 linalg.matmul 128x128x128" in terminal.getvalue()
+    assert entry.is_file()
+    first = capsys.readouterr().out
+
+    # the second run finds the peak (and the kernel) in the cache: nothing is compiled or measured again
+    def no_measure(*args, **kwargs):
+        raise AssertionError("the matmul peak was measured again")
+
+    monkeypatch.setattr(peak, "measure", no_measure)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    cache.stats.reset()
+    assert main(["run", str(source), "--target", "cpu", "--bench", "--repeat", "1", "--kernel", "first"]) == 0
+    second = capsys.readouterr().out
+    assert cache.stats.compiles == 0 and cache.stats.hits == 2  # the kernel's module and the peak
+    assert "measuring" not in terminal.getvalue()
+    peak_of = lambda out: BENCH_LINE.search(out).group(5)  # noqa: E731
+    assert peak_of(second) == peak_of(first)
+
+    with monkeypatch.context() as m:
+        m.setattr(peak, "MATMUL_SIZE", 64)
+        assert peak.cached(Target("cpu", "host")) is None  # another size: another key
+    # a damaged entry is a miss (deleted, to be measured again), not an error
+    entry.write_bytes(entry.read_bytes()[:-3])
+    assert peak.cached(Target("cpu", "host")) is None and not entry.exists()
+
+
+def test_the_matmul_peak_key_changes_with_what_changes_the_peak(small_peak, monkeypatch):
+    from convdsl import compiler, peak
+    from convdsl.targets import Target
+
+    cpu = Target("cpu", "host")
+    key = peak.peak_key(cpu)
+    assert key == peak.peak_key(Target("cpu", "host")) and len(key) == 64
+    assert peak.peak_key(cpu, ["--iree-llvmcpu-enable-ukernels=none"]) != key
+    assert peak.peak_key(cpu, size=256) != key
+    flags = cpu.compile_flags()
+    # the CPU kernels' own flags: without data tiling they would compile (and the matmul run) differently
+    with monkeypatch.context() as m:
+        m.setattr(Target, "compile_flags", lambda self: [f for f in flags if f != "--iree-opt-data-tiling"])
+        assert peak.peak_key(cpu) != key
+    assert peak.peak_key(cpu) == key
+    for name, value in [("threads", lambda: 64), ("cpu_model", lambda: {"name": "another CPU"})]:
+        with monkeypatch.context() as m:
+            m.setattr(peak, name, value)
+            assert peak.peak_key(cpu) != key, name
+    with monkeypatch.context() as m:
+        m.setattr(compiler, "iree_version", lambda: "99.0")
+        assert peak.peak_key(cpu) != key
+    # measured under one set of flags, the peak is not found under another
+    monkeypatch.setattr(peak, "MATMUL_SIZE", 64)
+    gflops = peak.measure(cpu)
+    assert gflops > 0 and peak.cached(cpu) == gflops
+    assert peak.cached(cpu, ["--iree-llvmcpu-enable-ukernels=none"]) is None
+
+
+def test_the_peak_matmul_computes_a_matmul_with_the_cpu_flags():
+    import numpy as np
+
+    from convdsl import peak
+    from convdsl.backends.iree import LoadedModule, compile_mlir
+    from convdsl.targets import Target
+
+    cpu = Target("cpu", "host")
+    text = peak.matmul_mlir(48)
+    assert "linalg.matmul" in text and "tensor<48x48xf32>" in text
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal((48, 48), dtype=np.float32) for _ in range(2))
+    got = LoadedModule(compile_mlir(text, cpu), cpu).call(peak.FUNCTION, a, b)
+    np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="CPU target only"):
+        peak.cached(Target("cuda", "sm_80"))
 
 
 def test_conventions_version_repeat_and_os_errors(tmp_path, capsys):
@@ -376,3 +503,21 @@ def test_a_missing_device_is_one_line(capsys):
         assert "found no device" in str(err) and "--target cpu" in str(err)
     else:
         pytest.skip("a CUDA device is present: the error cannot occur here")
+
+
+def test_the_peak_is_two_n_cubed_over_the_timed_median(small_peak, monkeypatch):
+    from convdsl import peak
+    from convdsl.backends.iree import LoadedModule
+    from convdsl.targets import Target
+
+    calls = []
+
+    def timed(self, name, args, repeat=20, warmup=3, **kwargs):
+        calls.append((name, [a.shape for a in args], repeat, warmup))
+        return 0.004
+
+    monkeypatch.setattr(LoadedModule, "time", timed)
+    cpu = Target("cpu", "host")
+    assert peak.measure(cpu, size=32) == pytest.approx(2 * 32 ** 3 / 0.004 / 1e9)
+    assert calls == [(peak.FUNCTION, [(32, 32), (32, 32)], peak.REPEAT, peak.WARMUP)] and peak.WARMUP >= 1
+    assert peak.cached(cpu, size=32) == pytest.approx(2 * 32 ** 3 / 0.004 / 1e9)
