@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import platform
-from importlib.metadata import PackageNotFoundError, version
 from typing import Optional, Sequence
 
 import numpy as np
@@ -55,13 +54,6 @@ def matmul_mlir(size: int) -> str:
                 a, b = fn.arguments
                 func.ReturnOp([linalg.matmul(a, b, outs=[zeros([size, size], f32)])])
         return str(module)
-
-
-def _runtime_version() -> str:
-    try:
-        return version("iree-base-runtime")
-    except PackageNotFoundError:
-        return "not installed"
 
 
 def cpu_model() -> dict:
@@ -108,7 +100,7 @@ def key_material(target: Target, extra_flags: Sequence[str] = (), size: Optional
         "arch": target.arch,
         "flags": [*target.compile_flags(), *extra_flags],
         "iree_version": compiler.iree_version(),  # through the module: a patched version is seen
-        "iree_runtime_version": _runtime_version(),
+        "iree_runtime_version": _iree.iree_version("iree-base-runtime"),
         "cpu": cpu_model(),
         "threads": threads(),
     }

@@ -24,10 +24,11 @@ class CompileError(RuntimeError):
     """iree-compile rejected the IR; the message names the saved MLIR and a command that reproduces it."""
 
 
-def iree_version() -> str:
-    """The installed IREE compiler's version, or "not installed" (a machine that only runs modules)."""
+def iree_version(package: str = "iree-base-compiler") -> str:
+    """The installed IREE compiler's version (or another IREE package's, e.g. "iree-base-runtime"), or
+    "not installed" (a machine that only runs modules has no compiler)."""
     try:
-        return version("iree-base-compiler")
+        return version(package)
     except PackageNotFoundError:
         return "not installed"
 
