@@ -224,8 +224,9 @@ def _dense_16bit_tiles(p: ConvProblem, rows: int, columns: int, reduction: int) 
     """forward's and grad_input's tiles for one dense 16-bit GEMM (one group, no packing, no fp8 compute) with at
     least 128 columns, as a CUDA-graph sweep of ResNet-50's step chose them (docs/decisions.md#step-tiles):
     a reduction of one step (64) takes 128 x 64 tiles (the kernel is bound by its loads and stores); filters of
-    several taps with 256 columns or more and enough rows to fill the GPU with them take 128 x 256; the rest
-    128 x 128 (256-wide tiles leave most SMs idle on 7x7 and 14x14 maps).  None outside that domain."""
+    several taps with 256 columns or more and at least DENSE_WIDE_ROWS rows take 128 x 256 (measured faster
+    there, though fewer programs than SMs); the rest 128 x 128 (256-wide tiles leave most SMs idle on the 7x7
+    maps).  None outside that domain."""
     if p.dtype not in ("f16", "bf16") or p.compute is not None or p.groups != 1 or columns < 128:
         return None
     if reduction <= 64:
