@@ -3,6 +3,7 @@ grad_input and grad_weight, each distinct problem with every candidate tile shap
 
     python3 benchmarks/step_tiles.py build BUNDLE [--ops forward,grad_input,grad_weight] [--jobs 2]   # where Triton is
     python3 benchmarks/step_tiles.py build BUNDLE --cases deeplab_atrous_dgrad ck15_dgrad_3d_f32 [--tf32]
+    python3 benchmarks/step_tiles.py build BUNDLE --cases ck15_dgrad_3d_f32 --tf32 --tiles grad_input=t128x64x32w4s3,t256x64x32w8s3
     python3 benchmarks/step_tiles.py run BUNDLE OUT.json                                           # on a CUDA GPU
 
 `--cases` takes suite cases and their forward convolutions as `benchmarks/torch_bench.py` builds them (`--tf32`:
@@ -37,8 +38,9 @@ F32_CANDIDATES = ["t128x64x32w4s3", "t128x128x32w8s3", "t128x128x32w4s3", "t64x1
                   "t256x64x32w8s3", "t64x64x32w4s4", "t128x32x32w4s4"]
 
 
-def candidates(p) -> list[str]:
-    return F32_CANDIDATES if p.dtype == "f32" else CANDIDATES[p.op]
+def candidates(p, tiles: dict[str, list[str]]) -> list[str]:
+    """tiles: candidates per op given on the command line (--tiles), else the lists above."""
+    return tiles.get(p.op) or (F32_CANDIDATES if p.dtype == "f32" else CANDIDATES[p.op])
 
 
 def problems(ops: list[str]):
@@ -77,7 +79,8 @@ def _compile(job):
         return None
 
 
-def build(bundle: Path, ops: list[str], jobs: int, cases: list[str], tf32: bool, splits: list[int]) -> None:
+def build(bundle: Path, ops: list[str], jobs: int, cases: list[str], tf32: bool, splits: list[int],
+          tiles: dict[str, list[str]]) -> None:
     from benchmarks.torch_bench import problems as suite_problems
     from convdsl import stream
 
@@ -87,7 +90,7 @@ def build(bundle: Path, ops: list[str], jobs: int, cases: list[str], tf32: bool,
         found = [p for p in found if p.op == "grad_weight"]
         work = [(i, p, f"split{s}") for i, p in enumerate(found) for s in [0, *splits]]
     else:
-        work = [(i, p, c) for i, p in enumerate(found) for c in candidates(p)]
+        work = [(i, p, c) for i, p in enumerate(found) for c in candidates(p, tiles)]
     with ProcessPoolExecutor(jobs) as pool:
         kernels = [k for k in pool.map(_compile, work, chunksize=4) if k is not None]
     stream.save_bundle(kernels, bundle)
@@ -143,11 +146,15 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="build: compiling processes")
     ap.add_argument("--cases", nargs="*", help="build: these suite cases (and their forward convolutions) instead")
     ap.add_argument("--tf32", action="store_true", help="build --cases: the f32 cases with compute = tf32")
+    ap.add_argument("--tiles", nargs="*", default=[], metavar="OP=TILES",
+                    help="build: candidates of an op instead of the built-in lists, e.g. "
+                         "grad_input=t128x64x32w4s3,t256x64x32w8s3")
     ap.add_argument("--splits", type=int, nargs="*", help="build: grad_weight with these split-K chunk counts "
                     "(and the rule's, 'split0') instead of tile candidates")
     args = ap.parse_args(argv)
     if args.mode == "build":
-        build(args.bundle, args.ops.split(","), args.jobs, args.cases or [], args.tf32, args.splits or [])
+        tiles = {op: labels.split(",") for op, labels in (t.split("=", 1) for t in args.tiles)}
+        build(args.bundle, args.ops.split(","), args.jobs, args.cases or [], args.tf32, args.splits or [], tiles)
     else:
         if args.out is None:
             ap.error("run: OUT.json is required")

@@ -5,7 +5,8 @@ Build the kernels where Triton is (no GPU needed), then run the comparison on th
     python3 benchmarks/torch_bench.py build --arch sm_90 --out build-torch/suite.convk
     python3 benchmarks/torch_bench.py run --bundle build-torch/suite.convk --out results/
 
-`run` checks every result against a float64 reference (cuDNN on upcast inputs) and times, per case:
+`run` checks every result against a float64 reference (cuDNN on upcast inputs) and times, per case (f32 cases
+with TF32 off on both sides, their _tf32 twins with one-pass TF32 on both):
   - queued: 100 calls back to back and one synchronisation, per call (convdsl and cuDNN);
   - synchronised: one call then a synchronisation, median (convdsl and cuDNN);
   - kernels: CUDA-event time of the queued calls, per call; host overhead = queued - kernels;
@@ -33,11 +34,12 @@ QUEUED = 100
 
 
 def problems(names: list[str], tf32: bool = False) -> list[ConvProblem]:
-    """The suite's kernels, then the forward convolution of each distinct shape (named <case>_fwd).  tf32: only the
-    f32 kernels, with compute = "tf32" (named <case>_tf32), as a PyTorch user with TF32 allowed runs them."""
-    out = [case.problem for case in load_suite(names=names or None)]
-    if tf32:
-        out = [p.with_(compute="tf32", name=f"{p.name}_tf32") for p in out if p.dtype == "f32"]
+    """The suite's kernels, each f32 kernel also with compute = "tf32" (named <case>_tf32, as a PyTorch user with
+    TF32 allowed runs it), then the forward convolution of each distinct shape (named <case>_fwd).  tf32: only
+    the f32 kernels' TF32 twins."""
+    suite = [case.problem for case in load_suite(names=names or None)]
+    twins = [p.with_(compute="tf32", name=f"{p.name}_tf32") for p in suite if p.dtype == "f32"]
+    out = twins if tf32 else [*suite, *twins]
     seen = set()
     for p in list(out):
         fwd = p.with_(op="forward", name=f"{p.name}_fwd", split_k=None, out_dtype=None)
@@ -175,6 +177,9 @@ def run(bundle: Path, out_dir: Path, names: list[str], tf32: bool = False) -> in
         targs = conv.to_torch(args)
         like = conv.like(targs[0].dtype)
         cudnn = conv.fn(like)
+        # like for like: cuDNN may use TF32 exactly where the kernel does (f32 cases: f32-accurate on both sides;
+        # their _tf32 twins: one-pass TF32 on both, PyTorch's default)
+        torch.backends.cudnn.allow_tf32 = problem.tf32
         row = {"name": problem.name, "op": problem.op, "dtype": problem.dtype, "flops": problem.flops,
                "error": err, "tolerance": tolerance(cd), "ok": err <= tolerance(cd), "ref_dtype": ref_dtype,
                "stream": k.describe()}

@@ -18,7 +18,7 @@ from .kernels.launch import (Launch, arch_number, forward_direct_launch, forward
                              grad_weight_launch, output_tiles, pad3, packable, packed_sizes, reduction_steps,
                              split_chunks, tiles_within_images, triton_version, depthwise_channel_blocks)
 from .kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
-from .problem import ConvProblem
+from .problem import ConvProblem, weight_axes
 from .targets import Target
 from .tuning.knobs import Knobs
 
@@ -178,17 +178,16 @@ def relayout_ngchw(p: ConvProblem, knobs: Knobs) -> bool:
 
 
 def dot_precision(p: ConvProblem) -> str:
-    """Triton's dot precision for the GEMM cores (forward and grad_input take one-pass TF32 where allowed)."""
+    """Triton's dot precision for the GEMM cores (one-pass TF32 where allowed)."""
     # f32: three-pass TF32 on the tensor cores (about f32's accuracy; error measured against the f64
     # reference in the GPU tests); compute = "bf16x3": three bf16 products, as the linalg form does;
-    # compute = "tf32": one-pass TF32 (cuDNN's default for f32 convolutions) for grad_input, a third of the
-    # products.  grad_weight keeps three passes: there one pass made Triton copy both operands with 4-byte
-    # cp.async and ran slower (docs/decisions.md#tf32-one-pass)
+    # compute = "tf32": one-pass TF32 (cuDNN's default for f32 convolutions), a third of the products, its
+    # operands stored the wrong way for TF32 wgmma rounded in registers (docs/decisions.md#tf32-staged)
     if p.dtype != "f32":
         return "ieee"  # 16-bit operands: exact products, f32 accumulation
     if p.bf16x3:
         return "bf16x3"
-    return "tf32" if p.tf32 and p.op != "grad_weight" else "tf32x3"
+    return "tf32" if p.tf32 else "tf32x3"
 
 
 def default_pack(p: ConvProblem) -> int:
@@ -250,7 +249,9 @@ def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
     block_n = matrix_block(c, 256)
     wide = p.dtype == "f32"
     block_k = matrix_block(k, 32 if wide else 64)
-    return TileConfig(128, block_n, block_k, warps=8 if block_n >= 128 else 4,
+    # one-pass TF32 keeps 4 warps on wide columns (CK 15's 3D forward shapes: 2.46 against 2.71 ms with 8,
+    # docs/decisions.md#tf32-staged)
+    return TileConfig(128, block_n, block_k, warps=8 if block_n >= 128 and not p.tf32 else 4,
                       stages=3 if wide or block_n >= 128 else 4, pack=pack)
 
 
@@ -393,11 +394,12 @@ def kernel_tiles(p: ConvProblem, tiles: Optional[TileConfig]) -> TileConfig:
     return direct_grad_input_tiles(p) if direct_grad_input(p) else default_grad_input_tiles(p)
 
 
-def plan_launches(p: ConvProblem, tiles: Optional[TileConfig], target: Target, x_layout: Optional[str] = None
-                  ) -> tuple[TileConfig, tuple[Launch, ...], tuple[int, ...]]:
+def plan_launches(p: ConvProblem, tiles: Optional[TileConfig], target: Target, x_layout: Optional[str] = None,
+                  weight_axes: tuple[str, ...] = ()) -> tuple[TileConfig, tuple[Launch, ...], tuple[int, ...]]:
     """(tiles, launches, f32 partials' shape for grad_weight) of one kernel, symbols named after it;
     tiles None: the defaults of the kernel it uses (kernel_tiles).  x_layout: grad_weight's GEMM kernel reads
-    a copy of X in that layout (dy_read_in_place)."""
+    a copy of X in that layout (dy_read_in_place).  weight_axes: the GEMM kernel reads a copy of the weight with
+    its axes in this order (weight_copy_axes)."""
     base = re.sub(r"\W", "_", p.name)
     packed = tiles is not None and tiles.pack > 1  # depthwise too, as packed GEMMs, where tiles ask for it
     if x_layout and (p.op != "grad_weight" or (p.depthwise and not packed)):
@@ -414,24 +416,34 @@ def plan_launches(p: ConvProblem, tiles: Optional[TileConfig], target: Target, x
     if direct_forward(p) and not packed:
         return tiles, (forward_direct_launch(p, tiles, base),), ()
     if p.op == "forward":
-        return tiles, (forward_launch(p, tiles, base, dot_precision(p)),), ()
+        return tiles, (forward_launch(p, tiles, base, dot_precision(p), weight_axes),), ()
     if direct_grad_input(p) and not packed:
         return tiles, (grad_input_direct_launch(p, tiles, base),), ()
-    return tiles, (grad_input_launch(p, tiles, base, dot_precision(p)),), ()
+    return tiles, (grad_input_launch(p, tiles, base, dot_precision(p), weight_axes),), ()
 
 
 # the weight layout the GEMM kernels read fast where they read the weight (forward, grad_input, transposed)
 FAST_WEIGHT_LAYOUT = "GKYXC"
 
 
-def weight_copied(p: ConvProblem) -> bool:
-    """Whether the GEMM kernels read a GKYXC copy of a GKCYX weight (forward, grad_input and transposed read
-    the weight; grad_weight writes it).  In GKCYX a tile's reduction channels lie a filter's taps apart and its
-    columns C*taps apart, so every element is a load of its own: 1.25 ms against 0.19 for cuDNN on CK's NGCHW
-    forward shape (docs/decisions.md#weight-copy).  The copy is the weight's size, once per call.  Where the
-    filter has one tap or a group one channel the two layouts coincide."""
-    return (p.weight_layout != FAST_WEIGHT_LAYOUT and p.op != "grad_weight" and math.prod(p.filter) > 1
-            and p.in_channels > 1)
+def weight_copy_axes(p: ConvProblem) -> tuple[str, ...]:
+    """The axis order (problem.weight_axes' names) of the weight copy the GEMM kernels read, or () where they read
+    the weight as it lies (forward, grad_input and transposed read the weight; grad_weight writes it).  The copy
+    is the weight's size, once per call:
+      - grad_input and transposed in one-pass TF32: K innermost (GYXCK, GCYXK).  Their GEMM reduces over K, and
+        TF32 wgmma reads shared memory K-major only; K-strided weight tiles were rounded in registers on the way
+        (launch.tf32_staged), which halved the kernel's speed (docs/decisions.md#tf32-staged);
+      - GKCYX weights: a GKYXC copy.  In GKCYX a tile's reduction channels lie a filter's taps apart and its
+        columns C*taps apart, so every element is a load of its own: 1.25 ms against 0.19 for cuDNN on CK's
+        NGCHW forward shape (docs/decisions.md#weight-copy).  Where the filter has one tap or a group one
+        channel the two layouts coincide."""
+    axes = weight_axes(p)
+    if p.op in ("grad_input", "transposed") and dot_precision(p) == "tf32" and not p.depthwise:  # depthwise: no GEMM
+        return tuple(a for a in axes if a != "k") + ("k",)
+    if p.weight_layout != FAST_WEIGHT_LAYOUT and p.op != "grad_weight" and math.prod(p.filter) > 1 \
+            and p.in_channels > 1:
+        return tuple(weight_axes(p.with_(weight_layout=FAST_WEIGHT_LAYOUT)))
+    return ()
 
 
 @dataclass(frozen=True)
@@ -447,8 +459,8 @@ class ExternLaunches:
     launches: tuple[Launch, ...]
     partials_shape: tuple[int, ...] = ()
     copied_channels_last: tuple[str, ...] = ()
-    # the launches read a GKYXC copy of the weight (weight_copied)
-    weight_copied: bool = False
+    # the launches read a copy of the weight with its axes in this order (weight_copy_axes; empty: none)
+    weight_axes: tuple[str, ...] = ()
 
 
 def extern_launches(problem: ConvProblem, target: Target, knobs: Knobs) -> Optional[ExternLaunches]:
@@ -457,11 +469,7 @@ def extern_launches(problem: ConvProblem, target: Target, knobs: Knobs) -> Optio
     use, tiles, _ = extern_choice(problem, target, knobs)
     if not use:
         return None
-    copy_weight = weight_copied(problem)
-
-    def read(p: ConvProblem) -> ConvProblem:  # the problem as the launches read it (their weight strides)
-        return p.with_(weight_layout=FAST_WEIGHT_LAYOUT) if copy_weight else p
-
+    copy_axes = weight_copy_axes(problem)
     if problem.layout == "NGCHW" and relayout_ngchw(problem, knobs):
         # the kernels on NHWGC copies of the activations (contiguous channels)
         inner = problem.with_(layout="NHWGC")
@@ -470,11 +478,11 @@ def extern_launches(problem: ConvProblem, target: Target, knobs: Knobs) -> Optio
             # grad_weight: only X copied; dY is read where it lies (one copy fewer)
             _, launches, partials = plan_launches(problem, tiles, target, x_layout=inner.layout)
             return ExternLaunches(problem, tiles, launches, partials, copied_channels_last=("x",))
-        _, launches, partials = plan_launches(read(inner), tiles, target)
+        _, launches, partials = plan_launches(inner, tiles, target, weight_axes=copy_axes)
         copied = tuple(n for n, s in zip(problem.arg_names, problem.arg_shapes) if s != problem.w_shape)
-        return ExternLaunches(inner, tiles, launches, partials, copied_channels_last=copied, weight_copied=copy_weight)
-    tiles, launches, partials = plan_launches(read(problem), tiles, target)
-    return ExternLaunches(problem, tiles, launches, partials, weight_copied=copy_weight)
+        return ExternLaunches(inner, tiles, launches, partials, copied_channels_last=copied, weight_axes=copy_axes)
+    tiles, launches, partials = plan_launches(problem, tiles, target, weight_axes=copy_axes)
+    return ExternLaunches(problem, tiles, launches, partials, weight_axes=copy_axes)
 
 
 # --- knobs over IREE's own GPU configuration ------------------------------------------------------

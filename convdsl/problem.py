@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Optional
+from typing import Optional, Sequence
 
 OPS = ("forward", "grad_input", "grad_weight", "transposed")
 LAYOUTS = ("NHWGC", "GNHWC", "NGCHW")
@@ -362,3 +362,9 @@ def activation_axes(p: ConvProblem, channel: str) -> list[str]:
 def weight_axes(p: ConvProblem) -> list[str]:
     taps = [f"t{i}" for i in range(p.dims)]
     return ["g", "k", *taps, "c"] if p.weight_layout == "GKYXC" else ["g", "k", "c", *taps]
+
+
+def weight_axes_name(p: ConvProblem, axes: Sequence[str]) -> str:
+    """The letters of a weight axis order, as layouts are named (["g", "t0", "t1", "c", "k"] in 2D: GYXCK)."""
+    letters = {"g": "G", "k": "K", "c": "C", **{f"t{i}": t for i, t in enumerate(_TAP_LETTERS[p.dims])}}
+    return "".join(letters[a] for a in axes)

@@ -25,7 +25,7 @@ from . import cache, policy
 from .backends.iree import iree_version
 from .kernels.launch import (Binary, Launch, compile_launch, round_fp8_launch, sum_partials_launch, transpose_launch,
                              triton_version)
-from .problem import ConvProblem, problem_from_spec, problem_to_spec
+from .problem import ConvProblem, problem_from_spec, problem_to_spec, weight_axes_name
 from .targets import Target
 from .tuning import db
 from .tuning.knobs import Knobs
@@ -59,7 +59,8 @@ class StreamKernel:
     knobs_source: str
     sum: Optional[StreamLaunch] = None  # grad_weight: the split-K sum, epilogue and cast
     rounds: tuple[StreamLaunch, ...] = ()  # fp8 compute: operand A's rounding, then B's
-    weight_copied: bool = False  # the launches read a GKYXC copy of the weight (policy.weight_copied)
+    # the launches read a copy of the weight with its axes in this order (policy.weight_copy_axes; empty: none)
+    weight_axes: tuple[str, ...] = ()
     # the NGCHW -> NHWGC copies of the arguments in `copied` (in that order) and the result's copy back, as
     # transpose launches (kernels/elementwise.py); empty where a grid would pass CUDA's limits (then the runner
     # copies with PyTorch)
@@ -74,7 +75,7 @@ class StreamKernel:
     def describe(self) -> str:
         names = ", ".join(sl.launch.kernel for sl in self.launches)
         copies = f"; {', '.join(self.copied)} copied to NHWGC" if self.copied else ""
-        copies += f"; w copied to {policy.FAST_WEIGHT_LAYOUT}" if self.weight_copied else ""
+        copies += f"; w copied to {weight_axes_name(self.problem, self.weight_axes)}" if self.weight_axes else ""
         return (f"stream path: Triton kernels {names} (tiles {self.tiles}, {self.arch}){copies}; "
                 f"knobs from the {self.knobs_source}")
 
@@ -123,7 +124,7 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
                        for i, (shape, dtype, kind) in enumerate(zip(p.arg_shapes, p.arg_dtypes, p.compute)))
     copy_in, copy_out = _layout_copies(p, ext.copied_channels_last, base, p.op != "grad_weight")
     return StreamKernel(p, target.arch, ext.problem, ext.copied_channels_last, tuple(map(compiled, ext.launches)),
-                        ext.partials_shape, ext.tiles.label(), source, summed, rounds, ext.weight_copied,
+                        ext.partials_shape, ext.tiles.label(), source, summed, rounds, ext.weight_axes,
                         tuple(map(compiled, copy_in)), compiled(copy_out) if copy_out else None)
 
 
@@ -194,7 +195,7 @@ def _to_record(k: StreamKernel) -> dict:
         "launches": [_launch_record(sl) for sl in k.launches],
         "sum": _launch_record(k.sum) if k.sum else None,
         "rounds": [_launch_record(sl) for sl in k.rounds],
-        "weight_copied": k.weight_copied,
+        "weight_axes": list(k.weight_axes),
         "copy_in": [_launch_record(sl) for sl in k.copy_in],
         "copy_out": _launch_record(k.copy_out) if k.copy_out else None,
     }
@@ -225,7 +226,7 @@ def _from_record(r: dict) -> StreamKernel:
     return StreamKernel(problem, r["arch"], problem if planned == problem else planned, tuple(r["copied"]),
                         tuple(_launch_from_record(la) for la in r["launches"]), tuple(r["partials_shape"]),
                         r["tiles"], r["knobs_source"], _launch_from_record(r["sum"]) if r["sum"] else None,
-                        tuple(_launch_from_record(la) for la in r["rounds"]), bool(r.get("weight_copied", False)),
+                        tuple(_launch_from_record(la) for la in r["rounds"]), tuple(r.get("weight_axes", ())),
                         tuple(_launch_from_record(la) for la in r.get("copy_in", [])),
                         _launch_from_record(r["copy_out"]) if r.get("copy_out") else None)
 

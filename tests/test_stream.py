@@ -61,6 +61,13 @@ CASES = [
     # depthwise forward: the direct kernel, strided, NGCHW through copies
     (BASE.with_(op="forward", groups=8, in_channels=1, out_channels=1, filter=(3, 3), stride=(2, 2), pad_lo=(1, 1),
                 pad_hi=(1, 1), layout="NGCHW"), None),
+    # one-pass TF32: grad_input and transposed read a K-innermost copy of the weight (from GKYXC and from GKCYX);
+    # grad_weight's operands, both position-strided, rounded in registers (kernels' ROUND_A / ROUND_B); forward
+    # reads both operands reduction-major as they lie
+    (BASE.with_(op="grad_input", dtype="f32", compute="tf32", stride=(2, 1)), SMALL),
+    (BASE.with_(op="transposed", dtype="f32", compute="tf32", weight_layout="GKCYX", layout="NGCHW"), SMALL),
+    (BASE.with_(dtype="f32", compute="tf32", stride=(2, 1)), SMALL + "k2"),
+    (BASE.with_(op="forward", dtype="f32", compute="tf32", stride=(1, 2)), SMALL),
 ]
 
 
@@ -97,18 +104,39 @@ def test_wide_stream_kernel_matches_the_reference(interpreted, index):
 
 
 def test_gkcyx_weights_are_copied_where_a_gemm_kernel_reads_them():
-    copied = {p.name: stream.plan_stream_kernel(p, HOPPER, Knobs()).weight_copied
+    copied = {p.name: stream.plan_stream_kernel(p, HOPPER, Knobs()).weight_axes
               for p in (BASE.with_(op=op, weight_layout=wl, name=f"{op}-{wl}")
                         for op in ("forward", "grad_input", "transposed", "grad_weight") for wl in ("GKCYX", "GKYXC"))}
-    assert copied == {"forward-GKCYX": True, "grad_input-GKCYX": True, "transposed-GKCYX": True,
-                      "grad_weight-GKCYX": False, "forward-GKYXC": False, "grad_input-GKYXC": False,
-                      "transposed-GKYXC": False, "grad_weight-GKYXC": False}
+    gkyxc = ("g", "k", "t0", "t1", "c")
+    assert copied == {"forward-GKCYX": gkyxc, "grad_input-GKCYX": gkyxc, "transposed-GKCYX": gkyxc,
+                      "grad_weight-GKCYX": (), "forward-GKYXC": (), "grad_input-GKYXC": (),
+                      "transposed-GKYXC": (), "grad_weight-GKYXC": ()}
     # where the layouts coincide: one tap, or one channel per group (depthwise)
     one_tap = BASE.with_(op="forward", weight_layout="GKCYX", filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0))
     depthwise = BASE.with_(op="forward", weight_layout="GKCYX", groups=8, in_channels=1, out_channels=1)
-    assert not any(stream.plan_stream_kernel(p, HOPPER, Knobs()).weight_copied for p in (one_tap, depthwise))
+    assert not any(stream.plan_stream_kernel(p, HOPPER, Knobs()).weight_axes for p in (one_tap, depthwise))
     # explain says so, for the module's kernel too
     assert "w copied to GKYXC" in describe_plan(plan_kernel(BASE.with_(op="forward", weight_layout="GKCYX"), HOPPER))
+
+
+def test_one_pass_tf32_reads_k_innermost_weights_and_rounds_strided_operands():
+    tf32 = BASE.with_(dtype="f32", compute="tf32")
+    axes = {(op, wl): stream.plan_stream_kernel(tf32.with_(op=op, weight_layout=wl), HOPPER, Knobs()).weight_axes
+            for op in ("forward", "grad_input", "transposed", "grad_weight") for wl in ("GKCYX", "GKYXC")}
+    # grad_input and transposed reduce over K: K innermost, whatever the layout; forward reduces over C (GKYXC)
+    assert axes == {("grad_input", "GKYXC"): ("g", "t0", "t1", "c", "k"), ("grad_input", "GKCYX"): ("g", "c", "t0", "t1", "k"),
+                    ("transposed", "GKYXC"): ("g", "t0", "t1", "c", "k"), ("transposed", "GKCYX"): ("g", "c", "t0", "t1", "k"),
+                    ("forward", "GKCYX"): ("g", "k", "t0", "t1", "c"), ("forward", "GKYXC"): (),
+                    ("grad_weight", "GKCYX"): (), ("grad_weight", "GKYXC"): ()}
+    rounds = {op: tuple(dict(stream.plan_stream_kernel(tf32.with_(op=op), HOPPER, Knobs()).launches[0].launch.constants)[
+        key] for key in ("ROUND_A", "ROUND_B")) for op in ("forward", "grad_input", "grad_weight")}
+    # grad_weight reduces over positions, strided by the channels in NHWGC: both rounded; the others read
+    # reduction-major operands (grad_input's weight through its copy)
+    assert rounds == {"forward": (False, False), "grad_input": (False, False), "grad_weight": (True, True)}
+    # three passes need neither: Triton splits the operands in registers itself
+    three = stream.plan_stream_kernel(BASE.with_(op="grad_input", dtype="f32"), HOPPER, Knobs())
+    assert three.weight_axes == () and dict(three.launches[0].launch.constants)["ROUND_B"] is False
+    assert "w copied to GYXCK" in describe_plan(plan_kernel(tf32.with_(op="grad_input"), HOPPER))
 
 
 def test_ngchw_copies_are_transpose_launches():

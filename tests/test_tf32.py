@@ -7,6 +7,10 @@ names the products.  The GPU tests run examples/ck15_conv3d_bwd_data.conv's dgra
 """
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -22,6 +26,7 @@ from convdsl.reference import TF32_TOLERANCE, TOLERANCE, reference, relative_err
 from convdsl.targets import Target
 
 HOPPER, CPU = Target("cuda", "sm_90"), Target("cpu", "host")
+HERE = Path(__file__).resolve().parent
 
 
 def _p(**kw) -> ConvProblem:
@@ -80,14 +85,13 @@ def _precision(p: ConvProblem) -> str:
     return dict(plan_launches(p, None, HOPPER)[1][0].constants)["PRECISION"]
 
 
-def test_cuda_grad_input_takes_one_pass_tf32_and_explain_says_so():
-    for op in ("grad_input", "transposed"):
+def test_cuda_kernels_take_one_pass_tf32_and_explain_says_so():
+    for op in ("grad_input", "transposed", "grad_weight", "forward"):
         assert _precision(_p(op=op)) == "tf32" and _precision(_p(op=op, compute=None)) == "tf32x3"
         assert "1-pass TF32 products" in describe_plan(plan_kernel(_p(op=op), HOPPER))
-    # grad_weight keeps three passes: one pass measured 1.6x slower there (Triton's 4-byte copies)
-    assert _precision(_p(op="grad_weight")) == "tf32x3"
+    # grad_weight's operands are position-major (NHWGC): rounded in registers on their way to the products
     wgrad = describe_plan(plan_kernel(_p(op="grad_weight"), HOPPER))
-    assert "3-pass TF32 products" in wgrad and "tf32 allowed, not used" in wgrad
+    assert "rounded to TF32 in registers" in wgrad and "not used" not in wgrad
     assert "tf32 allowed, not used" in describe_plan(plan_kernel(_p(), CPU))
 
 
@@ -105,3 +109,41 @@ def test_cpu_computes_f32_products_where_tf32_is_allowed():
     np.testing.assert_array_equal(got, plain)
     with pytest.raises(ProblemError, match=r"conv: compute: tf32 rounds f32 operands to TF32: .* got dtype f16"):
         convdsl.conv(x.astype(np.float16), w.astype(np.float16), padding=1, compute="tf32")
+
+
+def _round_to_tf32(v: np.ndarray) -> np.ndarray:
+    """The nearest TF32 value of each f32 (10 mantissa bits, ties away from zero: PTX's cvt.rna.tf32.f32), in
+    float64 arithmetic; NaN and infinities stay."""
+    with np.errstate(invalid="ignore"):  # NaN payloads
+        x = v.astype(np.float64)
+    _, e = np.frexp(np.where(np.isfinite(x), x, 1.0))  # |x| in [2**(e-1), 2**e)
+    unit = 2.0 ** np.maximum(e - 11, -136)  # 10 bits below the leading one; subnormals: f32's 2**-149 times 2**13
+    rounded = np.sign(x) * np.floor(np.abs(x) / unit + 0.5) * unit
+    with np.errstate(over="ignore"):  # past f32's largest finite value: infinity, as the hardware's
+        return np.where(np.isfinite(x), rounded, x).astype(np.float32)
+
+
+def test_tf32_round_is_round_to_nearest_ties_away():
+    pytest.importorskip("triton")
+    pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 20000, dtype=np.uint64).astype(np.uint32)
+    ties = (bits & np.uint32(0xFFFFE000)) | np.uint32(0x1000)  # exactly half a TF32 unit above a TF32 value
+    specials = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, 3.4028235e38, 1e-45, -1e-45, 1.17549435e-38],
+                        dtype=np.float32)
+    # NaNs whose payload lies in the 13 low bits only: rounding their bits alone would make them infinities
+    low_nans = np.array([0x7F800001, 0xFF800FFF, 0x7F801000 - 1], dtype=np.uint32).view(np.float32)
+    values = np.concatenate([bits.view(np.float32), ties.view(np.float32), specials, low_nans])
+    done = subprocess.run([sys.executable, str(HERE / "tf32_round_interpreter.py")], input=values.tobytes(),
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    got = np.frombuffer(done.stdout, dtype=np.float32)
+    want = _round_to_tf32(values)
+    nan = np.isnan(values)
+    assert np.isnan(got[nan]).all()
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    # a TF32 value has its 13 low bits clear, and a tie rounds away from zero
+    assert not (got[~nan].view(np.uint32) & np.uint32(0x1FFF)).any()
+    tie, tie_got = values[20000:40000], got[20000:40000]
+    finite = np.isfinite(tie)
+    assert (np.abs(tie_got[finite].astype(np.float64)) > np.abs(tie[finite].astype(np.float64))).all()

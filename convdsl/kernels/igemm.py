@@ -46,6 +46,31 @@ def wide_index(v, WIDE: tl.constexpr):
 
 
 @triton.jit
+def tf32_round(v):
+    # f32 -> the nearest TF32 value (10-bit mantissa, ties away from zero, as cvt.rna.tf32.f32): half a TF32 unit
+    # added to the magnitude's bits, then the 13 low bits cleared; NaN kept as it is (its payload could carry
+    # into the exponent and read as infinity).  Written in integer operations rather than inline PTX so that
+    # Triton's interpreter runs it too
+    bits = v.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return tl.where(v == v, rounded, v)
+
+
+@triton.jit
+def mma(a, b, acc, PRECISION: tl.constexpr, ROUND_A: tl.constexpr, ROUND_B: tl.constexpr):
+    # acc + a @ b.  One-pass TF32 wgmma reads its shared-memory operands K-major (the reduction contiguous); an
+    # operand stored the other way (launch.tf32_staged) Triton copied with 4-byte cp.async, 4x the copy
+    # instructions of 16-byte ones.  Rounding it to TF32 here makes Triton load it whole into registers and
+    # store it K-major for the matrix instructions, and rounds to nearest where wgmma would truncate
+    # (docs/decisions.md#tf32-staged)
+    if ROUND_A:
+        a = tf32_round(a)
+    if ROUND_B:
+        b = tf32_round(b)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def grad_input_phases(
     dy, w, dx,
     # sizes: channels, batch; dY spatial O and stride S per dimension (3 each)
@@ -59,6 +84,8 @@ def grad_input_phases(
     # element strides: dY (n, g, k, o0, o1, o2), W (g, k, c, y0, y1, y2), dX (n, g, c, i0, i1, i2)
     DY: tl.constexpr, W: tl.constexpr, DX: tl.constexpr,
     ALPHA: tl.constexpr, PRECISION: tl.constexpr, PACK: tl.constexpr,
+    # one-pass TF32 with dY (A) / W (B) stored with the reduction not contiguous: rounded in registers (mma)
+    ROUND_A: tl.constexpr, ROUND_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_STAGES: tl.constexpr, WIDE: tl.constexpr,
     # no phase has more than one tap (launch.one_tap): the phases of one tap take the one-tap loop
@@ -140,7 +167,7 @@ def grad_input_phases(
                            + (Y0[2][p] + j2 * TSTEP[2][p]) * W[5])
                     b = tl.load(w_col[None, :] + (tap + k * W[1])[:, None], mask=r_ok[:, None] & c_ok[None, :],
                                 other=0.0)
-                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                    acc = mma(a, b, acc, PRECISION, ROUND_A, ROUND_B)
             elif ONE_TAP & (J[0][p] * J[1][p] * J[2][p] == 1) & (PACK == 1):
                 # one tap (1x1 filters; stride phases of one tap where no phase has more): each row's dY
                 # position is fixed, so the offsets and masks of the rows are formed once and the loop only walks
@@ -161,7 +188,7 @@ def grad_input_phases(
                         k_ok = kk < K - step * BLOCK_K
                         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                         b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
-                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                    acc = mma(a, b, acc, PRECISION, ROUND_A, ROUND_B)
                     a_ptrs += BLOCK_K * DY[2]
                     b_ptrs += BLOCK_K * W[1]
             else:
@@ -187,7 +214,7 @@ def grad_input_phases(
                     else:
                         b_ptrs = w_col[None, :] + (tap + k * W[1])[:, None]
                         b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
-                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                    acc = mma(a, b, acc, PRECISION, ROUND_A, ROUND_B)
 
             out = acc * ALPHA
             i0 = R[0][p] + S[0] * q0
@@ -213,6 +240,8 @@ def grad_weight_partials(
     # DY_IMAGE: only within an image (channel-first dY), and BLOCK_R divides an image's positions
     DY_FLAT: tl.constexpr, X_FLAT: tl.constexpr, DY_IMAGE: tl.constexpr,
     PRECISION: tl.constexpr, PACK: tl.constexpr,
+    # one-pass TF32 with dY (A) / X (B) stored with the positions not contiguous: rounded in registers (mma)
+    ROUND_A: tl.constexpr, ROUND_B: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
     WIDE: tl.constexpr,
 ):
@@ -276,7 +305,7 @@ def grad_weight_partials(
         else:
             b_ptrs = x_col[None, :] + (n * X[0] + o0 * (S[0] * X[3]) + o1 * (S[1] * X[4]) + o2 * (S[2] * X[5]))[:, None]
         b = tl.load(b_ptrs, mask=in_x & r_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = mma(a, b, acc, PRECISION, ROUND_A, ROUND_B)
 
     if PACK > 1:
         C_SUB: tl.constexpr = C // PACK

@@ -13,10 +13,10 @@ import functools
 import math
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..algebra import Phase, grad_input_phases
-from ..problem import FP8_FORMATS, ConvProblem
+from ..problem import FP8_FORMATS, ConvProblem, weight_axes
 from .tiles import TileConfig, matrix_block
 
 # Kernel parameters Triton appends after the declared ones (global and profile scratch pointers).
@@ -100,15 +100,20 @@ def activation_strides(p: ConvProblem, spatial: tuple[int, ...], channels: int) 
     return (s0 * sp[0], n * s0 * sp[0], 1, s0, s1, s2)
 
 
-def weight_strides(p: ConvProblem) -> tuple[int, ...]:
-    """Element strides (g, k, c, y0, y1, y2) of the weight in p's weight layout, taps padded to 3D."""
-    f = pad3(p.filter, 1)
-    taps, c, k = math.prod(f), p.in_channels, p.out_channels
-    if p.weight_layout == "GKYXC":
-        y2, y1, y0 = c, c * f[2], c * f[2] * f[1]
-        return (k * taps * c, taps * c, 1, y0, y1, y2)
-    y2, y1, y0 = 1, f[2], f[2] * f[1]
-    return (k * c * taps, c * taps, taps, y0, y1, y2)
+def weight_strides(p: ConvProblem, axes: Sequence[str] = ()) -> tuple[int, ...]:
+    """Element strides (g, k, c, y0, y1, y2) of the weight stored with its axes in `axes` order, outermost first
+    (problem.weight_axes names them; empty: p's weight layout), taps padded to 3D."""
+    sizes = {"g": p.groups, "k": p.out_channels, "c": p.in_channels,
+             **{f"t{i}": f for i, f in enumerate(p.filter)}}
+    strides, step = {}, 1
+    for axis in reversed(list(axes or weight_axes(p))):
+        strides[axis], step = step, step * sizes[axis]
+    taps = [strides[f"t{i}"] for i in range(p.dims)]
+    sizes_3d = pad3(p.filter, 1)
+    # a padded leading tap axis has one position (any stride serves): the next one's stride times its size
+    while len(taps) < 3:
+        taps.insert(0, taps[0] * sizes_3d[3 - len(taps)])
+    return (strides["g"], strides["k"], strides["c"], *taps)
 
 
 def operand_element(p: ConvProblem) -> str:
@@ -116,6 +121,14 @@ def operand_element(p: ConvProblem) -> str:
     e4m3 and e5m2 value is exact in f16), the same products as fp8 matrix instructions with f32 sums.
     Rounding inside the kernel gained nothing (docs/decisions.md#fp8-rounding-outside)."""
     return "fp16" if p.fp8_compute else ELEMENT[p.dtype]
+
+
+def tf32_staged(precision: str, reduction_stride: int) -> bool:
+    """Whether a GEMM operand is rounded to TF32 in registers before the matrix product (the kernels' ROUND_A /
+    ROUND_B): in one-pass TF32, where its elements are not contiguous along the reduction.  TF32 wgmma reads
+    shared memory K-major only; such an operand Triton otherwise copied with 4-byte cp.async
+    (docs/decisions.md#tf32-staged)."""
+    return precision == "tf32" and reduction_stride != 1
 
 
 # --- packed groups ---------------------------------------------------------------------------
@@ -144,18 +157,20 @@ def _pack_strides(strides: tuple[int, ...], pack: int) -> tuple[int, ...]:
 
 # --- grad_input ------------------------------------------------------------------------------
 
-def grad_input_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str) -> Launch:
+def grad_input_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str,
+                      weight_axes: Sequence[str] = ()) -> Launch:
     """One launch for every stride phase (all-zero phases too: their programs store zeros): phase p's programs
     write the dX positions i = r + s*q of its residue r; together they write every element of dX once.
     Phases are ordered by taps, heaviest first, so that the short ones fill the last wave.  One launch rather
     than a dispatch per phase, because phases tied into one dX made IREE copy dX into the caller's buffer
-    afterwards (docs/decisions.md#one-launch-for-all-phases).  precision: Triton's dot precision."""
+    afterwards (docs/decisions.md#one-launch-for-all-phases).  precision: Triton's dot precision.  weight_axes: the
+    axis order of the weight copy the launch reads (policy.weight_copy_axes; empty: p's weight layout)."""
     tiles.check_matrix()
     phases = sorted(grad_input_phases(p), key=lambda ph: -math.prod(d.J for d in ph.dims))
     groups, c, k = packed_sizes(p, tiles.pack)
     dy_str = _pack_strides(activation_strides(p, p.output, p.out_channels), tiles.pack)
     dx_str = _pack_strides(activation_strides(p, p.input, p.in_channels), tiles.pack)
-    w_str = weight_strides(p)  # the kernel finds each sub-group's weight block itself
+    w_str = weight_strides(p, weight_axes)  # the kernel finds each sub-group's weight block itself
     padded = [_pad_phase(ph) for ph in phases]
     # per phase: its tiles over rows (n, q...) times column tiles; FIRST[p] is its first program
     first = [0]
@@ -172,6 +187,8 @@ def grad_input_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: s
         DY=dy_str, W=w_str, DX=dx_str,
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
         PRECISION=precision, PACK=tiles.pack,
+        # A = dY reduces over its K channels, B = W over its k
+        ROUND_A=tf32_staged(precision, dy_str[2]), ROUND_B=tf32_staged(precision, w_str[1]),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         NUM_STAGES=tiles.stages, WIDE=needs_wide(p),
         ONE_TAP=all(math.prod(d.J for d in ph.dims) <= 1 for ph in phases), FLAT=False,
@@ -187,16 +204,17 @@ def flat_reduction(p: ConvProblem, tiles: TileConfig) -> bool:
     return tiles.pack == 1 and p.in_channels < tiles.block_k and math.prod(p.filter) > 1
 
 
-def forward_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str) -> Launch:
+def forward_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str,
+                   weight_axes: Sequence[str] = ()) -> Launch:
     """Forward as grad_input_phases with one phase: rows are Y's positions q (written at i = q), columns its K
     channels, the reduction runs over taps j and the C channels of X, read at s*q - lo + j*d (the read stride RS
     = s, off = -lo, o_step = -d).  The kernel's dY is X, its dX is Y, and the weight's k and c strides swap so
-    that W[g, k, y, c] is read as the kernel's W[g, c, y, k]."""
+    that W[g, k, y, c] is read as the kernel's W[g, c, y, k].  weight_axes: as grad_input_launch's."""
     tiles.check_matrix()
     groups, k_out, c_red = packed_sizes(p.with_(in_channels=p.out_channels, out_channels=p.in_channels), tiles.pack)
     x_str = _pack_strides(activation_strides(p, p.input, p.in_channels), tiles.pack)
     y_str = _pack_strides(activation_strides(p, p.output, p.out_channels), tiles.pack)
-    w = weight_strides(p)
+    w = weight_strides(p, weight_axes)
     w_swapped = (w[0], w[2], w[1], w[3], w[4], w[5])
     taps, out3 = pad3(p.filter, 1), pad3(p.output, 1)
     lo, dil = pad3(p.pad_lo, 0), pad3(p.dilation, 1)
@@ -211,6 +229,8 @@ def forward_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str)
         DY=x_str, W=w_swapped, DX=y_str,
         ALPHA=float(p.epilogue.alpha) if p.epilogue.kind == "scale" else 1.0,
         PRECISION=precision, PACK=tiles.pack,
+        # A = X and B = W both reduce over the C channels
+        ROUND_A=tf32_staged(precision, x_str[2]), ROUND_B=tf32_staged(precision, w_swapped[1]),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         NUM_STAGES=tiles.stages, WIDE=needs_wide(p), ONE_TAP=math.prod(taps) == 1,
         FLAT=flat_reduction(p, tiles),
@@ -400,6 +420,8 @@ def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int,
         X_FLAT=p.input == p.output and all(s == 1 for s in p.stride) and flat_positions(x_str, pad3(p.input, 1)),
         DY_IMAGE=not dy_flat and image_flat_positions(dy_str, pad3(p.output, 1)) and tiles_within_images(p, tiles),
         PRECISION=precision, PACK=tiles.pack,
+        # both reduce over the positions (n, o0, o1, o2), the innermost of which decides the copies' width
+        ROUND_A=tf32_staged(precision, dy_str[5]), ROUND_B=tf32_staged(precision, x_str[5]),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_R=tiles.block_k, NUM_STAGES=tiles.stages,
         WIDE=needs_wide(p, parts * math.prod(p.w_shape)),
     )

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from ..kernels.launch import Binary
 from ..policy import PAD_FORMS
-from ..problem import ConvProblem
+from ..problem import ConvProblem, weight_axes_name
 from . import bf16x3
 from .plan import KernelPlan
 
@@ -29,8 +29,11 @@ def describe_plan(self: KernelPlan) -> str:
         + f" -> {p.result_name} {list(p.result_shape)} {p.result_dtype}"
     )
     if self.extern is not None:
-        if self.extern.weight_copied:
-            lines.append("  layout: w copied to GKYXC for the kernels below (GKCYX tiles load element by element)")
+        if self.extern.weight_axes:
+            why = ("K innermost: TF32 matrix products read their operands reduction-major"
+                   if self.extern.weight_axes[-1] == "k" else "GKCYX tiles load element by element")
+            lines.append(f"  layout: w copied to {weight_axes_name(p, self.extern.weight_axes)} for the kernels below"
+                         f" ({why})")
         if self.channels_last is not None:
             lines.append("  layout: NGCHW activations copied to NHWGC and back around the kernels below")
             lines.extend(_describe_extern(self.channels_last))
@@ -151,8 +154,10 @@ def _describe_extern(plan: KernelPlan) -> list[str]:
                     " reduction steps, summed in chunk order by one linalg reduction")
         lines.append(f"    {launch.name}: {what}; {detail}")
         lines += lines_of_phases
-    if p.tf32 and any(dict(la.constants).get("PRECISION") == "tf32x3" for la in ext.launches):
-        lines.append("  compute: tf32 allowed, not used: one pass measured slower for grad_weight (kernels/launch.py)")
+    rounded = [la for la in ext.launches if dict(la.constants).get("ROUND_A") or dict(la.constants).get("ROUND_B")]
+    if rounded:
+        lines.append("  compute: operands stored position-major rounded to TF32 in registers, then stored "
+                     "reduction-major for the matrix products")
     if p.fp8_compute:
         lines.append(f"  compute: operands rounded to {p.compute[0]} (first argument) and {p.compute[1]} (second)"
                      " by one linalg pass each, stored in f16 (exact), products summed in f32")

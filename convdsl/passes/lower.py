@@ -12,7 +12,6 @@ from typing import Callable, Mapping, Optional
 from iree.compiler import ir
 from iree.compiler.dialects import arith, cf, func, linalg, scf, tensor, util
 
-from .. import policy
 from ..abi import ASYNC_SUFFIX, INTO_SUFFIX
 from ..algebra import Phase
 from ..problem import ConvProblem
@@ -127,9 +126,8 @@ def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, 
         channels_last = p.with_(layout="NHWGC")
         args = [_relayout(p, channels_last, a) if name in ext.copied_channels_last else a
                 for name, a in zip(p.arg_names, args)]
-    if ext.weight_copied:  # GKCYX: the launches read a GKYXC copy (policy.weight_copied)
-        fast = p.with_(weight_layout=policy.FAST_WEIGHT_LAYOUT)
-        args = [args[0], _permute(args[1], weight_axes(p), weight_axes(fast)), *args[2:]]
+    if ext.weight_axes:  # the launches read a copy of the weight in another axis order (policy.weight_copy_axes)
+        args = [args[0], _permute(args[1], weight_axes(p), list(ext.weight_axes)), *args[2:]]
     if p.fp8_compute:
         # the operands rounded to their fp8 grids once, stored in f16 (kernels/launch.operand_element)
         args = [_round_operand(plan, args[0], 0), _round_operand(plan, args[1], 1)]

@@ -25,8 +25,8 @@ class ExternPlan:
     partials_shape: tuple[int, ...] = ()
     # arguments (by name) the launches read from NHWGC copies, the others in place (dy_read_in_place)
     copied_channels_last: tuple[str, ...] = ()
-    # the launches read a GKYXC copy of the weight (policy.weight_copied)
-    weight_copied: bool = False
+    # the launches read a copy of the weight with its axes in this order (policy.weight_copy_axes; empty: none)
+    weight_axes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,9 @@ def _plan_extern(problem: ConvProblem, target: Target, knobs: Knobs) -> KernelPl
     ext = policy.extern_launches(problem, target, knobs)
     assert ext is not None  # extern_choice said use
     if ext.problem is problem:
-        extern = ExternPlan(ext.tiles, ext.launches, ext.partials_shape, ext.copied_channels_last, ext.weight_copied)
+        extern = ExternPlan(ext.tiles, ext.launches, ext.partials_shape, ext.copied_channels_last, ext.weight_axes)
         return KernelPlan(problem, target, "extern", extern=extern)
-    extern = ExternPlan(ext.tiles, ext.launches, ext.partials_shape, weight_copied=ext.weight_copied)
+    extern = ExternPlan(ext.tiles, ext.launches, ext.partials_shape, weight_axes=ext.weight_axes)
     # every activation copied channels-last: the NHWGC plan runs between two layout copies
     inner_plan = KernelPlan(ext.problem, target, "extern", extern=extern)
     return KernelPlan(problem, target, "extern", extern=extern, channels_last=inner_plan)

@@ -12,7 +12,6 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..backends.cuda_driver import LoadedFunction, load_function
-from ..policy import FAST_WEIGHT_LAYOUT
 from ..problem import activation_axes, weight_axes
 from ..stream import StreamKernel, StreamLaunch
 
@@ -90,16 +89,15 @@ class StreamRunner:
         # the transposes that make those copies (by argument index), where the kernel has them
         self._copy_in = {p.arg_names.index(name): launch for name, launch in zip(kernel.copied, copy_in)}
         self._back = _permutation(activation_axes(channels_last, "ch"), activation_axes(p, "ch"))
-        # GKCYX weights: the launches read a GKYXC copy (policy.weight_copied)
-        self._weight_order = (_permutation(weight_axes(p), weight_axes(p.with_(weight_layout=FAST_WEIGHT_LAYOUT)))
-                              if kernel.weight_copied else None)
+        # the launches read a copy of the weight in another axis order (policy.weight_copy_axes)
+        self._weight_order = _permutation(weight_axes(p), kernel.weight_axes) if kernel.weight_axes else None
         self._result_shape = kernel.planned.result_shape
         self._result_dtype = TORCH_DTYPES[p.result_dtype]
 
     @property
     def direct(self) -> bool:
         """Whether run_into applies: no layout copies and no fp8 rounding around the GEMM core."""
-        return not self.kernel.copied and not self.rounds and not self.kernel.weight_copied
+        return not self.kernel.copied and not self.rounds and not self.kernel.weight_axes
 
     def run_into(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The fast path (`direct` kernels): a, b and out are any tensors whose memory is already laid out as the
