@@ -13,7 +13,8 @@ from typing import Optional
 
 from dataclasses import dataclass, replace
 
-from .kernels.launch import (Launch, arch_number, forward_direct_launch, forward_launch, geometry,
+from .kernels.launch import (IM2COL_CORNERS, IM2COL_MOST_STRIDE, Launch, TmaMap, arch_number, forward_direct_launch,
+                             forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, im2col_box,
                              grad_input_direct_launch, grad_input_launch, grad_weight_depthwise_launch,
                              grad_weight_launch, output_tiles, pad3, packable, packed_sizes, reduction_steps,
                              split_chunks, tiles_within_images, triton_version, depthwise_channel_blocks)
@@ -168,6 +169,51 @@ def extern_choice(problem: ConvProblem, target: Target, knobs: Knobs) -> tuple[b
             reason = "extern = false (tuned or asked for)"
     tiles = parse_tiles(knobs.tiles) if knobs.tiles is not None else None
     return use, tiles, ("" if use else reason or "")
+
+
+# --- TMA forward (kernels/tma.py): the stream path on Hopper ------------------------------------------
+
+def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
+    """Why forward does not run on the TMA im2col kernel (None: it does).  The kernel's descriptors are made at
+    call time and passed by value, which the stream runner does and an IREE module's dispatch cannot: modules
+    keep the cp.async kernels (docs/decisions.md#tma-forward)."""
+    if target.backend != "cuda" or arch_number(target.arch) != 90:
+        return f"TMA im2col with wgmma is Hopper's (sm_90); target is {target.arch}"
+    if p.op != "forward" or p.dtype not in ("f16", "bf16") or p.compute is not None or p.out_dtype is not None:
+        return "the TMA kernel computes forward in f16/bf16 with exact products and the input's dtype"
+    if p.layout != "NHWGC" or p.weight_layout != FAST_WEIGHT_LAYOUT or p.dynamic_batch:
+        return "the TMA kernel reads NHWGC activations and GKYXC weights of a fixed batch"
+    if p.epilogue.kind != "none":
+        return "the TMA kernel has no epilogue"
+    tiles = tma_forward_tiles(p)
+    if p.in_channels % tiles.block_k or p.out_channels % 8:
+        return "the TMA kernel reads channels in whole 16-element steps (C a multiple of 16, K of 8)"
+    if p.groups > 1 and p.out_channels % tiles.block_n:
+        return "with several groups the TMA kernel's column tiles must not cross into the next group"
+    lower, upper = im2col_box(p)
+    low, high = IM2COL_CORNERS[p.dims + 2]
+    if any(not low <= v <= high for v in (*lower, *upper)) or max(p.stride) > IM2COL_MOST_STRIDE:
+        return f"padding or stride past TMA im2col's range (corners {low}..{high}, strides up to {IM2COL_MOST_STRIDE})"
+    if max(t * d for t, d in zip(p.filter, p.dilation)) >= 2**15:
+        return "tap offsets past 16 bits"
+    if not gluon_tma_im2col():
+        return "the installed Triton has no Gluon TMA im2col copies (Triton 3.9 has)"
+    return None
+
+
+def tma_forward_tiles(p: ConvProblem) -> TileConfig:
+    """128 rows, columns as wide as K up to 128 (a wider tile than K doubles the products for nothing), 64
+    channels a step where C allows, 4 stages and 4 warps (docs/decisions.md#tma-forward)."""
+    block_k = next((b for b in (64, 32, 16) if p.in_channels % b == 0), 16)
+    return TileConfig(128, 64 if p.out_channels <= 64 else 128, block_k, warps=4, stages=4)
+
+
+def tma_forward_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[tuple[Launch, tuple[TmaMap, ...]]]:
+    """The TMA forward launch and its maps for the stream runner, or None where forward keeps the cp.async
+    kernel (tma_forward_reason, or tiles given in the knobs: those name a cp.async kernel's)."""
+    if knobs.tiles is not None or knobs.extern is False or tma_forward_reason(p, target) is not None:
+        return None
+    return forward_tma_launch(p, tma_forward_tiles(p), re.sub(r"\W", "_", p.name))
 
 
 def relayout_ngchw(p: ConvProblem, knobs: Knobs) -> bool:

@@ -17,14 +17,14 @@ import base64
 import hashlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
 from . import cache, policy
 from .backends.iree import iree_version
-from .kernels.launch import (Binary, Launch, compile_launch, round_fp8_launch, sum_partials_launch, transpose_launch,
-                             triton_version)
+from .kernels.launch import (Binary, Launch, TmaMap, compile_launch, compile_tma_launch, round_fp8_launch,
+                             sum_partials_launch, transpose_launch, triton_version)
 from .problem import ConvProblem, problem_from_spec, problem_to_spec, weight_axes_name
 from .targets import Target
 from .tuning import db
@@ -66,6 +66,10 @@ class StreamKernel:
     # copies with PyTorch)
     copy_in: tuple[StreamLaunch, ...] = ()
     copy_out: Optional[StreamLaunch] = None
+    # a TMA kernel (forward on Hopper, kernels/tma.py): the descriptors the runner makes per call over its
+    # operands and result, and the kinds of the binary's parameters ("map", "u32", "u64") in order
+    tma_maps: tuple[TmaMap, ...] = ()
+    tma_params: tuple[str, ...] = ()
 
     @property
     def result_copied(self) -> bool:
@@ -74,6 +78,9 @@ class StreamKernel:
 
     def describe(self) -> str:
         names = ", ".join(sl.launch.kernel for sl in self.launches)
+        if self.tma_maps:
+            return (f"stream path: Gluon kernel {names} (TMA im2col copies and wgmma; tiles {self.tiles}, "
+                    f"{self.arch}); knobs from the {self.knobs_source}")
         copies = f"; {', '.join(self.copied)} copied to NHWGC" if self.copied else ""
         copies += f"; w copied to {weight_axes_name(self.problem, self.weight_axes)}" if self.weight_axes else ""
         return (f"stream path: Triton kernels {names} (tiles {self.tiles}, {self.arch}){copies}; "
@@ -105,9 +112,21 @@ def kernel_key(p: ConvProblem, arch: str) -> str:
 
 
 def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str = "knobs given",
-                       compile: bool = False) -> StreamKernel:
+                       compile: bool = False, tma: bool = True) -> StreamKernel:
     """The stream kernel's launches as policy decides them with `knobs`; compiled for target.arch with
-    `compile` (else the binaries are empty: Triton's interpreter runs the launches from their source)."""
+    `compile` (else the binaries are empty: Triton's interpreter runs the launches from their source).  tma:
+    whether a TMA kernel may be chosen (Triton's interpreter runs none)."""
+    tma_plan = policy.tma_forward_launch(p, target, knobs) if tma else None
+    if tma_plan is not None:
+        launch, maps = tma_plan
+        kinds: tuple[str, ...] = ()
+        if compile:
+            binary, maps, kinds = compile_tma_launch(launch, maps, target.arch)
+        else:
+            binary = Binary(launch.name, b"", "none", 32 * launch.warps, 0, 0)
+        tiles = policy.tma_forward_tiles(p).label()
+        return StreamKernel(p, target.arch, p, (), (StreamLaunch(launch, binary),), (), tiles, source,
+                            tma_maps=maps, tma_params=kinds)
     ext = policy.extern_launches(p, target, knobs)
     if ext is None:
         raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {unsupported_reason(p, target)}")
@@ -198,6 +217,7 @@ def _to_record(k: StreamKernel) -> dict:
         "weight_axes": list(k.weight_axes),
         "copy_in": [_launch_record(sl) for sl in k.copy_in],
         "copy_out": _launch_record(k.copy_out) if k.copy_out else None,
+        "tma_maps": [asdict(m) for m in k.tma_maps], "tma_params": list(k.tma_params),
     }
 
 
@@ -228,7 +248,10 @@ def _from_record(r: dict) -> StreamKernel:
                         r["tiles"], r["knobs_source"], _launch_from_record(r["sum"]) if r["sum"] else None,
                         tuple(_launch_from_record(la) for la in r["rounds"]), tuple(r.get("weight_axes", ())),
                         tuple(_launch_from_record(la) for la in r.get("copy_in", [])),
-                        _launch_from_record(r["copy_out"]) if r.get("copy_out") else None)
+                        _launch_from_record(r["copy_out"]) if r.get("copy_out") else None,
+                        tuple(TmaMap(**{key: tuple(v) if isinstance(v, list) else v for key, v in m.items()})
+                              for m in r.get("tma_maps", [])),
+                        tuple(r.get("tma_params", [])))
 
 
 def save_bundle(kernels: Iterable[StreamKernel], path: Union[str, Path]) -> Path:

@@ -52,7 +52,7 @@ def run(job: dict) -> dict:
     knobs = Knobs(tiles=job["tiles"]) if job.get("tiles") else Knobs()
     ext = stream.policy.extern_launches(p, HOPPER, knobs)
     # the launches and steps stream_kernel builds, without compiling them (the interpreter runs the source)
-    kernel = stream.plan_stream_kernel(p, HOPPER, knobs)
+    kernel = stream.plan_stream_kernel(p, HOPPER, knobs, tma=False)
     assert ext is not None and kernel.launches[0].launch == ext.launches[0]
     runner = StreamRunner(kernel, torch.device("cpu"), launcher=lambda sl: interpreted(sl, job.get("wide", False)))
     args = random_inputs(p, seed=5)

@@ -100,6 +100,68 @@ class LoadedFunction:
         return launch
 
 
+# --- TMA descriptors (CUtensorMap), made on the host and passed to a kernel by value --------------------------
+
+# CUtensorMapDataType by element type; CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+# CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE (reads past a tensor's bounds give zeros)
+TENSOR_MAP_TYPES = {"fp16": 6, "bf16": 9, "fp32": 7}
+_INTERLEAVE, _L2_PROMOTION, _OOB_FILL = 0, 2, 0
+TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
+
+
+class TensorMaps:
+    """Room for `count` CUtensorMaps (each 64-byte aligned, as the driver requires), filled in place."""
+
+    def __init__(self, count: int) -> None:
+        self._raw = ctypes.create_string_buffer(TENSOR_MAP_BYTES * count + 64)
+        base = ctypes.addressof(self._raw)
+        self.addresses = [base + (-base) % 64 + i * TENSOR_MAP_BYTES for i in range(count)]
+
+    def encode_tiled(self, index: int, element: str, pointer: int, shape: Sequence[int], element_bytes: int,
+                     box: Sequence[int], swizzle: int) -> None:
+        """Map `index`: the contiguous tensor at `pointer` viewed as `shape` (outermost first), `box` per copy."""
+        rank = len(shape)
+        strides = _contiguous_byte_strides(shape, element_bytes)
+        status = _driver().cuTensorMapEncodeTiled(
+            ctypes.c_void_p(self.addresses[index]), TENSOR_MAP_TYPES[element], rank, ctypes.c_void_p(pointer),
+            _array(ctypes.c_uint64, shape[::-1]), _array(ctypes.c_uint64, strides[:-1][::-1]),
+            _array(ctypes.c_uint32, box[::-1]), _array(ctypes.c_uint32, [1] * rank), _INTERLEAVE, swizzle,
+            _L2_PROMOTION, _OOB_FILL)
+        _check(_driver(), status, f"cuTensorMapEncodeTiled(shape {list(shape)}, box {list(box)})")
+
+    def encode_im2col(self, index: int, element: str, pointer: int, shape: Sequence[int], element_bytes: int,
+                      lower: Sequence[int], upper: Sequence[int], element_strides: Sequence[int], pixels: int,
+                      channels: int, swizzle: int) -> None:
+        """Map `index`: an im2col view of the channels-last tensor at `pointer` of `shape` (N, *spatial, C):
+        copies of `pixels` x `channels` within the pixel box [lower, spatial + upper) per spatial dimension."""
+        strides = _contiguous_byte_strides(shape, element_bytes)
+        status = _driver().cuTensorMapEncodeIm2col(
+            ctypes.c_void_p(self.addresses[index]), TENSOR_MAP_TYPES[element], len(shape), ctypes.c_void_p(pointer),
+            _array(ctypes.c_uint64, shape[::-1]), _array(ctypes.c_uint64, strides[:-1][::-1]),
+            _array(ctypes.c_int, lower[::-1]), _array(ctypes.c_int, upper[::-1]), channels, pixels,
+            _array(ctypes.c_uint32, element_strides[::-1]), _INTERLEAVE, swizzle, _L2_PROMOTION, _OOB_FILL)
+        _check(_driver(), status, f"cuTensorMapEncodeIm2col(shape {list(shape)}, box {list(lower)}..{list(upper)})")
+
+
+def _contiguous_byte_strides(shape: Sequence[int], element_bytes: int) -> list[int]:
+    strides = [element_bytes] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return strides
+
+
+def _array(ctype, values: Sequence[int]):
+    return (ctype * len(values))(*values)
+
+
+def launch_raw(function: "LoadedFunction", grid: tuple[int, int, int], stream: int, parameters) -> None:
+    """Queue `function` with a prepared parameter array (pointers to each parameter's bytes)."""
+    status = _driver().cuLaunchKernel(function.handle, *grid, function.threads, 1, 1, function.shared_bytes, stream,
+                                      parameters, None)
+    if status != 0:
+        _check(_driver(), status, f"cuLaunchKernel({function.name})")
+
+
 def load_function(image: bytes, kind: str, name: str, threads: int, shared_bytes: int, params: int,
                   device: int = 0) -> LoadedFunction:
     """Load a cubin or PTX image (`kind`; the driver JIT-compiles PTX for the device) and get its entry point."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from ..algebra import Phase, grad_input_phases
@@ -431,6 +431,109 @@ def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int,
     launch = Launch("grad_weight_partials", f"{base}_partials", (elem, elem, "fp32"), tuple(consts.items()),
                     check_grid(base, grid), tiles.warps, tiles.stages)
     return launch, (parts, p.groups, p.out_channels, *f3, p.in_channels)
+
+
+# --- TMA kernels (kernels/tma.py: sm_90, launched by the stream runner only) ---------------------------
+
+# TMA im2col: pixel box corners per spatial dimension, by the tensor's rank (CUDA's cuTensorMapEncodeIm2col)
+IM2COL_CORNERS = {3: (-32768, 32767), 4: (-128, 127), 5: (-16, 15)}
+# TMA's traversal (element) strides
+IM2COL_MOST_STRIDE = 8
+
+
+@dataclass(frozen=True)
+class TmaMap:
+    """A TMA descriptor the runner makes at call time: over `operand` (0 and 1: the call's arguments, 2: its
+    result) viewed as the contiguous `shape` (outermost first), copied in boxes of `block` (the kernel's
+    descriptor block).  im2col maps also carry the pixel box corners per spatial dimension and the element
+    strides per dimension.  After compiling, `box` and `swizzle` are the binary's (Triton cuts a block wider than
+    its swizzle span into narrower copies)."""
+
+    operand: int
+    shape: tuple[int, ...]
+    block: tuple[int, int]
+    im2col: bool = False
+    lower: tuple[int, ...] = ()
+    upper: tuple[int, ...] = ()
+    element_strides: tuple[int, ...] = ()
+    box: tuple[int, ...] = ()
+    swizzle: int = 0
+
+
+def im2col_box(p: ConvProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The pixel box of forward's X per spatial dimension: from -lo up to (O - 1) * s + 1 - lo (exclusive), as
+    corners relative to the tensor ([-lo, I + upper)): stepped by s it holds exactly O pixels."""
+    lower = tuple(-lo for lo in p.pad_lo)
+    upper = tuple((o - 1) * s + 1 - i - lo for o, s, i, lo in zip(p.output, p.stride, p.input, p.pad_lo))
+    return lower, upper
+
+
+def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str) -> tuple[Launch, tuple[TmaMap, ...]]:
+    """Forward (NHWGC, GKYXC) on kernels/tma.forward_tma: X through an im2col map over (N, *spatial, G*C), W as a
+    [G*K, taps*C] matrix, Y as [N*O, G*K]; one program per (row tile, column tile, group)."""
+    c, k, g = p.in_channels, p.out_channels, p.groups
+    rows = p.batch * math.prod(p.output)
+    lower, upper = im2col_box(p)
+    maps = (
+        TmaMap(0, (p.batch, *p.input, g * c), (tiles.block_m, tiles.block_k), im2col=True, lower=lower, upper=upper,
+               element_strides=(1, *p.stride, 1)),
+        TmaMap(1, (g * k, math.prod(p.filter) * c), (tiles.block_n, tiles.block_k)),
+        TmaMap(2, (rows, g * k), (tiles.block_m, tiles.block_n)),
+    )
+    consts = dict(O=pad3(p.output, 1), F=pad3(p.filter, 1), S=pad3(p.stride, 1), D=pad3(p.dilation, 1),
+                  LO=pad3(p.pad_lo, 0), C=c, K=k, DIMS=p.dims, STAGES=tiles.stages)
+    grid = check_grid(base, (-(-rows // tiles.block_m), -(-k // tiles.block_n), g))
+    elem = ELEMENT[p.dtype]
+    return Launch("forward_tma", f"{base}_forward_tma", (elem, elem, elem), tuple(consts.items()), grid, tiles.warps,
+                  tiles.stages), maps
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_tma_im2col() -> bool:
+    """Whether the installed Triton compiles Gluon kernels with TMA im2col copies (Triton 3.9 does; PyTorch's
+    own Triton may not).  Kernels compiled elsewhere run without it (the runner needs only the CUDA driver)."""
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import tma
+    except ImportError:
+        return False
+    return hasattr(tma, "async_load_im2col")
+
+
+@functools.lru_cache(maxsize=None)
+def compile_tma_launch(launch: Launch, maps: tuple[TmaMap, ...], arch: str
+                       ) -> tuple[Binary, tuple[TmaMap, ...], tuple[str, ...]]:
+    """Compile a TMA launch with Triton's Gluon for `arch` (sm_90): its binary, the maps with the binary's boxes
+    and swizzles, and the kinds of its parameters in order ("map": a 128-byte CUtensorMap by value, "u32",
+    "u64")."""
+    import triton  # optional dependencies: planned only where they are installed (policy.tma_forward_reason)
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from . import tma
+
+    fn = getattr(tma, launch.kernel)
+    dtype = {"fp16": gl.float16, "bf16": gl.bfloat16}[launch.pointer_types[0]]
+    signature = {}
+    for name, m in zip(fn.arg_names, maps):
+        layout = gl.NVMMASharedLayout.get_default_for(list(m.block), dtype)
+        kind = "tensordesc_im2col" if m.im2col else "tensordesc"
+        signature[name] = f"{kind}<{launch.pointer_types[m.operand]}[{m.block[0]},{m.block[1]}],{layout!r}>"
+    constexprs = dict(launch.constants, num_warps=launch.warps)
+    signature.update({name: "constexpr" for name in constexprs})
+    kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", arch_number(arch), 32), options={"num_warps": launch.warps})
+    meta = kernel.metadata
+    if meta.global_scratch_size or meta.profile_scratch_size:
+        raise RuntimeError(f"launch {launch.name}: Triton asked for scratch memory, which the runner does not pass")
+    head = kernel.asm["ptx"].split(")", 1)[0]
+    kinds = tuple("map" if "[128]" in decl else "u32" if ".u32" in decl else "u64"
+                  for decl in re.findall(r"\.param ([^\n,]*)", head))
+    compiled = tuple(replace(m, box=tuple(d["block_size"]), swizzle=d["swizzle"])
+                     for m, d in zip(maps, meta.tensordesc_meta))
+    binary = Binary(meta.name, kernel.asm["cubin"], "cubin", threads=32 * launch.warps, shared_bytes=int(meta.shared),
+                    params=len(kinds))
+    return binary, compiled, kinds
 
 
 # --- compiling -------------------------------------------------------------------------------

@@ -7,11 +7,13 @@ the Triton that PyTorch brings is not used and need not match the one that compi
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..backends.cuda_driver import LoadedFunction, load_function
+from ..backends.cuda_driver import LoadedFunction, TensorMaps, launch_raw, load_function
+from ..kernels.launch import TmaMap
 from ..problem import activation_axes, weight_axes
 from ..stream import StreamKernel, StreamLaunch
 
@@ -55,6 +57,46 @@ class DriverLaunch:
         self._launch(stream, [t.data_ptr() for t in tensors])
 
 
+class TmaDriverLaunch:
+    """A TMA launch (kernels/tma.py) loaded through the CUDA driver.  Its descriptors are made over the tensors
+    of each call (operands, then the result) in a parameter block kept by the launch, each re-made only when its
+    tensor's address changed (a training loop's tensors mostly come back at the same addresses); the driver
+    copies the block at every launch, so a CUDA graph keeps the descriptors of its capture."""
+
+    _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+    def __init__(self, sl: StreamLaunch, maps: Sequence[TmaMap], kinds: Sequence[str], device: int) -> None:
+        b = sl.binary
+        self.grid = sl.launch.grid
+        self.function: LoadedFunction = load_function(b.data, b.kind, b.name, b.threads, b.shared_bytes, b.params,
+                                                      device)
+        self.maps = tuple(maps)
+        self.element = sl.launch.pointer_types[0]
+        self.element_bytes = self._ELEMENT_BYTES[self.element]
+        self.tensor_maps = TensorMaps(len(self.maps))
+        self._addresses: list[Optional[int]] = [None] * len(self.maps)
+        # the maps' bytes in place; every other parameter (a map's shape and strides, which the kernel does not
+        # read, and Triton's scratch pointers, size 0) passed as zero
+        self._zeros = [ctypes.c_uint64(0) for _ in kinds]
+        slots, it = [], iter(self.tensor_maps.addresses)
+        for kind, zero in zip(kinds, self._zeros):
+            slots.append(next(it) if kind == "map" else ctypes.addressof(zero))
+        self._params = (ctypes.c_void_p * len(slots))(*slots)
+
+    def __call__(self, stream: int, *tensors: torch.Tensor) -> None:
+        for i, m in enumerate(self.maps):
+            address = tensors[m.operand].data_ptr()
+            if address != self._addresses[i]:
+                if m.im2col:
+                    self.tensor_maps.encode_im2col(i, self.element, address, m.shape, self.element_bytes, m.lower,
+                                                   m.upper, m.element_strides, m.box[0], m.box[1], m.swizzle)
+                else:
+                    self.tensor_maps.encode_tiled(i, self.element, address, m.shape, self.element_bytes, m.box,
+                                                  m.swizzle)
+                self._addresses[i] = address
+        launch_raw(self.function, self.grid, stream, self._params)
+
+
 class StreamRunner:
     """A stream kernel loaded on one CUDA device, called with tensors in its problem's layouts (contiguous)."""
 
@@ -68,13 +110,20 @@ class StreamRunner:
             self.index = device.index if device.index is not None else torch.cuda.current_device()
             torch.cuda.init()
             with torch.cuda.device(self.index):
-                (self.core,) = [DriverLaunch(sl, self.index) for sl in kernel.launches]
+                if kernel.tma_maps:
+                    (self.core,) = [TmaDriverLaunch(sl, kernel.tma_maps, kernel.tma_params, self.index)
+                                    for sl in kernel.launches]
+                else:
+                    (self.core,) = [DriverLaunch(sl, self.index) for sl in kernel.launches]
                 self.sum = DriverLaunch(kernel.sum, self.index) if kernel.sum else None
                 self.rounds = [DriverLaunch(sl, self.index) for sl in kernel.rounds]
                 copy_in = [DriverLaunch(sl, self.index) for sl in kernel.copy_in]
                 self.copy_out = DriverLaunch(kernel.copy_out, self.index) if kernel.copy_out else None
             self._stream = lambda: _raw_stream(self.index)
         else:
+            if kernel.tma_maps:
+                raise ValueError(f"kernel {kernel.problem.name}: a TMA kernel runs on the GPU only, not through "
+                                 "another launcher")
             (self.core,) = [launcher(sl) for sl in kernel.launches]
             self.sum = launcher(kernel.sum) if kernel.sum else None
             self.rounds = [launcher(sl) for sl in kernel.rounds]

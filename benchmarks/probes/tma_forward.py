@@ -1,0 +1,111 @@
+"""Probe: forward convolution with TMA im2col copies and wgmma (convdsl/kernels/tma.py) against cuDNN and the
+cp.async stream kernels, on the suite's dense 16-bit forward shapes, per tile candidate.
+
+    python3 benchmarks/probes/tma_forward.py build TMA.convk          # where Triton 3.9 is (no GPU needed)
+    python3 benchmarks/probes/tma_forward.py run TMA.convk OUT.json   # on an H100/H200
+
+`build` compiles the kernel for sm_90 per shape and tile candidate into a stream bundle (kernels named
+<case>:<tiles>), with the cp.async kernel the shape had before (<case>:cp.async, its rule's tiles).  `run` calls
+each through the stream runner, checks it against cuDNN on the same tensors and times both by CUDA-graph replay.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+CASES = ["r50_3x3_s1_dgrad_fwd", "ck17_dgrad_2d_s2_fwd", "deeplab_atrous_dgrad_fwd", "ck15_dgrad_3d_f16_fwd",
+         "unet3d_dgrad_fwd"]
+TILES = ["t128x128x64w8s4", "t128x64x64w4s4", "t128x128x64w4s4", "t128x256x64w8s3", "t64x128x64w4s5",
+         "t128x128x64w8s5"]
+
+
+def _compile(job):
+    from convdsl.kernels.launch import compile_tma_launch, forward_tma_launch
+    from convdsl.kernels.tiles import parse_tiles
+    from convdsl.stream import StreamKernel, StreamLaunch
+
+    p, label = job
+    if label == "cp.async":
+        from convdsl.stream import plan_stream_kernel
+        from convdsl.targets import Target
+        from convdsl.tuning.knobs import Knobs
+
+        return plan_stream_kernel(p.with_(name=f"{p.name}:{label}"), Target("cuda", "sm_90"), Knobs(),
+                                  compile=True, tma=False)
+    launch, maps = forward_tma_launch(p, parse_tiles(label), f"k_{label}")
+    binary, maps, kinds = compile_tma_launch(launch, maps, "sm_90")
+    named = p.with_(name=f"{p.name}:{label}")
+    return StreamKernel(named, "sm_90", named, (), (StreamLaunch(launch, binary),), (), label, "probe",
+                        tma_maps=maps, tma_params=kinds)
+
+
+def build(out: Path) -> None:
+    from benchmarks.torch_bench import problems
+    from convdsl import stream
+
+    found = [p for p in problems([c.removesuffix("_fwd") for c in CASES]) if p.name in CASES]
+    with ProcessPoolExecutor(2) as pool:
+        kernels = list(pool.map(_compile, [(p, t) for p in found for t in ["cp.async", *TILES]]))
+    stream.save_bundle(kernels, out)
+    print(f"wrote {out}: {len(kernels)} kernels")
+
+
+def run(bundle: Path, result: Path) -> None:
+    import torch
+
+    from benchmarks.gpu_bench import TorchConv, random_args, rel_error
+    from benchmarks.torch_bench import _case_dict, graph_ms
+    from convdsl import stream
+    from convdsl.torch.stream import StreamRunner
+
+    dev = torch.device("cuda", 0)
+    rows, cudnn_times = [], {}
+    for k in stream.load_bundle(bundle):
+        case, label = k.problem.name.split(":")
+        p = k.problem.with_(name=case)
+        cd = _case_dict(p)
+        args = random_args(cd, seed=1)
+        conv = TorchConv(cd)
+        targs = conv.to_torch(args)
+        cudnn = conv.fn(conv.like(targs[0].dtype))
+        if case not in cudnn_times:
+            cudnn_times[case] = graph_ms(lambda: cudnn(*targs))
+        cudnn_ms = cudnn_times[case]
+        runner = StreamRunner(k, dev)
+        err = rel_error(runner(*args), conv.from_torch(cudnn(*targs)).double())
+        ms = graph_ms(lambda: runner(*args))
+        rows.append({"case": case, "kernel": label, "describe": k.describe(), "ms": ms, "error_vs_cudnn": err,
+                     "cudnn_ms": cudnn_ms, "tflops": p.flops / ms / 1e9})
+        print(f"{case:<26} {label:<16} {ms:.4f} ms err {err:.1e} cuDNN {cudnn_ms:.4f} -> {cudnn_ms / ms:.2f}x "
+              f"{rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
+        del args, targs
+        torch.cuda.empty_cache()
+    versions = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                "cudnn": torch.backends.cudnn.version(),
+                "command": "python3 benchmarks/probes/tma_forward.py run TMA.convk OUT.json"}
+    result.write_text(json.dumps({"versions": versions, "results": rows}, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=("build", "run"))
+    ap.add_argument("bundle", type=Path)
+    ap.add_argument("result", type=Path, nargs="?")
+    args = ap.parse_args(argv)
+    if args.mode == "build":
+        build(args.bundle)
+    elif args.result is None:
+        ap.error("run: OUT.json is required")
+    else:
+        run(args.bundle, args.result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""Hopper forward convolution with TMA im2col copies and wgmma, written in Gluon (Triton's tile-level dialect).
+
+The GEMM kernels of igemm.py gather their activation windows with cp.async, each thread computing its own
+addresses and border masks.  Hopper's TMA unit has an im2col mode that does this in hardware: given the
+first output pixel of a tile, a filter tap (the im2col offsets) and the pixel box the convolution sweeps, it
+copies BLOCK_M pixels x BLOCK_K channels of X into shared memory, zero outside the image, walking across rows
+and images.  This kernel feeds wgmma from a ring of STAGES such copies (mbarrier per stage), keeping one
+matrix product in flight while the next copies land.
+
+Index algebra (NHWGC / NDHWGC activations, GKYXC weights; group g is program_id(2)):
+    Y[n, o, g, k] = sum over taps t, channels c of X[n, o * s - lo + t * d, g, c] * W[g, k, t, c]
+rows m = (n, o0, o1, o2) of Y's pixels, columns k, reduction (t, c) in steps of BLOCK_K channels of one tap.
+The copy for step (t, cb) starts at pixel box coordinate o * s - lo of the tile's first row, channel
+g * C + cb * BLOCK_K, with im2col offset t * d; the box is [-lo, (O - 1) * s + 1 - lo) per dimension, stepped by
+s (TMA's element strides), so that it holds exactly O pixels (launch.forward_tma_launch makes it).  W is read as
+a [G * K, taps * C] matrix, Y written as [N * O, G * K].  C is a multiple of BLOCK_K, and with several groups K
+a multiple of BLOCK_N, so that no copy reaches into the next group or tap (policy.tma_forward_reason).
+"""
+from __future__ import annotations
+
+from triton import constexpr_function
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+
+
+@constexpr_function
+def _warps_per_cta(block_m, num_warps):
+    # wgmma's atom is 4 warps along M (16 rows each); more warps tile M while it has rows left, then N
+    warps = [4, 1]
+    while warps[0] * warps[1] != num_warps:
+        if block_m > 16 * warps[0]:
+            warps[0] *= 2
+        else:
+            warps[1] *= 2
+    return warps
+
+
+@constexpr_function
+def _instr_n(block_m, block_n, num_warps):
+    # the widest wgmma N (a multiple of 8 up to 256) that divides the warps' share of BLOCK_N
+    reps_m = -(-block_m // 16)
+    reps_n = -(-num_warps // reps_m)
+    most = max(block_n // reps_n, 8)
+    n = 256
+    while n > most or block_n % n != 0:
+        n -= 8
+    return n
+
+
+@gluon.jit
+def _issue(x_desc, w_desc, a_buf, b_buf, bar, step, n, c0, c1, c2, x_channel, w_row,
+           F: gl.constexpr, D: gl.constexpr, C: gl.constexpr, DIMS: gl.constexpr, BLOCK_K: gl.constexpr):
+    # the copies of reduction step `step` = (tap t, channel block cb): X's window for tap t, W's [BLOCK_N, BLOCK_K]
+    CB: gl.constexpr = C // BLOCK_K
+    t = step // CB
+    cb = step % CB
+    t2 = t % F[2]
+    t1 = (t // F[2]) % F[1]
+    t0 = t // (F[2] * F[1])
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    if DIMS == 3:
+        tma.async_load_im2col(x_desc, [n, c0, c1, c2, x_channel + cb * BLOCK_K],
+                              [(t0 * D[0]).to(gl.int16), (t1 * D[1]).to(gl.int16), (t2 * D[2]).to(gl.int16)],
+                              bar, a_buf)
+    elif DIMS == 2:
+        tma.async_load_im2col(x_desc, [n, c1, c2, x_channel + cb * BLOCK_K],
+                              [(t1 * D[1]).to(gl.int16), (t2 * D[2]).to(gl.int16)], bar, a_buf)
+    else:
+        tma.async_load_im2col(x_desc, [n, c2, x_channel + cb * BLOCK_K], [(t2 * D[2]).to(gl.int16)], bar, a_buf)
+    tma.async_load(w_desc, [w_row, t * C + cb * BLOCK_K], bar, b_buf)
+
+
+@gluon.jit
+def forward_tma(x_desc, w_desc, y_desc,
+                # output pixels, filter, stride, dilation, low padding per spatial dimension (3 each; 2D: first 1)
+                O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
+                C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr, STAGES: gl.constexpr,
+                num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    dtype: gl.constexpr = x_desc.dtype
+    STEPS: gl.constexpr = F[0] * F[1] * F[2] * (C // BLOCK_K)
+
+    off_m = gl.program_id(0) * BLOCK_M
+    off_k = gl.program_id(1) * BLOCK_N
+    g = gl.program_id(2)
+    x_channel = g * C  # the group's first channel in X
+    w_row = g * K + off_k  # the tile's first row of W and column of Y
+    # the tile's first pixel (n, o0, o1, o2) and where its window starts in X
+    o2 = off_m % O[2]
+    o1 = (off_m // O[2]) % O[1]
+    o0 = (off_m // (O[2] * O[1])) % O[0]
+    n = off_m // (O[2] * O[1] * O[0])
+    c0 = o0 * S[0] - LO[0]
+    c1 = o1 * S[1] - LO[1]
+    c2 = o2 * S[2] - LO[2]
+
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=_warps_per_cta(BLOCK_M, num_warps),
+        instr_shape=[16, _instr_n(BLOCK_M, BLOCK_N, num_warps), 256 // dtype.primitive_bitwidth])
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+
+    # prologue: the first STAGES - 1 steps' copies in flight
+    for i in gl.static_range(STAGES - 1):
+        if i < STEPS:
+            _issue(x_desc, w_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i), i, n, c0, c1, c2, x_channel,
+                   w_row, F, D, C, DIMS, BLOCK_K)
+    for step in range(STEPS):
+        s = step % STAGES
+        mbarrier.wait(bars.index(s), (step // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        # the previous step's product is done: its stage takes the copies of step + STAGES - 1
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        nxt = step + STAGES - 1
+        if nxt < STEPS:
+            ns = nxt % STAGES
+            _issue(x_desc, w_desc, a_bufs.index(ns), b_bufs.index(ns), bars.index(ns), nxt, n, c0, c1, c2,
+                   x_channel, w_row, F, D, C, DIMS, BLOCK_K)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    y_smem = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
+    y_smem.store(acc.to(y_desc.dtype))
+    fence_async_shared()
+    tma.async_store(y_desc, [off_m, w_row], y_smem)
+    tma.store_wait(pendings=0)

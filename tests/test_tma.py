@@ -1,0 +1,179 @@
+"""The TMA forward kernel (kernels/tma.py) off the GPU: which problems take it, and its index algebra.
+
+The kernel hands TMA a pixel box, a first pixel per row tile and an im2col offset per tap; the hardware walks
+the box.  `_im2col_tile` models that walk as PTX describes im2col mode (per spatial dimension the positions
+lower, lower + e, ... up to the dimension's size + upper - 1, e the element stride; pixels in (N, spatial)
+order, wrapping across rows and images; zeros outside the tensor), and `_emulated_forward` runs the kernel's
+tiles through it with the coordinates the kernel computes.  Against the float64 reference this checks the
+corners of launch.im2col_box, the coordinates, the group offsets and the conditions that keep a copy inside its
+group (policy.tma_forward_reason); the GPU tests run the kernel itself.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from convdsl import policy, stream
+from convdsl.kernels.launch import IM2COL_CORNERS, forward_tma_launch, gluon_tma_im2col, im2col_box
+from convdsl.problem import ConvProblem
+from convdsl.reference import random_inputs, reference, relative_error
+from convdsl.targets import Target
+from convdsl.tuning.knobs import Knobs
+
+HOPPER, AMPERE = Target("cuda", "sm_90"), Target("cuda", "sm_80")
+BASE = ConvProblem(op="forward", dims=2, groups=1, batch=2, in_channels=32, out_channels=24, input=(7, 6),
+                   filter=(3, 3), stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), layout="NHWGC",
+                   dtype="f16", name="k")
+
+
+def _im2col_tile(x: np.ndarray, coord: tuple[int, ...], offsets: tuple[int, ...], lower, upper, strides,
+                 pixels: int, channels: int) -> np.ndarray:
+    """TMA's im2col copy from x (N, *spatial, channels total) as PTX's im2col mode describes it."""
+    spatial = x.shape[1:-1]
+    counts = [(size + up - 1 - lo) // e + 1 for size, lo, up, e in zip(spatial, lower, upper, strides)]
+    steps = [(start - lo) // e for start, lo, e in zip(coord[1:-1], lower, strides)]
+    first = coord[0]
+    for j, count in zip(steps, counts):
+        first = first * count + j
+    tile = np.zeros((pixels, channels))
+    c0 = coord[-1]
+    for row in range(pixels):
+        index, pos = first + row, []
+        for count in reversed(counts):
+            pos.insert(0, index % count)
+            index //= count
+        n = index
+        at = [lo + j * e + off for lo, j, e, off in zip(lower, pos, strides, offsets)]
+        if n < x.shape[0] and all(0 <= a < size for a, size in zip(at, spatial)):
+            got = x[(n, *at)][c0:c0 + channels]
+            tile[row, :len(got)] = got
+    return tile
+
+
+def _emulated_forward(p: ConvProblem, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """forward_tma's tiles, copies and stores, in float64, through _im2col_tile."""
+    tiles = policy.tma_forward_tiles(p)
+    launch, maps = forward_tma_launch(p, tiles, "k")
+    consts = dict(launch.constants)
+    x_map, w_map, y_map = maps
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    xs = x.reshape(x_map.shape).astype(np.float64)
+    w2 = w.reshape(w_map.shape).astype(np.float64)
+    y2 = np.full(y_map.shape, np.nan)
+    dims = p.dims
+    out, s, d, lo = consts["O"], consts["S"], consts["D"], consts["LO"]
+    taps_3d = consts["F"]
+    c, k = consts["C"], consts["K"]
+    grid = launch.grid
+    for g in range(grid[2]):
+        for pm in range(grid[0]):
+            for pn in range(grid[1]):
+                off_m, off_k = pm * bm, pn * bn
+                o2 = off_m % out[2]
+                o1 = (off_m // out[2]) % out[1]
+                o0 = (off_m // (out[2] * out[1])) % out[0]
+                n = off_m // (out[2] * out[1] * out[0])
+                corner = (o0 * s[0] - lo[0], o1 * s[1] - lo[1], o2 * s[2] - lo[2])[3 - dims:]
+                acc = np.zeros((bm, bn))
+                for step in range(math.prod(taps_3d) * (c // bk)):
+                    t, cb = divmod(step, c // bk)
+                    t2, t1, t0 = t % taps_3d[2], (t // taps_3d[2]) % taps_3d[1], t // (taps_3d[2] * taps_3d[1])
+                    offsets = (t0 * d[0], t1 * d[1], t2 * d[2])[3 - dims:]
+                    a = _im2col_tile(xs, (n, *corner, g * c + cb * bk), offsets, x_map.lower, x_map.upper,
+                                     x_map.element_strides[1:-1], bm, bk)
+                    b = np.zeros((bn, bk))
+                    rows = w2[g * k + off_k:g * k + off_k + bn, t * c + cb * bk:t * c + cb * bk + bk]
+                    b[:rows.shape[0], :rows.shape[1]] = rows
+                    acc += a @ b.T
+                stored = y2[off_m:off_m + bm, g * k + off_k:g * k + off_k + bn]  # TMA clips at the bounds
+                stored[...] = acc[:stored.shape[0], :stored.shape[1]]
+    return y2.reshape(p.y_shape)
+
+
+def _problem(dims: int, size: int, stride: int, dilation: int, pad: tuple[int, int], taps: int, groups: int,
+             c: int, k: int, batch: int) -> ConvProblem:
+    return BASE.with_(dims=dims, input=(size,) * dims, filter=(taps,) * dims, stride=(stride,) * dims,
+                      dilation=(dilation,) * dims, pad_lo=(pad[0],) * dims, pad_hi=(pad[1],) * dims, groups=groups,
+                      in_channels=c, out_channels=k, batch=batch)
+
+
+@pytest.mark.parametrize("p", [
+    BASE,  # K = 24 < BLOCK_N: the column tile reaches past K, zeros in, clipped out
+    BASE.with_(batch=3, input=(9, 11), stride=(2, 2), pad_lo=(1, 0), pad_hi=(0, 1)),  # strided, asymmetric padding
+    BASE.with_(in_channels=64, dilation=(2, 3), pad_lo=(2, 3), pad_hi=(2, 3)),  # dilated (DeepLab's atrous)
+    BASE.with_(dims=3, input=(4, 5, 3), filter=(3, 3, 3), stride=(1, 2, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 1),
+               pad_hi=(1, 1, 1)),  # 3D: five-dimensional maps
+    BASE.with_(dims=1, input=(13,), filter=(5,), stride=(3,), dilation=(1,), pad_lo=(2,), pad_hi=(2,)),  # 1D
+    BASE.with_(groups=2, in_channels=16, out_channels=64),  # groups: channel and row offsets per group
+    BASE.with_(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0), stride=(2, 2), in_channels=48),  # 1x1 downsample
+])
+def test_emulated_tma_forward_matches_the_reference(p):
+    assert policy.tma_forward_reason(p, HOPPER) in (None, "the installed Triton has no Gluon TMA im2col copies "
+                                                          "(Triton 3.9 has)"), p.describe()
+    x, w = random_inputs(p, seed=5)
+    got = _emulated_forward(p, x, w)
+    assert not np.isnan(got).any(), "some outputs were never stored"
+    assert relative_error(got, reference(p, x, w)) < 1e-12
+
+
+@settings(max_examples=25, deadline=None)
+@given(dims=st.integers(1, 3), size=st.integers(3, 9), stride=st.integers(1, 3), dilation=st.integers(1, 2),
+       pad=st.tuples(st.integers(0, 2), st.integers(0, 2)), taps=st.integers(1, 3), groups=st.sampled_from([1, 2]),
+       batch=st.integers(1, 3))
+def test_im2col_box_walks_exactly_the_output_pixels(dims, size, stride, dilation, pad, taps, groups, batch):
+    p = _problem(dims, size, stride, dilation, pad, taps, groups, 16, 64 if groups > 1 else 40, batch)
+    if any(o < 1 for o in p.output):
+        return
+    lower, upper = im2col_box(p)
+    for o, s, i, lo, low, up in zip(p.output, p.stride, p.input, p.pad_lo, lower, upper):
+        walk = list(range(low, i + up, s))  # the positions TMA visits along this dimension
+        assert walk == [q * s - lo for q in range(o)]
+    if dims <= 2 and p.groups == 1:  # the whole kernel for the smaller cases (the emulation is slow in 3D)
+        x, w = random_inputs(p, seed=1)
+        assert relative_error(_emulated_forward(p, x, w), reference(p, x, w)) < 1e-12
+
+
+needs_gluon = pytest.mark.skipif(not gluon_tma_im2col(), reason="the installed Triton has no Gluon TMA im2col")
+
+
+@needs_gluon
+def test_which_forwards_take_the_tma_kernel():
+    takes = lambda p, target=HOPPER: policy.tma_forward_reason(p, target) is None  # noqa: E731
+    assert takes(BASE) and takes(BASE.with_(dtype="bf16"))
+    assert not takes(BASE, AMPERE), "wgmma and TMA im2col: sm_90 only"
+    assert not takes(BASE.with_(dtype="f32")) and not takes(BASE.with_(dtype="f32", compute="tf32"))
+    assert not takes(BASE.with_(op="grad_input")) and not takes(BASE.with_(op="grad_weight"))
+    assert not takes(BASE.with_(layout="NGCHW")) and not takes(BASE.with_(weight_layout="GKCYX"))
+    assert not takes(BASE.with_(in_channels=3)), "an RGB stem's 3 channels: not a whole 16-channel step"
+    assert not takes(BASE.with_(groups=8, in_channels=1, out_channels=1)), "depthwise"
+    assert not takes(BASE.with_(groups=2, out_channels=24)), "a column tile would cross into the next group"
+    assert not takes(BASE.with_(dynamic_batch=True))
+    low, _ = IM2COL_CORNERS[5]
+    deep = BASE.with_(dims=3, input=(40, 8, 8), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
+                      pad_lo=(-low + 1, 1, 1), pad_hi=(-low + 1, 1, 1))
+    assert not takes(deep), "3D padding past the five-dimensional map's corner range"
+    # tiles given (a cp.async kernel's) keep the cp.async kernel; so does the IREE module (extern_launches)
+    assert policy.tma_forward_launch(BASE, HOPPER, Knobs(tiles="t64x64x32w4s3")) is None
+    assert policy.tma_forward_launch(BASE, HOPPER, Knobs()) is not None
+    assert policy.extern_launches(BASE, HOPPER, Knobs()).launches[0].kernel == "grad_input_phases"
+
+
+@needs_gluon
+def test_tma_kernel_compiles_and_its_record_round_trips():
+    kernel = stream.plan_stream_kernel(BASE.with_(in_channels=64, out_channels=128), HOPPER, Knobs(), compile=True)
+    assert [sl.launch.kernel for sl in kernel.launches] == ["forward_tma"]
+    assert "TMA im2col" in kernel.describe()
+    # three descriptors passed by value, each with its shape and strides, then Triton's two scratch pointers
+    assert kernel.tma_params.count("map") == 3 and len(kernel.tma_params) == kernel.launches[0].binary.params
+    x_map, w_map, y_map = kernel.tma_maps
+    assert x_map.im2col and x_map.box == (128, 64) and w_map.shape == (128, 9 * 64) and y_map.shape == (2 * 42, 128)
+    # a 128-column block of 2-byte elements is copied as two 64-column boxes (128-byte swizzle span)
+    assert y_map.box == (128, 64) and w_map.box == (128, 64)
+    back = stream._from_record(json.loads(json.dumps(stream._to_record(kernel))))
+    assert back.tma_maps == kernel.tma_maps and back.tma_params == kernel.tma_params
+    assert back.launches[0].binary == kernel.launches[0].binary
