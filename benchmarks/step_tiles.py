@@ -8,7 +8,9 @@ grad_input and grad_weight, each distinct problem with every candidate tile shap
 
 `--cases` takes suite cases and their forward convolutions as `benchmarks/torch_bench.py` builds them (`--tf32`:
 the f32 cases with compute = tf32, as PyTorch runs them with TF32 allowed).
-`build` records the problems of a traced training step and compiles each with every candidate into one bundle;
+`build` records the problems of a traced training step and compiles each with every candidate into one bundle
+(the cp.async kernels: on Hopper the stream path runs dense 16-bit forward and stride-1 grad_input on the TMA
+kernel instead, whose tiles have their own rule, docs/decisions.md#tma-forward);
 `run` times each candidate by CUDA-graph replay (20 calls a graph, median of 7 replays: no host time between
 the kernels; small ResNet GEMMs take 10 to 30 us, less than a queued eager call's host time), checks it against
 the first candidate's result, and times cuDNN on the same tensors.  docs/decisions.md#step-tiles holds what it
@@ -71,9 +73,9 @@ def _compile(job):
         if tiles.startswith("split"):  # --splits: the default tiles, split_k forced ("split0": the rule's)
             split = int(tiles[5:])
             return stream.plan_stream_kernel(p.with_(name=f"s{index}_{tiles}", split_k=split or None),
-                                             Target("cuda", "sm_90"), Knobs(), compile=True)
+                                             Target("cuda", "sm_90"), Knobs(), compile=True, tma=False)
         return stream.plan_stream_kernel(p.with_(name=f"s{index}_{tiles}"), Target("cuda", "sm_90"),
-                                         Knobs(tiles=tiles), compile=True)
+                                         Knobs(tiles=tiles), compile=True, tma=False)
     except Exception as e:  # a candidate the problem cannot take (say, a tile past its size): left out, said
         print("skip", index, tiles, type(e).__name__, str(e)[:100], flush=True)
         return None

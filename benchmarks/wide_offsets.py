@@ -55,8 +55,8 @@ def build(arch: str, out: Path) -> int:
         if stream.unsupported_reason(p, target) is not None:
             continue
         knobs, source = stream._knobs(p, target)
-        planned = stream.plan_stream_kernel(p, target, knobs, source)
-        rule.append(stream.plan_stream_kernel(p, target, knobs, source, compile=True))
+        planned = stream.plan_stream_kernel(p, target, knobs, source, tma=False)
+        rule.append(stream.plan_stream_kernel(p, target, knobs, source, compile=True, tma=False))
         forced.append(_forced_wide(planned, arch))
         print(f"{p.name}: compiled", flush=True)
     out.mkdir(parents=True, exist_ok=True)

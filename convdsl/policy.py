@@ -185,6 +185,10 @@ def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
         return "the TMA kernel reads NHWGC activations and GKYXC weights of a fixed batch"
     if p.epilogue.kind != "none":
         return "the TMA kernel has no epilogue"
+    if math.prod(p.filter) == 1:
+        # a 1x1 convolution is a plain GEMM, which the cp.async kernel's one-tap loop runs faster on ResNet-50's
+        # shapes (up to 1.7x; the TMA kernel won only past 1024 reduction channels; docs/decisions.md#tma-forward)
+        return "one tap: the cp.async kernel's one-tap loop"
     tiles = tma_forward_tiles(p)
     if p.in_channels % tiles.block_k or p.out_channels % 8:
         return "the TMA kernel reads channels in whole 16-element steps (C a multiple of 16, K of 8)"
@@ -208,12 +212,39 @@ def tma_forward_tiles(p: ConvProblem) -> TileConfig:
     return TileConfig(128, 64 if p.out_channels <= 64 else 128, block_k, warps=4, stages=4)
 
 
-def tma_forward_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[tuple[Launch, tuple[TmaMap, ...]]]:
-    """The TMA forward launch and its maps for the stream runner, or None where forward keeps the cp.async
-    kernel (tma_forward_reason, or tiles given in the knobs: those name a cp.async kernel's)."""
-    if knobs.tiles is not None or knobs.extern is False or tma_forward_reason(p, target) is not None:
+def grad_input_as_forward(p: ConvProblem) -> Optional[ConvProblem]:
+    """Stride-1 grad_input (and transposed) as a forward convolution over dY, or None where p has a stride.
+
+    dX[n, i, c] = sum over taps t, channels k of dY[n, i + lo - t*d, k] * W[k, t, c]; with t' = F - 1 - t this is
+    sum over t', k of dY[n, i - lo' + t'*d, k] * W'[c, t', k], a forward convolution of dY with padding
+    lo' = d*(F-1) - lo (hi' likewise), C and K swapped, and the weight flipped along its taps with K innermost:
+    W'[g, c, t', k] = W[g, k, F-1-t', c], which the TMA kernel reads from W itself (GKYXC: tap F-1-t' of its
+    [G*K, taps*C] matrix; kernels/tma.py's FLIPPED).  Its output size is I."""
+    if p.op not in ("grad_input", "transposed") or any(s != 1 for s in p.stride):
         return None
-    return forward_tma_launch(p, tma_forward_tiles(p), re.sub(r"\W", "_", p.name))
+    lo = tuple(d * (f - 1) - v for d, f, v in zip(p.dilation, p.filter, p.pad_lo))
+    hi = tuple(d * (f - 1) - v for d, f, v in zip(p.dilation, p.filter, p.pad_hi))
+    if min(lo + hi) < 0:  # padding wider than the filter's reach: reads past dY on both sides
+        return None
+    return p.with_(op="forward", in_channels=p.out_channels, out_channels=p.in_channels, input=p.output, pad_lo=lo,
+                   pad_hi=hi, weight_layout=FAST_WEIGHT_LAYOUT)
+
+
+def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs
+                      ) -> Optional[tuple[Launch, tuple[TmaMap, ...], bool]]:
+    """The TMA launch, its maps, and whether the runner gives it the flipped weight (grad_input_as_forward), for
+    the stream runner; None where the kernel keeps its cp.async form (tma_forward_reason).  Tiles in the knobs
+    (the tuning database's, or a sweep's) are the cp.async kernel's: the TMA kernel takes tma_forward_tiles, and
+    a sweep of cp.async tiles plans without it (stream.plan_stream_kernel's `tma`)."""
+    if knobs.extern is False:
+        return None
+    base = re.sub(r"\W", "_", p.name)
+    if tma_forward_reason(p, target) is None:
+        return (*forward_tma_launch(p, tma_forward_tiles(p), base), False)
+    q = grad_input_as_forward(p)
+    if q is not None and p.weight_layout == FAST_WEIGHT_LAYOUT and tma_forward_reason(q, target) is None:
+        return (*forward_tma_launch(q, tma_forward_tiles(q), base, flipped=True), True)
+    return None
 
 
 def relayout_ngchw(p: ConvProblem, knobs: Knobs) -> bool:

@@ -70,6 +70,8 @@ class StreamKernel:
     # operands and result, and the kinds of the binary's parameters ("map", "u32", "u64") in order
     tma_maps: tuple[TmaMap, ...] = ()
     tma_params: tuple[str, ...] = ()
+    # grad_input as forward on the TMA kernel (policy.grad_input_as_forward), its weight read with the taps reversed
+    tma_flipped_weight: bool = False
 
     @property
     def result_copied(self) -> bool:
@@ -79,8 +81,10 @@ class StreamKernel:
     def describe(self) -> str:
         names = ", ".join(sl.launch.kernel for sl in self.launches)
         if self.tma_maps:
+            how = "; grad_input as the forward convolution of dY with the flipped weight" \
+                if self.tma_flipped_weight else ""
             return (f"stream path: Gluon kernel {names} (TMA im2col copies and wgmma; tiles {self.tiles}, "
-                    f"{self.arch}); knobs from the {self.knobs_source}")
+                    f"{self.arch}){how}; knobs from the {self.knobs_source}")
         copies = f"; {', '.join(self.copied)} copied to NHWGC" if self.copied else ""
         copies += f"; w copied to {weight_axes_name(self.problem, self.weight_axes)}" if self.weight_axes else ""
         return (f"stream path: Triton kernels {names} (tiles {self.tiles}, {self.arch}){copies}; "
@@ -116,17 +120,17 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
     """The stream kernel's launches as policy decides them with `knobs`; compiled for target.arch with
     `compile` (else the binaries are empty: Triton's interpreter runs the launches from their source).  tma:
     whether a TMA kernel may be chosen (Triton's interpreter runs none)."""
-    tma_plan = policy.tma_forward_launch(p, target, knobs) if tma else None
+    tma_plan = policy.tma_stream_launch(p, target, knobs) if tma else None
     if tma_plan is not None:
-        launch, maps = tma_plan
+        launch, maps, flipped = tma_plan
         kinds: tuple[str, ...] = ()
         if compile:
             binary, maps, kinds = compile_tma_launch(launch, maps, target.arch)
         else:
             binary = Binary(launch.name, b"", "none", 32 * launch.warps, 0, 0)
-        tiles = policy.tma_forward_tiles(p).label()
+        tiles = policy.tma_forward_tiles(policy.grad_input_as_forward(p) if flipped else p).label()
         return StreamKernel(p, target.arch, p, (), (StreamLaunch(launch, binary),), (), tiles, source,
-                            tma_maps=maps, tma_params=kinds)
+                            tma_maps=maps, tma_params=kinds, tma_flipped_weight=flipped)
     ext = policy.extern_launches(p, target, knobs)
     if ext is None:
         raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {unsupported_reason(p, target)}")
@@ -218,6 +222,7 @@ def _to_record(k: StreamKernel) -> dict:
         "copy_in": [_launch_record(sl) for sl in k.copy_in],
         "copy_out": _launch_record(k.copy_out) if k.copy_out else None,
         "tma_maps": [asdict(m) for m in k.tma_maps], "tma_params": list(k.tma_params),
+        "tma_flipped_weight": k.tma_flipped_weight,
     }
 
 
@@ -251,7 +256,7 @@ def _from_record(r: dict) -> StreamKernel:
                         _launch_from_record(r["copy_out"]) if r.get("copy_out") else None,
                         tuple(TmaMap(**{key: tuple(v) if isinstance(v, list) else v for key, v in m.items()})
                               for m in r.get("tma_maps", [])),
-                        tuple(r.get("tma_params", [])))
+                        tuple(r.get("tma_params", [])), bool(r.get("tma_flipped_weight", False)))
 
 
 def save_bundle(kernels: Iterable[StreamKernel], path: Union[str, Path]) -> Path:

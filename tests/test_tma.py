@@ -55,10 +55,11 @@ def _im2col_tile(x: np.ndarray, coord: tuple[int, ...], offsets: tuple[int, ...]
     return tile
 
 
-def _emulated_forward(p: ConvProblem, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """forward_tma's tiles, copies and stores, in float64, through _im2col_tile."""
+def _emulated_forward(p: ConvProblem, x: np.ndarray, w: np.ndarray, flipped: bool = False) -> np.ndarray:
+    """forward_tma's tiles, copies and stores, in float64, through _im2col_tile.  flipped: p is a grad_input as
+    forward and w grad_input's own weight, read as the kernel's FLIPPED form reads it."""
     tiles = policy.tma_forward_tiles(p)
-    launch, maps = forward_tma_launch(p, tiles, "k")
+    launch, maps = forward_tma_launch(p, tiles, "k", flipped)
     consts = dict(launch.constants)
     x_map, w_map, y_map = maps
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
@@ -86,10 +87,17 @@ def _emulated_forward(p: ConvProblem, x: np.ndarray, w: np.ndarray) -> np.ndarra
                     offsets = (t0 * d[0], t1 * d[1], t2 * d[2])[3 - dims:]
                     a = _im2col_tile(xs, (n, *corner, g * c + cb * bk), offsets, x_map.lower, x_map.upper,
                                      x_map.element_strides[1:-1], bm, bk)
-                    b = np.zeros((bn, bk))
-                    rows = w2[g * k + off_k:g * k + off_k + bn, t * c + cb * bk:t * c + cb * bk + bk]
-                    b[:rows.shape[0], :rows.shape[1]] = rows
-                    acc += a @ b.T
+                    if flipped:  # [BLOCK_K, BLOCK_N] of tap F-1-t in grad_input's [G*K, taps*C] weight
+                        b = np.zeros((bk, bn))
+                        col = (math.prod(taps_3d) - 1 - t) * k + off_k
+                        tile = w2[g * c + cb * bk:g * c + cb * bk + bk, col:col + bn]
+                        b[:tile.shape[0], :tile.shape[1]] = tile
+                        acc += a @ b
+                    else:
+                        b = np.zeros((bn, bk))
+                        rows = w2[g * k + off_k:g * k + off_k + bn, t * c + cb * bk:t * c + cb * bk + bk]
+                        b[:rows.shape[0], :rows.shape[1]] = rows
+                        acc += a @ b.T
                 stored = y2[off_m:off_m + bm, g * k + off_k:g * k + off_k + bn]  # TMA clips at the bounds
                 stored[...] = acc[:stored.shape[0], :stored.shape[1]]
     return y2.reshape(p.y_shape)
@@ -110,7 +118,7 @@ def _problem(dims: int, size: int, stride: int, dilation: int, pad: tuple[int, i
                pad_hi=(1, 1, 1)),  # 3D: five-dimensional maps
     BASE.with_(dims=1, input=(13,), filter=(5,), stride=(3,), dilation=(1,), pad_lo=(2,), pad_hi=(2,)),  # 1D
     BASE.with_(groups=2, in_channels=16, out_channels=64),  # groups: channel and row offsets per group
-    BASE.with_(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0), stride=(2, 2), in_channels=48),  # 1x1 downsample
+    BASE.with_(filter=(1, 3), pad_lo=(0, 1), pad_hi=(0, 1), stride=(2, 2), in_channels=48),  # one row of taps
 ])
 def test_emulated_tma_forward_matches_the_reference(p):
     assert policy.tma_forward_reason(p, HOPPER) in (None, "the installed Triton has no Gluon TMA im2col copies "
@@ -149,6 +157,9 @@ def test_which_forwards_take_the_tma_kernel():
     assert not takes(BASE.with_(dtype="f32")) and not takes(BASE.with_(dtype="f32", compute="tf32"))
     assert not takes(BASE.with_(op="grad_input")) and not takes(BASE.with_(op="grad_weight"))
     assert not takes(BASE.with_(layout="NGCHW")) and not takes(BASE.with_(weight_layout="GKCYX"))
+    assert not takes(BASE.with_(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0))), "1x1: the cp.async one-tap loop"
+    one_row = BASE.with_(filter=(1, 3), pad_lo=(0, 1), pad_hi=(0, 1))
+    assert takes(one_row) and not takes(one_row.with_(weight_layout="GKCYX"))
     assert not takes(BASE.with_(in_channels=3)), "an RGB stem's 3 channels: not a whole 16-channel step"
     assert not takes(BASE.with_(groups=8, in_channels=1, out_channels=1)), "depthwise"
     assert not takes(BASE.with_(groups=2, out_channels=24)), "a column tile would cross into the next group"
@@ -157,10 +168,40 @@ def test_which_forwards_take_the_tma_kernel():
     deep = BASE.with_(dims=3, input=(40, 8, 8), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
                       pad_lo=(-low + 1, 1, 1), pad_hi=(-low + 1, 1, 1))
     assert not takes(deep), "3D padding past the five-dimensional map's corner range"
-    # tiles given (a cp.async kernel's) keep the cp.async kernel; so does the IREE module (extern_launches)
-    assert policy.tma_forward_launch(BASE, HOPPER, Knobs(tiles="t64x64x32w4s3")) is None
-    assert policy.tma_forward_launch(BASE, HOPPER, Knobs()) is not None
+    # tiles in the knobs are a cp.async kernel's: the TMA kernel keeps its own; extern = false keeps the cp.async
+    # kernel, and so does the IREE module (extern_launches)
+    tiles = policy.tma_forward_tiles(BASE).label()
+    assert policy.tma_stream_launch(BASE, HOPPER, Knobs(tiles="t64x64x32w4s3"))[0].warps == 4 and "w4s4" in tiles
+    assert policy.tma_stream_launch(BASE, HOPPER, Knobs(extern=False)) is None
     assert policy.extern_launches(BASE, HOPPER, Knobs()).launches[0].kernel == "grad_input_phases"
+
+
+DGRAD = BASE.with_(op="grad_input", out_channels=48)  # its forward reduces over K = 48: three 16-channel steps
+
+
+@pytest.mark.parametrize("p", [
+    DGRAD,  # 3x3, padding 1: dY padded by 1 on each side
+    DGRAD.with_(dilation=(2, 1), pad_lo=(1, 0), pad_hi=(3, 2)),
+    DGRAD.with_(op="transposed", in_channels=64, out_channels=32, groups=2, filter=(2, 3), pad_lo=(0, 1),
+                pad_hi=(1, 1)),
+    DGRAD.with_(dims=3, input=(4, 5, 3), filter=(3, 1, 3), dilation=(1, 1, 1), stride=(1, 1, 1), pad_lo=(1, 0, 1),
+                pad_hi=(1, 0, 1)),
+    DGRAD.with_(dims=1, input=(11,), filter=(4,), stride=(1,), dilation=(2,), pad_lo=(3,), pad_hi=(2,)),
+])
+def test_stride_one_grad_input_runs_as_forward_reading_the_weight_flipped(p):
+    q = policy.grad_input_as_forward(p)
+    assert q is not None and q.output == p.input
+    assert policy.tma_forward_reason(q, HOPPER) in (None, "the installed Triton has no Gluon TMA im2col copies "
+                                                          "(Triton 3.9 has)"), q.describe()
+    dy, w = random_inputs(p, seed=2)
+    got = _emulated_forward(q, dy, w, flipped=True)  # grad_input's own weight, no copy
+    assert relative_error(got.reshape(p.result_shape), reference(p, dy, w)) < 1e-12
+    # strides and padding past the filter's reach keep the cp.async kernel
+    assert policy.grad_input_as_forward(p.with_(stride=(2,) * p.dims)) is None
+    assert policy.grad_input_as_forward(p.with_(pad_lo=(p.filter[0] * p.dilation[0],) * p.dims)) is None
+    if gluon_tma_im2col():  # a GKCYX weight keeps its taps inside: no tile of it is a box
+        assert policy.tma_stream_launch(p.with_(weight_layout="GKCYX"), HOPPER, Knobs()) is None
+        assert policy.tma_stream_launch(p, HOPPER, Knobs())[2] is True
 
 
 @needs_gluon
@@ -177,3 +218,6 @@ def test_tma_kernel_compiles_and_its_record_round_trips():
     back = stream._from_record(json.loads(json.dumps(stream._to_record(kernel))))
     assert back.tma_maps == kernel.tma_maps and back.tma_params == kernel.tma_params
     assert back.launches[0].binary == kernel.launches[0].binary
+    dgrad = stream.plan_stream_kernel(BASE.with_(op="grad_input", in_channels=64, out_channels=64), HOPPER, Knobs())
+    assert dgrad.tma_flipped_weight and "flipped weight" in dgrad.describe()
+    assert not stream.plan_stream_kernel(BASE.with_(op="grad_input", stride=(2, 2)), HOPPER, Knobs()).tma_maps

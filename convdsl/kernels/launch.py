@@ -468,20 +468,24 @@ def im2col_box(p: ConvProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return lower, upper
 
 
-def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str) -> tuple[Launch, tuple[TmaMap, ...]]:
+def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bool = False
+                       ) -> tuple[Launch, tuple[TmaMap, ...]]:
     """Forward (NHWGC, GKYXC) on kernels/tma.forward_tma: X through an im2col map over (N, *spatial, G*C), W as a
-    [G*K, taps*C] matrix, Y as [N*O, G*K]; one program per (row tile, column tile, group)."""
+    [G*K, taps*C] matrix, Y as [N*O, G*K]; one program per (row tile, column tile, group).  flipped: p is a
+    stride-1 grad_input as forward (policy.grad_input_as_forward), whose weight the kernel reads as grad_input's
+    own GKYXC weight, [G*C, taps*K] in p's terms, in [BLOCK_K, BLOCK_N] tiles."""
     c, k, g = p.in_channels, p.out_channels, p.groups
     rows = p.batch * math.prod(p.output)
     lower, upper = im2col_box(p)
     maps = (
         TmaMap(0, (p.batch, *p.input, g * c), (tiles.block_m, tiles.block_k), im2col=True, lower=lower, upper=upper,
                element_strides=(1, *p.stride, 1)),
+        TmaMap(1, (g * c, math.prod(p.filter) * k), (tiles.block_k, tiles.block_n)) if flipped else
         TmaMap(1, (g * k, math.prod(p.filter) * c), (tiles.block_n, tiles.block_k)),
         TmaMap(2, (rows, g * k), (tiles.block_m, tiles.block_n)),
     )
     consts = dict(O=pad3(p.output, 1), F=pad3(p.filter, 1), S=pad3(p.stride, 1), D=pad3(p.dilation, 1),
-                  LO=pad3(p.pad_lo, 0), C=c, K=k, DIMS=p.dims, STAGES=tiles.stages)
+                  LO=pad3(p.pad_lo, 0), C=c, K=k, DIMS=p.dims, STAGES=tiles.stages, FLIPPED=flipped)
     grid = check_grid(base, (-(-rows // tiles.block_m), -(-k // tiles.block_n), g))
     elem = ELEMENT[p.dtype]
     return Launch("forward_tma", f"{base}_forward_tma", (elem, elem, elem), tuple(consts.items()), grid, tiles.warps,

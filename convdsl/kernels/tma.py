@@ -15,6 +15,8 @@ g * C + cb * BLOCK_K, with im2col offset t * d; the box is [-lo, (O - 1) * s + 1
 s (TMA's element strides), so that it holds exactly O pixels (launch.forward_tma_launch makes it).  W is read as
 a [G * K, taps * C] matrix, Y written as [N * O, G * K].  C is a multiple of BLOCK_K, and with several groups K
 a multiple of BLOCK_N, so that no copy reaches into the next group or tap (policy.tma_forward_reason).
+FLIPPED: stride-1 grad_input as this forward over dY (policy.grad_input_as_forward), reading grad_input's own
+weight [G * C, taps * K] (its K is this kernel's C) with the taps in reverse order, in [BLOCK_K, BLOCK_N] tiles.
 """
 from __future__ import annotations
 
@@ -50,9 +52,12 @@ def _instr_n(block_m, block_n, num_warps):
 
 
 @gluon.jit
-def _issue(x_desc, w_desc, a_buf, b_buf, bar, step, n, c0, c1, c2, x_channel, w_row,
-           F: gl.constexpr, D: gl.constexpr, C: gl.constexpr, DIMS: gl.constexpr, BLOCK_K: gl.constexpr):
-    # the copies of reduction step `step` = (tap t, channel block cb): X's window for tap t, W's [BLOCK_N, BLOCK_K]
+def _issue(x_desc, w_desc, a_buf, b_buf, bar, step, n, c0, c1, c2, g, off_k,
+           F: gl.constexpr, D: gl.constexpr, C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr,
+           BLOCK_K: gl.constexpr, FLIPPED: gl.constexpr):
+    # the copies of reduction step `step` = (tap t, channel block cb): X's window for tap t, and W's tile: [BLOCK_N,
+    # BLOCK_K] of [G*K, taps*C], or FLIPPED (grad_input's own weight, [G*C, taps*K]) [BLOCK_K, BLOCK_N] of tap F-1-t
+    x_channel = g * C
     CB: gl.constexpr = C // BLOCK_K
     t = step // CB
     cb = step % CB
@@ -69,7 +74,10 @@ def _issue(x_desc, w_desc, a_buf, b_buf, bar, step, n, c0, c1, c2, x_channel, w_
                               [(t1 * D[1]).to(gl.int16), (t2 * D[2]).to(gl.int16)], bar, a_buf)
     else:
         tma.async_load_im2col(x_desc, [n, c2, x_channel + cb * BLOCK_K], [(t2 * D[2]).to(gl.int16)], bar, a_buf)
-    tma.async_load(w_desc, [w_row, t * C + cb * BLOCK_K], bar, b_buf)
+    if FLIPPED:
+        tma.async_load(w_desc, [g * C + cb * BLOCK_K, (F[0] * F[1] * F[2] - 1 - t) * K + off_k], bar, b_buf)
+    else:
+        tma.async_load(w_desc, [g * K + off_k, t * C + cb * BLOCK_K], bar, b_buf)
 
 
 @gluon.jit
@@ -77,7 +85,7 @@ def forward_tma(x_desc, w_desc, y_desc,
                 # output pixels, filter, stride, dilation, low padding per spatial dimension (3 each; 2D: first 1)
                 O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
                 C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr, STAGES: gl.constexpr,
-                num_warps: gl.constexpr):
+                FLIPPED: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -87,8 +95,6 @@ def forward_tma(x_desc, w_desc, y_desc,
     off_m = gl.program_id(0) * BLOCK_M
     off_k = gl.program_id(1) * BLOCK_N
     g = gl.program_id(2)
-    x_channel = g * C  # the group's first channel in X
-    w_row = g * K + off_k  # the tile's first row of W and column of Y
     # the tile's first pixel (n, o0, o1, o2) and where its window starts in X
     o2 = off_m % O[2]
     o1 = (off_m // O[2]) % O[1]
@@ -99,7 +105,10 @@ def forward_tma(x_desc, w_desc, y_desc,
     c2 = o2 * S[2] - LO[2]
 
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    if FLIPPED:
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
+    else:
+        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
@@ -112,19 +121,22 @@ def forward_tma(x_desc, w_desc, y_desc,
     # prologue: the first STAGES - 1 steps' copies in flight
     for i in gl.static_range(STAGES - 1):
         if i < STEPS:
-            _issue(x_desc, w_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i), i, n, c0, c1, c2, x_channel,
-                   w_row, F, D, C, DIMS, BLOCK_K)
+            _issue(x_desc, w_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i), i, n, c0, c1, c2, g, off_k,
+                   F, D, C, K, DIMS, BLOCK_K, FLIPPED)
     for step in range(STEPS):
         s = step % STAGES
         mbarrier.wait(bars.index(s), (step // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        if FLIPPED:  # the tile is [BLOCK_K, BLOCK_N] already, stored N-major (wgmma reads 16-bit B either way)
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
         # the previous step's product is done: its stage takes the copies of step + STAGES - 1
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         nxt = step + STAGES - 1
         if nxt < STEPS:
             ns = nxt % STAGES
-            _issue(x_desc, w_desc, a_bufs.index(ns), b_bufs.index(ns), bars.index(ns), nxt, n, c0, c1, c2,
-                   x_channel, w_row, F, D, C, DIMS, BLOCK_K)
+            _issue(x_desc, w_desc, a_bufs.index(ns), b_bufs.index(ns), bars.index(ns), nxt, n, c0, c1, c2, g,
+                   off_k, F, D, C, K, DIMS, BLOCK_K, FLIPPED)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -132,5 +144,5 @@ def forward_tma(x_desc, w_desc, y_desc,
     y_smem = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
     y_smem.store(acc.to(y_desc.dtype))
     fence_async_shared()
-    tma.async_store(y_desc, [off_m, w_row], y_smem)
+    tma.async_store(y_desc, [off_m, g * K + off_k], y_smem)
     tma.store_wait(pendings=0)
