@@ -14,7 +14,8 @@ from typing import Optional
 from dataclasses import dataclass, replace
 
 from .kernels.launch import (IM2COL_CORNERS, IM2COL_MOST_STRIDE, Launch, TmaMap, arch_number, forward_direct_launch,
-                             forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, im2col_box,
+                             forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, grad_weight_tma_launch,
+                             im2col_box,
                              grad_input_direct_launch, grad_input_launch, grad_weight_depthwise_launch,
                              grad_weight_launch, output_tiles, pad3, packable, packed_sizes, reduction_steps,
                              split_chunks, tiles_within_images, triton_version, depthwise_channel_blocks)
@@ -173,27 +174,19 @@ def extern_choice(problem: ConvProblem, target: Target, knobs: Knobs) -> tuple[b
 
 # --- TMA forward (kernels/tma.py): the stream path on Hopper ------------------------------------------
 
-def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
-    """Why forward does not run on the TMA im2col kernel (None: it does).  The kernel's descriptors are made at
-    call time and passed by value, which the stream runner does and an IREE module's dispatch cannot: modules
-    keep the cp.async kernels (docs/decisions.md#tma-forward)."""
+def _tma_common_reason(p: ConvProblem, target: Target) -> Optional[str]:
+    """What every TMA kernel needs: Hopper, 16-bit exact products, NHWGC, a fixed batch, more than one tap, the
+    im2col box in range, and Gluon's TMA im2col in the installed Triton."""
     if target.backend != "cuda" or arch_number(target.arch) != 90:
         return f"TMA im2col with wgmma is Hopper's (sm_90); target is {target.arch}"
-    if p.op != "forward" or p.dtype not in ("f16", "bf16") or p.compute is not None or p.out_dtype is not None:
-        return "the TMA kernel computes forward in f16/bf16 with exact products and the input's dtype"
-    if p.layout != "NHWGC" or p.weight_layout != FAST_WEIGHT_LAYOUT or p.dynamic_batch:
-        return "the TMA kernel reads NHWGC activations and GKYXC weights of a fixed batch"
-    if p.epilogue.kind != "none":
-        return "the TMA kernel has no epilogue"
+    if p.dtype not in ("f16", "bf16") or p.compute is not None:
+        return "the TMA kernels compute in f16/bf16 with exact products"
+    if p.layout != "NHWGC" or p.dynamic_batch:
+        return "the TMA kernels read NHWGC activations of a fixed batch"
     if math.prod(p.filter) == 1:
         # a 1x1 convolution is a plain GEMM, which the cp.async kernel's one-tap loop runs faster on ResNet-50's
         # shapes (up to 1.7x; the TMA kernel won only past 1024 reduction channels; docs/decisions.md#tma-forward)
         return "one tap: the cp.async kernel's one-tap loop"
-    tiles = tma_forward_tiles(p)
-    if p.in_channels % tiles.block_k or p.out_channels % 8:
-        return "the TMA kernel reads channels in whole 16-element steps (C a multiple of 16, K of 8)"
-    if p.groups > 1 and p.out_channels % tiles.block_n:
-        return "with several groups the TMA kernel's column tiles must not cross into the next group"
     lower, upper = im2col_box(p)
     low, high = IM2COL_CORNERS[p.dims + 2]
     if any(not low <= v <= high for v in (*lower, *upper)) or max(p.stride) > IM2COL_MOST_STRIDE:
@@ -202,6 +195,49 @@ def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
         return "tap offsets past 16 bits"
     if not gluon_tma_im2col():
         return "the installed Triton has no Gluon TMA im2col copies (Triton 3.9 has)"
+    return None
+
+
+def tma_grad_weight_tiles(p: ConvProblem) -> TileConfig:
+    """128 x 128 where K and C allow, else 64; 64 pixels a step, 4 stages, 4 warps (docs/decisions.md#tma-forward)."""
+    return TileConfig(128 if p.out_channels % 128 == 0 else 64, 128 if p.in_channels % 128 == 0 else 64, 64,
+                      warps=4, stages=4)
+
+
+def tma_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]:
+    """Why grad_weight does not run on the TMA kernel (None: it does)."""
+    if p.op != "grad_weight":
+        return "not grad_weight"
+    reason = _tma_common_reason(p, target)
+    if reason is not None:
+        return reason
+    if p.in_channels % 64 or p.out_channels % 64:
+        return "the TMA grad_weight's tiles take K and C in whole 64-channel blocks"
+    if p.dims == 3:
+        # measured slower in 3D: CK 11's grouped 3D grad_weight 0.73x -> 0.63x cuDNN, U-Net's 0.95x -> 0.90x
+        # (docs/decisions.md#tma-forward)
+        return "3D: the cp.async grad_weight kernel measured faster"
+    return None
+
+
+def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
+    """Why forward does not run on the TMA im2col kernel (None: it does).  The kernel's descriptors are made at
+    call time and passed by value, which the stream runner does and an IREE module's dispatch cannot: modules
+    keep the cp.async kernels (docs/decisions.md#tma-forward)."""
+    if p.op != "forward" or p.out_dtype is not None:
+        return "the TMA kernel computes forward in the input's dtype"
+    reason = _tma_common_reason(p, target)
+    if reason is not None:
+        return reason
+    if p.weight_layout != FAST_WEIGHT_LAYOUT:
+        return "the TMA kernel reads GKYXC weights"
+    if p.epilogue.kind != "none":
+        return "the TMA kernel has no epilogue"
+    tiles = tma_forward_tiles(p)
+    if p.in_channels % tiles.block_k or p.out_channels % 8:
+        return "the TMA kernel reads channels in whole 16-element steps (C a multiple of 16, K of 8)"
+    if p.groups > 1 and p.out_channels % tiles.block_n:
+        return "with several groups the TMA kernel's column tiles must not cross into the next group"
     return None
 
 
@@ -231,19 +267,24 @@ def grad_input_as_forward(p: ConvProblem) -> Optional[ConvProblem]:
 
 
 def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs
-                      ) -> Optional[tuple[Launch, tuple[TmaMap, ...], bool]]:
-    """The TMA launch, its maps, and whether the runner gives it the flipped weight (grad_input_as_forward), for
-    the stream runner; None where the kernel keeps its cp.async form (tma_forward_reason).  Tiles in the knobs
+                      ) -> Optional[tuple[Launch, tuple[TmaMap, ...], bool, tuple[int, ...]]]:
+    """The TMA launch, its maps, whether it reads the weight flipped (grad_input_as_forward) and grad_weight's
+    partials shape (else ()), for the stream runner; None where the kernel keeps its cp.async form
+    (tma_forward_reason, tma_grad_weight_reason).  Tiles in the knobs
     (the tuning database's, or a sweep's) are the cp.async kernel's: the TMA kernel takes tma_forward_tiles, and
     a sweep of cp.async tiles plans without it (stream.plan_stream_kernel's `tma`)."""
     if knobs.extern is False:
         return None
     base = re.sub(r"\W", "_", p.name)
     if tma_forward_reason(p, target) is None:
-        return (*forward_tma_launch(p, tma_forward_tiles(p), base), False)
+        return (*forward_tma_launch(p, tma_forward_tiles(p), base), False, ())
     q = grad_input_as_forward(p)
     if q is not None and p.weight_layout == FAST_WEIGHT_LAYOUT and tma_forward_reason(q, target) is None:
-        return (*forward_tma_launch(q, tma_forward_tiles(q), base, flipped=True), True)
+        return (*forward_tma_launch(q, tma_forward_tiles(q), base, flipped=True), True, ())
+    if tma_grad_weight_reason(p, target) is None:
+        tiles = tma_grad_weight_tiles(p)
+        launch, maps, partials = grad_weight_tma_launch(p, tiles, base, grad_weight_parts(p, tiles, target))
+        return launch, maps, False, partials
     return None
 
 

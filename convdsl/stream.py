@@ -17,7 +17,7 @@ import base64
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
@@ -122,15 +122,26 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
     whether a TMA kernel may be chosen (Triton's interpreter runs none)."""
     tma_plan = policy.tma_stream_launch(p, target, knobs) if tma else None
     if tma_plan is not None:
-        launch, maps, flipped = tma_plan
+        launch, maps, flipped, partials = tma_plan
         kinds: tuple[str, ...] = ()
         if compile:
             binary, maps, kinds = compile_tma_launch(launch, maps, target.arch)
         else:
             binary = Binary(launch.name, b"", "none", 32 * launch.warps, 0, 0)
-        tiles = policy.tma_forward_tiles(policy.grad_input_as_forward(p) if flipped else p).label()
-        return StreamKernel(p, target.arch, p, (), (StreamLaunch(launch, binary),), (), tiles, source,
-                            tma_maps=maps, tma_params=kinds, tma_flipped_weight=flipped)
+
+        def compiled_sum(la: Launch) -> StreamLaunch:
+            return StreamLaunch(la, compile_launch(la, target.arch) if compile else
+                                Binary(la.name, b"", "none", 32 * la.warps, 0, 0))
+
+        if p.op == "grad_weight":
+            tiles = policy.tma_grad_weight_tiles(p)
+            summed = compiled_sum(sum_partials_launch(p, partials, launch.name))
+        else:
+            tiles = policy.tma_forward_tiles(policy.grad_input_as_forward(p) if flipped else p)
+            summed = None
+        label = replace(tiles, split=partials[0]).label() if partials else tiles.label()
+        return StreamKernel(p, target.arch, p, (), (StreamLaunch(launch, binary),), partials, label, source,
+                            summed, tma_maps=maps, tma_params=kinds, tma_flipped_weight=flipped)
     ext = policy.extern_launches(p, target, knobs)
     if ext is None:
         raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {unsupported_reason(p, target)}")

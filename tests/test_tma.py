@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from convdsl import policy, stream
-from convdsl.kernels.launch import IM2COL_CORNERS, forward_tma_launch, gluon_tma_im2col, im2col_box
+from convdsl.kernels.launch import (IM2COL_CORNERS, forward_tma_launch, gluon_tma_im2col, grad_weight_tma_launch,
+                                    im2col_box)
 from convdsl.problem import ConvProblem
 from convdsl.reference import random_inputs, reference, relative_error
 from convdsl.targets import Target
@@ -221,3 +222,61 @@ def test_tma_kernel_compiles_and_its_record_round_trips():
     dgrad = stream.plan_stream_kernel(BASE.with_(op="grad_input", in_channels=64, out_channels=64), HOPPER, Knobs())
     assert dgrad.tma_flipped_weight and "flipped weight" in dgrad.describe()
     assert not stream.plan_stream_kernel(BASE.with_(op="grad_input", stride=(2, 2)), HOPPER, Knobs()).tma_maps
+
+
+def _emulated_grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray) -> np.ndarray:
+    """grad_weight_tma's tiles, copies and partial stores in float64 through _im2col_tile, then the chunks' sum."""
+    tiles = policy.tma_grad_weight_tiles(p)
+    launch, maps, partials_shape = grad_weight_tma_launch(p, tiles, "k", 3)
+    consts = dict(launch.constants)
+    x_map, dy_map, p_map = maps
+    bm, bn, br = tiles.block_m, tiles.block_n, tiles.block_k
+    xs = x.reshape(x_map.shape).astype(np.float64)
+    dys = dy.reshape(dy_map.shape).astype(np.float64)
+    part = np.full(p_map.shape, np.nan)
+    out, s_, d, lo, taps_3d = consts["O"], consts["S"], consts["D"], consts["LO"], consts["F"]
+    c, k, g_count, rows, chunk = consts["C"], consts["K"], consts["G"], consts["L"], consts["CHUNK"]
+    dims, col_tiles = p.dims, c // bn
+    grid = launch.grid
+    for s in range(grid[2]):
+        for g in range(grid[1]):
+            for pid in range(grid[0]):
+                off_k = (pid // (math.prod(taps_3d) * col_tiles)) * bm
+                t, c_col = divmod(pid % (math.prod(taps_3d) * col_tiles), col_tiles)
+                c_col *= bn
+                t2, t1, t0 = t % taps_3d[2], (t // taps_3d[2]) % taps_3d[1], t // (taps_3d[2] * taps_3d[1])
+                acc = np.zeros((bm, bn))
+                for r0 in range(s * chunk, min(rows, (s + 1) * chunk), br):
+                    o2, o1 = r0 % out[2], (r0 // out[2]) % out[1]
+                    o0, n = (r0 // (out[2] * out[1])) % out[0], r0 // (out[2] * out[1] * out[0])
+                    corner = (o0 * s_[0] - lo[0], o1 * s_[1] - lo[1], o2 * s_[2] - lo[2])[3 - dims:]
+                    offsets = (t0 * d[0], t1 * d[1], t2 * d[2])[3 - dims:]
+                    b = _im2col_tile(xs, (n, *corner, g * c + c_col), offsets, x_map.lower, x_map.upper,
+                                     x_map.element_strides[1:-1], br, bn)
+                    a = np.zeros((br, bm))
+                    box = dys[r0:r0 + br, g * k + off_k:g * k + off_k + bm]
+                    a[:box.shape[0], :box.shape[1]] = box
+                    acc += a.T @ b
+                part[(s * g_count + g) * k + off_k:(s * g_count + g) * k + off_k + bm,
+                     t * c + c_col:t * c + c_col + bn] = acc
+    total = part.reshape(partials_shape).sum(0)  # [G, K, F0, F1, F2, C]
+    return total.reshape(p.groups, k, *p.filter, c)
+
+
+@pytest.mark.parametrize("p", [
+    BASE.with_(op="grad_weight", in_channels=64, out_channels=128),
+    BASE.with_(op="grad_weight", in_channels=128, out_channels=64, stride=(2, 2), dilation=(1, 2), pad_lo=(1, 2),
+               pad_hi=(0, 2), batch=3),
+    BASE.with_(op="grad_weight", groups=2, in_channels=64, out_channels=64, dims=3, input=(3, 4, 5),
+               filter=(2, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(0, 1, 1), pad_hi=(1, 1, 1)),
+])
+def test_emulated_tma_grad_weight_matches_the_reference(p):
+    x, dy = random_inputs(p, seed=4)
+    got = _emulated_grad_weight(p, x, dy)
+    assert not np.isnan(got).any(), "some partials were never stored"
+    assert relative_error(got, reference(p, x, dy)) < 1e-12
+    if gluon_tma_im2col():
+        assert (policy.tma_grad_weight_reason(p, HOPPER) is None) == (p.dims < 3)  # 3D keeps the cp.async kernel
+        assert policy.tma_grad_weight_reason(p.with_(in_channels=32), HOPPER) is not None  # not whole 64-blocks
+        assert policy.tma_grad_weight_reason(p.with_(filter=(1,) * p.dims, pad_lo=(0,) * p.dims,
+                                                     pad_hi=(0,) * p.dims), HOPPER) is not None  # 1x1

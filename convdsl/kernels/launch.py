@@ -492,6 +492,31 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
                   tiles.stages), maps
 
 
+def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int
+                           ) -> tuple[Launch, tuple[TmaMap, ...], tuple[int, ...]]:
+    """grad_weight (NHWGC) on kernels/tma.grad_weight_tma: X through the im2col map of its forward (the same
+    pixel box), dY as [N*O, G*K], f32 partials as [S*G*K, taps*C]; one program per (K tile, tap and C tile,
+    group, chunk).  Returns the launch, its maps and the partials' shape [S, G, K, F0, F1, F2, C]."""
+    c, k, g = p.in_channels, p.out_channels, p.groups
+    parts, chunk = split_chunks(p, tiles, parts)
+    rows = p.batch * math.prod(p.output)
+    taps = math.prod(p.filter)
+    lower, upper = im2col_box(p)
+    maps = (
+        TmaMap(0, (p.batch, *p.input, g * c), (tiles.block_k, tiles.block_n), im2col=True, lower=lower, upper=upper,
+               element_strides=(1, *p.stride, 1)),
+        TmaMap(1, (rows, g * k), (tiles.block_k, tiles.block_m)),
+        TmaMap(2, (parts * g * k, taps * c), (tiles.block_m, tiles.block_n)),
+    )
+    consts = dict(O=pad3(p.output, 1), F=pad3(p.filter, 1), S=pad3(p.stride, 1), D=pad3(p.dilation, 1),
+                  LO=pad3(p.pad_lo, 0), C=c, K=k, G=g, L=rows, CHUNK=chunk, DIMS=p.dims, STAGES=tiles.stages)
+    grid = check_grid(base, ((k // tiles.block_m) * taps * (c // tiles.block_n), g, parts))
+    elem = ELEMENT[p.dtype]
+    launch = Launch("grad_weight_tma", f"{base}_grad_weight_tma", (elem, elem, "fp32"), tuple(consts.items()), grid,
+                    tiles.warps, tiles.stages)
+    return launch, maps, (parts, g, k, *pad3(p.filter, 1), c)
+
+
 @functools.lru_cache(maxsize=None)
 def gluon_tma_im2col() -> bool:
     """Whether the installed Triton compiles Gluon kernels with TMA im2col copies (Triton 3.9 does; PyTorch's
@@ -517,10 +542,10 @@ def compile_tma_launch(launch: Launch, maps: tuple[TmaMap, ...], arch: str
     from . import tma
 
     fn = getattr(tma, launch.kernel)
-    dtype = {"fp16": gl.float16, "bf16": gl.bfloat16}[launch.pointer_types[0]]
+    dtypes = {"fp16": gl.float16, "bf16": gl.bfloat16, "fp32": gl.float32}
     signature = {}
     for name, m in zip(fn.arg_names, maps):
-        layout = gl.NVMMASharedLayout.get_default_for(list(m.block), dtype)
+        layout = gl.NVMMASharedLayout.get_default_for(list(m.block), dtypes[launch.pointer_types[m.operand]])
         kind = "tensordesc_im2col" if m.im2col else "tensordesc"
         signature[name] = f"{kind}<{launch.pointer_types[m.operand]}[{m.block[0]},{m.block[1]}],{layout!r}>"
     constexprs = dict(launch.constants, num_warps=launch.warps)

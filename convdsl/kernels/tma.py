@@ -146,3 +146,95 @@ def forward_tma(x_desc, w_desc, y_desc,
     fence_async_shared()
     tma.async_store(y_desc, [off_m, g * K + off_k], y_smem)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _issue_grad_weight(x_desc, dy_desc, a_buf, b_buf, bar, r0, g, t, c_col, off_k,
+                       O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
+                       C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr):
+    # the copies of the pixel tile starting at r0 = (n, o): dY's [BLOCK_R, BLOCK_M] box of rows r0.. and the
+    # group's channels k, and X's im2col window of the same pixels for tap t, channels c_col..
+    o2 = r0 % O[2]
+    o1 = (r0 // O[2]) % O[1]
+    o0 = (r0 // (O[2] * O[1])) % O[0]
+    n = r0 // (O[2] * O[1] * O[0])
+    t2 = t % F[2]
+    t1 = (t // F[2]) % F[1]
+    t0 = t // (F[2] * F[1])
+    mbarrier.expect(bar, x_desc.block_type.nbytes + dy_desc.block_type.nbytes)
+    if DIMS == 3:
+        tma.async_load_im2col(x_desc, [n, o0 * S[0] - LO[0], o1 * S[1] - LO[1], o2 * S[2] - LO[2], g * C + c_col],
+                              [(t0 * D[0]).to(gl.int16), (t1 * D[1]).to(gl.int16), (t2 * D[2]).to(gl.int16)],
+                              bar, b_buf)
+    elif DIMS == 2:
+        tma.async_load_im2col(x_desc, [n, o1 * S[1] - LO[1], o2 * S[2] - LO[2], g * C + c_col],
+                              [(t1 * D[1]).to(gl.int16), (t2 * D[2]).to(gl.int16)], bar, b_buf)
+    else:
+        tma.async_load_im2col(x_desc, [n, o2 * S[2] - LO[2], g * C + c_col], [(t2 * D[2]).to(gl.int16)], bar,
+                              b_buf)
+    tma.async_load(dy_desc, [r0, g * K + off_k], bar, a_buf)
+
+
+@gluon.jit
+def grad_weight_tma(x_desc, dy_desc, p_desc,
+                    # output pixels, filter, stride, dilation, low padding per spatial dimension (3 each)
+                    O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
+                    C: gl.constexpr, K: gl.constexpr, G: gl.constexpr, L: gl.constexpr, CHUNK: gl.constexpr,
+                    DIMS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    # dW's f32 split-K partials: partial[s, g, k, t, c] = sum over the pixels r = (n, o) of chunk s of
+    # dY[r, g, k] * X[n, o*s - lo + t*d, g, c].  One program per (K tile, tap and C tile, group, chunk): the
+    # GEMM's A is dY's [BLOCK_R, BLOCK_M] box read M-major, its B the im2col copy [BLOCK_R, BLOCK_N] of tap t.
+    # K and C are multiples of BLOCK_M and BLOCK_N (policy.tma_grad_weight_reason): no box crosses a group,
+    # a tap or a chunk's rows of the partials [S * G * K, taps * C]
+    BLOCK_M: gl.constexpr = p_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = p_desc.block_type.shape[1]
+    BLOCK_R: gl.constexpr = x_desc.block_type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+    COL_TILES: gl.constexpr = C // BLOCK_N
+
+    pid = gl.program_id(0)
+    g = gl.program_id(1)
+    s = gl.program_id(2)
+    off_k = (pid // (F[0] * F[1] * F[2] * COL_TILES)) * BLOCK_M
+    col = pid % (F[0] * F[1] * F[2] * COL_TILES)
+    t = col // COL_TILES
+    c_col = (col % COL_TILES) * BLOCK_N
+    start = s * CHUNK
+    steps = (L - start + BLOCK_R - 1) // BLOCK_R  # the last chunk is shorter
+    if steps > CHUNK // BLOCK_R:
+        steps = CHUNK // BLOCK_R
+
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_M], dy_desc.layout)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_N], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=_warps_per_cta(BLOCK_M, num_warps),
+        instr_shape=[16, _instr_n(BLOCK_M, BLOCK_N, num_warps), 256 // dtype.primitive_bitwidth])
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+
+    for i in gl.static_range(STAGES - 1):
+        if i < steps:
+            _issue_grad_weight(x_desc, dy_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i),
+                               start + i * BLOCK_R, g, t, c_col, off_k, O, F, S, D, LO, C, K, DIMS)
+    for step in range(steps):
+        st = step % STAGES
+        mbarrier.wait(bars.index(st), (step // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(st).permute((1, 0)), b_bufs.index(st), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        nxt = step + STAGES - 1
+        if nxt < steps:
+            ns = nxt % STAGES
+            _issue_grad_weight(x_desc, dy_desc, a_bufs.index(ns), b_bufs.index(ns), bars.index(ns),
+                               start + nxt * BLOCK_R, g, t, c_col, off_k, O, F, S, D, LO, C, K, DIMS)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    p_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], p_desc.layout)
+    p_smem.store(acc)
+    fence_async_shared()
+    tma.async_store(p_desc, [(s * G + g) * K + off_k, t * C + c_col], p_smem)
+    tma.store_wait(pendings=0)

@@ -71,8 +71,7 @@ class TmaDriverLaunch:
         self.function: LoadedFunction = load_function(b.data, b.kind, b.name, b.threads, b.shared_bytes, b.params,
                                                       device)
         self.maps = tuple(maps)
-        self.element = sl.launch.pointer_types[0]
-        self.element_bytes = self._ELEMENT_BYTES[self.element]
+        self.elements = [sl.launch.pointer_types[m.operand] for m in self.maps]
         self.tensor_maps = TensorMaps(len(self.maps))
         self._addresses: list[Optional[int]] = [None] * len(self.maps)
         # the maps' bytes in place; every other parameter (a map's shape and strides, which the kernel does not
@@ -87,12 +86,13 @@ class TmaDriverLaunch:
         for i, m in enumerate(self.maps):
             address = tensors[m.operand].data_ptr()
             if address != self._addresses[i]:
+                element = self.elements[i]
+                size = self._ELEMENT_BYTES[element]
                 if m.im2col:
-                    self.tensor_maps.encode_im2col(i, self.element, address, m.shape, self.element_bytes, m.lower,
-                                                   m.upper, m.element_strides, m.box[0], m.box[1], m.swizzle)
+                    self.tensor_maps.encode_im2col(i, element, address, m.shape, size, m.lower, m.upper,
+                                                   m.element_strides, m.box[0], m.box[1], m.swizzle)
                 else:
-                    self.tensor_maps.encode_tiled(i, self.element, address, m.shape, self.element_bytes, m.box,
-                                                  m.swizzle)
+                    self.tensor_maps.encode_tiled(i, element, address, m.shape, size, m.box, m.swizzle)
                 self._addresses[i] = address
         launch_raw(self.function, self.grid, stream, self._params)
 
