@@ -204,6 +204,32 @@ def tma_grad_weight_tiles(p: ConvProblem) -> TileConfig:
                       warps=4, stages=4)
 
 
+def tma_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
+    """The TMA grad_weight's split-K chunks S: forced (tiles.split, then the problem's split_k), or the S of least
+    estimated time, waves x chunk steps of products at the SM's peak plus S f32 partials of the weight written
+    and read back at the memory's peak.  Each program stores a [BLOCK_M, BLOCK_N] f32 tile through shared
+    memory, so fewer are resident than for the cp.async kernel, and fewer, longer chunks than grad_weight_parts
+    gives won: ResNet-50's 512-channel 3x3 at 7x7 0.065 -> 0.041 ms (docs/decisions.md#tma-forward)."""
+    parts = tiles.split or p.split_k
+    if parts:
+        return parts
+    gpu = target.gpu
+    shared = (tiles.stages * (tiles.block_m + tiles.block_n) * tiles.block_k * 2
+              + tiles.block_m * tiles.block_n * 4)
+    slots = gpu.sm_count * max(1, min(gpu.shared_per_sm // (shared + gpu.shared_reserved_per_block),
+                                      gpu.warps_per_sm // tiles.warps))
+    tiles_out, steps = output_tiles(p, tiles), reduction_steps(p, tiles)
+    step_s = 2 * tiles.block_m * tiles.block_n * tiles.block_k / (gpu.matrix_flops / gpu.sm_count)
+    partial_s = 2 * 4 * math.prod(p.w_shape) / gpu.memory_bandwidth
+
+    def estimate(s: int) -> float:
+        chunk = -(-steps // s)
+        chunks = -(-steps // chunk)
+        return -(-tiles_out * chunks // slots) * chunk * step_s + chunks * partial_s
+
+    return min(range(1, min(256, steps) + 1), key=estimate)
+
+
 def tma_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]:
     """Why grad_weight does not run on the TMA kernel (None: it does)."""
     if p.op != "grad_weight":
@@ -220,6 +246,11 @@ def tma_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]:
     return None
 
 
+def _weight_rows(p: ConvProblem) -> bool:
+    """Is the weight a [G*K, taps*C] matrix in memory?  GKYXC is; a 1x1 GKCYX weight is the same memory."""
+    return p.weight_layout == FAST_WEIGHT_LAYOUT or math.prod(p.filter) == 1
+
+
 def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
     """Why forward does not run on the TMA im2col kernel (None: it does).  The kernel's descriptors are made at
     call time and passed by value, which the stream runner does and an IREE module's dispatch cannot: modules
@@ -229,7 +260,7 @@ def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
     reason = _tma_common_reason(p, target)
     if reason is not None:
         return reason
-    if p.weight_layout != FAST_WEIGHT_LAYOUT:
+    if not _weight_rows(p):
         return "the TMA kernel reads GKYXC weights"
     if p.epilogue.kind != "none":
         return "the TMA kernel has no epilogue"
@@ -279,11 +310,11 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs
     if tma_forward_reason(p, target) is None:
         return (*forward_tma_launch(p, tma_forward_tiles(p), base), False, ())
     q = grad_input_as_forward(p)
-    if q is not None and p.weight_layout == FAST_WEIGHT_LAYOUT and tma_forward_reason(q, target) is None:
+    if q is not None and _weight_rows(p) and tma_forward_reason(q, target) is None:
         return (*forward_tma_launch(q, tma_forward_tiles(q), base, flipped=True), True, ())
     if tma_grad_weight_reason(p, target) is None:
         tiles = tma_grad_weight_tiles(p)
-        launch, maps, partials = grad_weight_tma_launch(p, tiles, base, grad_weight_parts(p, tiles, target))
+        launch, maps, partials = grad_weight_tma_launch(p, tiles, base, tma_grad_weight_parts(p, tiles, target))
         return launch, maps, False, partials
     return None
 

@@ -50,20 +50,26 @@ class GpuFacts:
     warps_per_sm: int
     workgroup_memory: int
     subgroup_size: int
+    # dense 16-bit matrix products with f32 accumulation (FLOP/s) and memory bandwidth (bytes/s), the
+    # datasheets' peaks: what a cost model weighs a split-K partial's memory traffic against its products with
+    matrix_flops: float = 0.0
+    memory_bandwidth: float = 0.0
 
 
 # The chip each arch is planned for (where one arch spans several chips, its data-centre part): the split-K
 # and depthwise grids aim at whole waves of its SMs.  From the vendors' datasheets: H100 SXM, A100, L40S, MI300X.
 # workgroup_memory is what one block may use (CUDA's opt-in maximum: 227, 163 and 99 KB; CDNA3's 64 KB of LDS),
 # the same limits as IREE's target descriptions (max_workgroup_memory_bytes), which reject a kernel over them.
+# matrix_flops: dense bf16 with f32 accumulation (989, 312, 362 and 1307 TFLOP/s); memory_bandwidth: 3.35, 2.04,
+# 0.864 and 5.3 TB/s.
 HOPPER = GpuFacts(sm_count=132, shared_per_sm=228 * 1024, shared_reserved_per_block=1024, warps_per_sm=64,
-                  workgroup_memory=227 * 1024, subgroup_size=32)
+                  workgroup_memory=227 * 1024, subgroup_size=32, matrix_flops=989e12, memory_bandwidth=3.35e12)
 AMPERE = GpuFacts(sm_count=108, shared_per_sm=164 * 1024, shared_reserved_per_block=1024, warps_per_sm=64,
-                  workgroup_memory=163 * 1024, subgroup_size=32)
+                  workgroup_memory=163 * 1024, subgroup_size=32, matrix_flops=312e12, memory_bandwidth=2.04e12)
 ADA = GpuFacts(sm_count=142, shared_per_sm=100 * 1024, shared_reserved_per_block=1024, warps_per_sm=48,
-               workgroup_memory=99 * 1024, subgroup_size=32)
+               workgroup_memory=99 * 1024, subgroup_size=32, matrix_flops=362e12, memory_bandwidth=0.864e12)
 CDNA3 = GpuFacts(sm_count=304, shared_per_sm=64 * 1024, shared_reserved_per_block=0, warps_per_sm=32,
-                 workgroup_memory=64 * 1024, subgroup_size=64)
+                 workgroup_memory=64 * 1024, subgroup_size=64, matrix_flops=1307e12, memory_bandwidth=5.3e12)
 GPU_FACTS = {"sm_80": AMPERE, "sm_86": AMPERE, "sm_89": ADA, "sm_90": HOPPER, "gfx942": CDNA3}
 
 

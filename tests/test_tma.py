@@ -280,3 +280,31 @@ def test_emulated_tma_grad_weight_matches_the_reference(p):
         assert policy.tma_grad_weight_reason(p.with_(in_channels=32), HOPPER) is not None  # not whole 64-blocks
         assert policy.tma_grad_weight_reason(p.with_(filter=(1,) * p.dims, pad_lo=(0,) * p.dims,
                                                      pad_hi=(0,) * p.dims), HOPPER) is not None  # 1x1
+
+
+RESNET_WGRAD = ConvProblem(op="grad_weight", dims=2, groups=1, batch=64, in_channels=512, out_channels=512,
+                           input=(7, 7), filter=(3, 3), stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1),
+                           pad_hi=(1, 1), layout="NHWGC", dtype="bf16", name="k")
+
+
+@settings(max_examples=40, deadline=None)
+@given(channels=st.sampled_from([64, 128, 256, 512]), size=st.sampled_from([7, 14, 28, 56]),
+       batch=st.integers(1, 64))
+def test_tma_grad_weight_split_grows_with_the_reduction(channels, size, batch):
+    # the split weighs waves of programs against the partials each chunk adds: a longer reduction over the same
+    # weight never takes fewer chunks, a chunk is never empty, and a split asked for is kept
+    p = RESNET_WGRAD.with_(in_channels=channels, out_channels=channels, input=(size, size), batch=batch)
+    tiles = policy.tma_grad_weight_tiles(p)
+    parts = policy.tma_grad_weight_parts(p, tiles, HOPPER)
+    longer = policy.tma_grad_weight_parts(p.with_(batch=2 * batch), tiles, HOPPER)
+    steps = -(-batch * size * size // tiles.block_k)
+    assert 1 <= parts <= min(256, steps) and longer >= parts
+    assert policy.tma_grad_weight_parts(p.with_(split_k=5), tiles, HOPPER) == 5
+
+
+def test_tma_grad_weight_split_takes_fewer_chunks_where_partials_are_large():
+    # ResNet-50's 512-channel 3x3 grad_weight at 7x7: 144 output tiles, and a 9.4 MB f32 partial per chunk;
+    # the fill of the resident slots alone (grad_weight_parts) asks for more chunks than the estimate does
+    tiles = policy.tma_grad_weight_tiles(RESNET_WGRAD)
+    assert policy.tma_grad_weight_parts(RESNET_WGRAD, tiles, HOPPER) < policy.grad_weight_parts(RESNET_WGRAD, tiles,
+                                                                                                HOPPER)
