@@ -85,10 +85,27 @@ def cpu_depthwise_named(p: ConvProblem, target: Target) -> bool:
     """CPU depthwise gradients in NHWGC as IREE's named depthwise convolution (form "depthwise-named"), which its
     CPU pipeline vectorises along the channels.  grad_input: one per stride phase; the stencil generic with the
     taps innermost was 6x slower than PyTorch (docs/decisions.md#cpu-depthwise).  grad_weight: one per image,
-    X as its image and dY as its filter; the gather form ran at 0.06x PyTorch (docs/decisions.md#cpu-depthwise-wgrad).
-    `batch = ?` (grad_weight has one convolution per image) and fp8 compute keep their forms."""
-    return (target.backend == "cpu" and p.op in ("grad_input", "transposed", "grad_weight") and p.depthwise
-            and p.layout == "NHWGC" and not p.fp8_compute and not p.dynamic_batch)
+    X as its image and dY as its filter; the gather form ran at 0.06x PyTorch (docs/decisions.md#cpu-depthwise-wgrad);
+    with a few channels per group (ResNeXt's 4), one per image and output channel k over the G*C channels, dY's
+    channel k repeated along c.  `batch = ?` (grad_weight has one convolution per image) and fp8 compute keep
+    their forms."""
+    if target.backend != "cpu" or p.layout != "NHWGC" or p.fp8_compute or p.dynamic_batch:
+        return False
+    if p.depthwise:
+        return p.op in ("grad_input", "transposed", "grad_weight")
+    return p.op == "grad_weight" and p.groups > 1 and p.in_channels * p.out_channels <= MAX_GROUP_MACS
+
+
+# Channels of IREE's CPU depthwise convolution with the taps as output positions: its tiles follow the channel
+# count, and 144 ran 2 to 4x faster per channel than 128 or 160; grouped few-channel grad_weight pads its G*C
+# channels up to it (docs/decisions.md#cpu-depthwise-wgrad)
+CPU_DEPTHWISE_CHANNELS = 144
+
+
+def cpu_depthwise_channels(channels: int) -> int:
+    """The channel count the grouped depthwise-named grad_weight convolves over: `channels` padded with zeros up
+    to CPU_DEPTHWISE_CHANNELS (more stay as they are)."""
+    return max(channels, CPU_DEPTHWISE_CHANNELS)
 
 
 # The zero border around X or dY: the forms, and what each builds.

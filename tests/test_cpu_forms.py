@@ -150,7 +150,6 @@ def test_depthwise_grad_weight_takes_the_named_op_where_intended():
     assert plan_kernel(depthwise("grad_weight", dynamic_batch=True), CPU).form != "depthwise-named"
     for target in (Target("cuda", "sm_80"), Target("rocm", "gfx942")):
         assert not policy.cpu_depthwise_named(depthwise("grad_weight"), target)
-    assert plan_kernel(conv("grad_weight", groups=8, in_channels=2, out_channels=2), CPU).form == "gather"
     assert plan_kernel(conv("grad_weight", groups=4), CPU).form == "im2col"
     assert plan_kernel(depthwise("forward"), CPU).form == "depthwise"
     # only this form pads with a fused tensor.pad on the CPU
@@ -214,5 +213,46 @@ def test_depthwise_named_grad_weight_index_algebra(data):
     p = depthwise("grad_weight", dims=dims, batch=data.draw(st.integers(1, 3)), groups=data.draw(st.integers(2, 20)),
                   input=tuple(size), filter=tuple(f), stride=tuple(s), dilation=tuple(d), pad_lo=tuple(lo),
                   pad_hi=tuple(hi))
+    assert plan_kernel(p, CPU).form == "depthwise-named"
+    check(p)
+
+
+# --- few channels per group: one depthwise convolution per image and output channel --------------------------
+
+def grouped(**changes) -> ConvProblem:
+    return conv("grad_weight", **{"groups": 8, "in_channels": 2, "out_channels": 3, **changes})
+
+
+def test_few_channel_grad_weight_takes_the_named_op_padded_to_the_fast_channel_count():
+    plan = plan_kernel(grouped(), CPU)
+    assert plan.form == "depthwise-named" and plan.pad_form == "fuse" and plan.split is None
+    assert plan.depthwise_channels == policy.CPU_DEPTHWISE_CHANNELS  # 16 channels and zeros up to it
+    wide = plan_kernel(grouped(groups=100), CPU)  # 200 channels: no zeros added
+    assert wide.form == "depthwise-named" and wide.depthwise_channels == 200
+    assert plan_kernel(depthwise("grad_weight"), CPU).depthwise_channels == 16  # depthwise: as it was
+    # elsewhere the rules are unchanged: other layouts, batch = ?, GPUs, grad_input, more channels per group
+    assert plan_kernel(grouped(layout="GNHWC"), CPU).form == "gather"
+    assert plan_kernel(grouped(dynamic_batch=True), CPU).form != "depthwise-named"
+    assert plan_kernel(conv("grad_input", groups=8, in_channels=2, out_channels=2), CPU).form == "gather"
+    assert plan_kernel(grouped(in_channels=4, out_channels=8), CPU).form == "im2col"
+    for target in (Target("cuda", "sm_80"), Target("rocm", "gfx942")):
+        assert not policy.cpu_depthwise_named(grouped(), target)
+
+
+def test_few_channel_grad_weight_ir_is_one_convolution_per_image_and_output_channel():
+    text = function_text(lower_to_mlir([grouped(batch=3)], CPU), "k")
+    assert text.count("linalg.depthwise_conv_2d_nhwc_hwc ") == 3 * 3  # 3 images x K = 3
+    assert "x144xf32" in text and "reduction" not in text
+
+
+@pytest.mark.parametrize("changes", [
+    {}, dict(batch=1), dict(stride=(2, 2)), dict(dilation=(2, 2), pad_lo=(2, 2), pad_hi=(2, 2), stride=(2, 1)),
+    dict(stride=(2, 1), pad_lo=(0, 2), pad_hi=(1, 0)), dict(groups=32, in_channels=4, out_channels=4),
+    dict(in_channels=1, out_channels=4), dict(in_channels=4, out_channels=1), dict(groups=80),
+    dict(batch=9, stride=(2, 2)), _1D, _3D, dict(dtype="bf16"), dict(weight_layout="GKCYX"),
+    dict(epilogue=Epilogue("bilinear", 1.5, -0.5)),
+])
+def test_few_channel_grad_weight(changes):
+    p = grouped(**changes)
     assert plan_kernel(p, CPU).form == "depthwise-named"
     check(p)

@@ -26,6 +26,7 @@ from .ir import (
     element_type,
     empty,
     expand,
+    insert,
     extract,
     float_const,
     generic,
@@ -755,61 +756,95 @@ def _grad_input_phase_depthwise_named(plan: KernelPlan, ph: Phase, dy: ir.Value,
 
 
 def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
-    # grad_weight of a depthwise convolution (NHWGC, K = C = 1), per spatial dim i (stride s, dilation d):
-    #   dW[g, t] = sum_n sum_o Xpad_n[o*s + t*d, g] * dY[n, o, g]        Xpad_n: image n of X from -lo (_x_window)
-    # For one image n this is a depthwise correlation whose "image" is Xpad_n, whose "filter" is dY[n] and
-    # whose output positions are the taps t:
-    #   D_n[0, t, g] = sum_o Img[0, t*d + o*s, g] * Flt[o, g]     Img = Xpad_n [1, P.., G], Flt = dY[n] [O.., G]
+    # grad_weight with few channels per group (NHWGC; depthwise: K = C = 1), per spatial dim i (stride s,
+    # dilation d):
+    #   dW[g, k, t, c] = sum_n sum_o Xpad_n[o*s + t*d, g, c] * dY[n, o, g, k]     Xpad_n: image n of X from -lo
+    # For one image n and one k this is a depthwise correlation over the G*C channels (g, c), whose "image" is
+    # Xpad_n, whose "filter" is dY[n]'s channel k of each group repeated along c, and whose output positions are
+    # the taps t:
+    #   D_nk[0, t, (g, c)] = sum_o Img[0, t*d + o*s, (g, c)] * Flt_k[o, (g, c)]
+    #   Img = Xpad_n [1, P.., G*C],  Flt_k[o, (g, c)] = dY[n, o, g, k]
     # i.e. linalg.depthwise_conv_Nd_n..c_..c with strides = d (the step between output positions t) and
     # dilations = s (the step between filter positions o); Img's extent (O-1)*s + (R-1)*d + 1 is x_window's.
-    # The images' convolutions accumulate into one [1, R.., G] tensor in batch order (each takes the last one's
-    # result as its init), so dW[g, t] = D[0, t, g] with no partials.  Batches of 2 x IMAGES_PER_STEP or more
-    # run as an scf.for over steps of IMAGES_PER_STEP images, the rest unrolled: one convolution per image
-    # unrolled took iree-compile 3.4 s at batch 64, and a loop of one image per step cost 10-15% at batch 4.
-    # Each image's zero border is its own tensor.pad (plan.pad_form "fuse"), which IREE fuses into that image's
-    # convolution: a padded copy of X cost as much as the convolutions (docs/decisions.md#cpu-depthwise-wgrad).
-    # The batch stays out of the channels: folding it in (one convolution over N*G channels) needed transposed
-    # copies of X and dY and ran slower.
+    # The images' convolutions accumulate into one [1, R.., G*C] tensor per k in batch order (each takes the
+    # last one's result as its init), so dW[g, k, t, c] = D_k[0, t, (g, c)] with no partials.  Batches of
+    # 2 x IMAGES_PER_STEP or more run as an scf.for over steps of IMAGES_PER_STEP images, the rest unrolled: one
+    # convolution per image unrolled took iree-compile 3.4 s at batch 64, and a loop of one image per step cost
+    # 10-15% at batch 4.  Each image's zero border is its own tensor.pad (plan.pad_form "fuse"), which IREE fuses
+    # into that image's convolution: a padded copy of X cost as much as the convolutions
+    # (docs/decisions.md#cpu-depthwise-wgrad).  The batch stays out of the channels: folding it in (one
+    # convolution over N*G channels) needed transposed copies of X and dY and ran slower.
     p = plan.problem
+    c_count, k_count = p.in_channels, p.out_channels
     axes = activation_axes(p, "ch")  # n, sp.., g, ch (NHWGC)
     sp = _spatial_positions(p, axes)
     rank = len(axes)
-    merge_channels = [[a] for a in range(rank - 2)] + [[rank - 2, rank - 1]]  # (G, 1) -> G
+    merge_channels = [[a] for a in range(rank - 2)] + [[rank - 2, rank - 1]]  # (G, C) -> G*C
     index = ir.IndexType.get()
+    outs = [f"o{i}" for i in range(p.dims)]
 
     def const(v: int) -> ir.Value:
         return arith.ConstantOp(index, v).result
 
-    def convolve(acc: ir.Value, n: ir.Value) -> ir.Value:  # acc + D_n
-        image = collapse(_x_window(plan, _image(x, n), sp), merge_channels)  # [1, P.., G]
-        filt = collapse(_image(dy, n), [[0, 1], *merge_channels[2:]])  # [O.., G]
-        return _DEPTHWISE_OPS[p.dims](image, filt, outs=[acc], strides=list(p.dilation), dilations=list(p.stride))
+    channels, padded = p.groups * c_count, plan.depthwise_channels
+
+    def filter_for(n: ir.Value, k: int) -> ir.Value:  # Flt_k of image n: [O.., G*C], zero channels to `padded`
+        channel = _image(dy, n, k)  # [1, O.., G, 1]
+        if c_count == 1:
+            flat = collapse(channel, [[0, 1], *merge_channels[2:]])
+        else:
+            space = Space([*[(o, PARALLEL) for o in outs], ("g", PARALLEL), ("c", PARALLEL)])
+            loops = {a: space[a] for a in [*outs, "g", "c"]}
+            repeated = generic(space, [channel], empty([*p.output, p.groups, c_count], elem_of(dy)),
+                               [space.access(["u", *outs, "g", "u"], loops),
+                                space.access([*outs, "g", "c"], loops)], lambda v, _: v)
+            flat = collapse(repeated, [[i] for i in range(p.dims)] + [[p.dims, p.dims + 1]])
+        return flat if padded == channels else window(flat, {p.dims: 0}, {p.dims: padded}, "fuse")
+
+    def convolve(accs: list[ir.Value], n: ir.Value) -> list[ir.Value]:  # acc_k + D_nk for each k
+        # the channels merged before the border is added (a tensor.pad feeding a collapse is not fused into the
+        # convolution: IREE copied each padded image with its slow memcpy), and zero channels up to `padded`
+        flat = collapse(_image(x, n), merge_channels)  # [1, I.., G*C]
+        starts = {pos: -lo for pos, lo in zip(sp, plan.x_pad_lo)}
+        sizes = {pos: i + lo + hi for pos, i, lo, hi in zip(sp, p.input, plan.x_pad_lo, plan.x_pad_hi)}
+        image = window(flat, {**starts, p.dims + 1: 0}, {**sizes, p.dims + 1: padded}, plan.pad_form)
+        return [_DEPTHWISE_OPS[p.dims](image, filter_for(n, k), outs=[acc], strides=list(p.dilation),
+                                       dilations=list(p.stride)) for k, acc in enumerate(accs)]
 
     step = IMAGES_PER_STEP
     looped = p.batch - p.batch % step if p.batch >= 2 * step else 0
-    acc = zeros([1, *p.filter, p.groups], ir.F32Type.get())
+    accs = [zeros([1, *p.filter, padded], ir.F32Type.get()) for _ in range(k_count)]
     if looped:
-        loop = scf.ForOp(const(0), const(looped), const(step), [acc])
+        loop = scf.ForOp(const(0), const(looped), const(step), accs)
         with ir.InsertionPoint(loop.body):
-            first, inner = loop.induction_variable, loop.inner_iter_args[0]
+            first, inner = loop.induction_variable, list(loop.inner_iter_args)
             for j in range(step):
                 inner = convolve(inner, arith.addi(first, const(j)) if j else first)
-            scf.YieldOp([inner])
-        acc = loop.results[0]
+            scf.YieldOp(inner)
+        accs = list(loop.results)
     for n in range(looped, p.batch):
-        acc = convolve(acc, const(n))
-    # D[0, t.., g] -> dW in the weight layout (K = C = 1: GKYXC and GKCYX are both [G, 1, t.., 1] up to unit axes)
+        accs = convolve(accs, const(n))
+    # D_k[0, t.., g*C + c] -> dW[g, k, t.., c] in the weight layout, through a [K, 1, R.., padded] stack
+    stack = empty([k_count, 1, *p.filter, padded], ir.F32Type.get())
+    for k, acc in enumerate(accs):
+        stack = insert(acc, stack, [k] + [0] * (p.dims + 2), [1] * (p.dims + 3), [1, 1, *p.filter, padded])
+    stack = extract(stack, [0] * (p.dims + 3), [k_count, 1, *p.filter, channels], [1] * (p.dims + 3))
     taps = [f"t{i}" for i in range(p.dims)]
-    space = Space([("g", PARALLEL), *[(t, PARALLEL) for t in taps]])
-    loops = {a: space[a] for a in ["g", *taps]}
-    dw = generic(space, [acc], empty(list(p.w_shape), ir.F32Type.get()),
-                 [space.access(["u", *taps, "g"], loops), space.access(weight_axes(p), loops)], lambda v, _: v)
+    space = Space([("g", PARALLEL), ("k", PARALLEL), *[(t, PARALLEL) for t in taps], ("c", PARALLEL)])
+    loops = {a: space[a] for a in ["g", "k", *taps, "c"]}
+    loops["ch"] = space["g"] * c_count + space["c"]
+    dw = generic(space, [stack], empty(list(p.w_shape), ir.F32Type.get()),
+                 [space.access(["k", "u", *taps, "ch"], loops), space.access(weight_axes(p), loops)],
+                 lambda v, _: v)
     return _epilogue(p, dw, bias)
 
 
-def _image(value: ir.Value, n: ir.Value) -> ir.Value:
-    """Image n (an index value) of an activation whose first axis is the batch: [1, ...] (tensor.extract_slice)."""
+def _image(value: ir.Value, n: ir.Value, channel: Optional[int] = None) -> ir.Value:
+    """Image n (an index value) of an activation whose first axis is the batch: [1, ...] (tensor.extract_slice);
+    with `channel`, only that channel of the last axis: [1, ..., 1]."""
     sizes = shape_of(value)
     dynamic = ir.ShapedType.get_dynamic_stride_or_offset()
-    return tensor.extract_slice(tensor_type([1, *sizes[1:]], elem_of(value)), value, [n], [], [],
-                                [dynamic] + [0] * (len(sizes) - 1), [1, *sizes[1:]], [1] * len(sizes))
+    last = [] if channel is None else [channel]
+    out = [1, *sizes[1:]] if channel is None else [1, *sizes[1:-1], 1]
+    return tensor.extract_slice(tensor_type(out, elem_of(value)), value, [n], [], [],
+                                [dynamic] + [0] * (len(sizes) - 1 - len(last)) + last, out, [1] * len(sizes))

@@ -62,6 +62,8 @@ class KernelPlan:
     extern: Optional[ExternPlan] = None
     # why a CUDA kernel keeps the linalg form (shown by explain); None where not asked
     linalg_reason: Optional[str] = None
+    # depthwise-named grad_weight: the channels each convolution runs over (G*C and zeros up to it)
+    depthwise_channels: int = 0
 
 
 def plan_kernel(problem: ConvProblem, target: Target, knobs: Optional[Knobs] = None) -> KernelPlan:
@@ -164,5 +166,9 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
     # im2col: one matmul whose reduction IREE tiles itself; depthwise-named: one convolution per image; no split-K
     whole = form in ("im2col", "depthwise-named")
     split = plan_split_k(problem) if problem.op == "grad_weight" and not whole else None
+    channels = problem.groups * problem.in_channels
+    if form == "depthwise-named" and not problem.depthwise:
+        channels = policy.cpu_depthwise_channels(channels)  # few channels per group: pad to the fast count
     return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split,
-                      dy_first=policy.dy_first(problem, target), pad_form=policy.default_pad_form(problem, target))
+                      dy_first=policy.dy_first(problem, target), pad_form=policy.default_pad_form(problem, target),
+                      depthwise_channels=channels if form == "depthwise-named" else 0)
