@@ -56,7 +56,9 @@ def build(out: Path) -> None:
     print(f"wrote {out}: {len(kernels)} kernels")
 
 
-def run(bundle: Path, result: Path) -> None:
+def timed_rows(bundle: Path) -> list[dict]:
+    """Each kernel of the bundle (named <case>:<label>) called through the stream runner on random inputs,
+    checked against cuDNN on the same tensors, both timed by CUDA-graph replay."""
     import torch
 
     from benchmarks.gpu_bench import TorchConv, random_args, rel_error
@@ -80,16 +82,27 @@ def run(bundle: Path, result: Path) -> None:
         runner = StreamRunner(k, dev)
         err = rel_error(runner(*args), conv.from_torch(cudnn(*targs)).double())
         ms = graph_ms(lambda: runner(*args))
-        rows.append({"case": case, "kernel": label, "describe": k.describe(), "ms": ms, "error_vs_cudnn": err,
-                     "cudnn_ms": cudnn_ms, "tflops": p.flops / ms / 1e9})
-        print(f"{case:<26} {label:<16} {ms:.4f} ms err {err:.1e} cuDNN {cudnn_ms:.4f} -> {cudnn_ms / ms:.2f}x "
-              f"{rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
+        rows.append({"case": case, "kernel": label, "tiles": k.tiles, "describe": k.describe(), "ms": ms,
+                     "error_vs_cudnn": err, "cudnn_ms": cudnn_ms, "tflops": p.flops / ms / 1e9})
+        print(f"{case:<44} {label:<16} {k.tiles:<22} {ms:.4f} ms err {err:.1e} cuDNN {cudnn_ms:.4f} -> "
+              f"{cudnn_ms / ms:.2f}x {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
         del args, targs
         torch.cuda.empty_cache()
-    versions = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                "cudnn": torch.backends.cudnn.version(),
-                "command": "python3 benchmarks/probes/tma_forward.py run TMA.convk OUT.json"}
-    result.write_text(json.dumps({"versions": versions, "results": rows}, indent=1) + "\n")
+    return rows
+
+
+def versions(command: str) -> dict:
+    import torch
+
+    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "cudnn": torch.backends.cudnn.version(), "command": command}
+
+
+def run(bundle: Path, result: Path) -> None:
+    rows = timed_rows(bundle)
+    record = {"versions": versions("python3 benchmarks/probes/tma_forward.py run TMA.convk OUT.json"),
+              "results": rows}
+    result.write_text(json.dumps(record, indent=1) + "\n")
 
 
 def main(argv=None) -> int:

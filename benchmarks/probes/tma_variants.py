@@ -113,35 +113,9 @@ def build(out: Path, source: Optional[Path], ops: Optional[list[str]]) -> None:
 
 
 def run(bundle: Path, result: Path) -> None:
-    import torch
+    from benchmarks.probes.tma_forward import timed_rows, versions
 
-    from benchmarks.gpu_bench import TorchConv, random_args, rel_error
-    from benchmarks.torch_bench import _case_dict, graph_ms
-    from convdsl import stream
-    from convdsl.torch.stream import StreamRunner
-
-    dev = torch.device("cuda", 0)
-    rows, cudnn_times = [], {}
-    for k in stream.load_bundle(bundle):
-        case, label = k.problem.name.split(":")
-        p = k.problem.with_(name=case)
-        cd = _case_dict(p)
-        args = random_args(cd, seed=1)
-        conv = TorchConv(cd)
-        targs = conv.to_torch(args)
-        cudnn = conv.fn(conv.like(targs[0].dtype))
-        if case not in cudnn_times:
-            cudnn_times[case] = graph_ms(lambda: cudnn(*targs))
-        cudnn_ms = cudnn_times[case]
-        runner = StreamRunner(k, dev)
-        err = rel_error(runner(*args), conv.from_torch(cudnn(*targs)).double())
-        ms = graph_ms(lambda: runner(*args))
-        rows.append({"case": case, "kernel": label, "tiles": k.tiles, "describe": k.describe(), "ms": ms,
-                     "error_vs_cudnn": err, "cudnn_ms": cudnn_ms, "tflops": p.flops / ms / 1e9})
-        print(f"{case:<44} {label:<9} {k.tiles:<22} {ms:.4f} ms err {err:.1e} cuDNN {cudnn_ms:.4f} -> "
-              f"{cudnn_ms / ms:.2f}x", flush=True)
-        del args, targs
-        torch.cuda.empty_cache()
+    rows = timed_rows(bundle)
     by_case: dict = {}
     for r in rows:
         by_case.setdefault(r["case"], {})[r["kernel"]] = r["ms"]
@@ -151,10 +125,9 @@ def run(bundle: Path, result: Path) -> None:
         if pairs:
             summary[f"geomean_cp.async_over_{v}"] = math.exp(sum(math.log(a / b) for a, b in pairs) / len(pairs))
     print(json.dumps(summary))
-    versions = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                "cudnn": torch.backends.cudnn.version(),
-                "command": "python3 benchmarks/probes/tma_variants.py run P.convk OUT.json"}
-    result.write_text(json.dumps({"versions": versions, "summary": summary, "results": rows}, indent=1) + "\n")
+    record = {"versions": versions("python3 benchmarks/probes/tma_variants.py run P.convk OUT.json"),
+              "summary": summary, "results": rows}
+    result.write_text(json.dumps(record, indent=1) + "\n")
 
 
 def main(argv=None) -> int:
