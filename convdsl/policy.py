@@ -97,8 +97,9 @@ def cpu_depthwise_named(p: ConvProblem, target: Target) -> bool:
 
 
 # Channels of IREE's CPU depthwise convolution with the taps as output positions: its tiles follow the channel
-# count, and 144 ran 2 to 4x faster per channel than 128 or 160; grouped few-channel grad_weight pads its G*C
-# channels up to it (docs/decisions.md#cpu-depthwise-wgrad)
+# count, and 144 ran 2 to 4x faster per channel than 128 or 160; grouped few-channel 2D grad_weight pads its G*C
+# channels up to it (measured in 2D; a 1D f16 module padded so failed in IREE's CPU codegen;
+# docs/decisions.md#cpu-depthwise-wgrad)
 CPU_DEPTHWISE_CHANNELS = 144
 
 

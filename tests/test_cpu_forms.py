@@ -230,6 +230,7 @@ def test_few_channel_grad_weight_takes_the_named_op_padded_to_the_fast_channel_c
     wide = plan_kernel(grouped(groups=100), CPU)  # 200 channels: no zeros added
     assert wide.form == "depthwise-named" and wide.depthwise_channels == 200
     assert plan_kernel(depthwise("grad_weight"), CPU).depthwise_channels == 16  # depthwise: as it was
+    assert plan_kernel(grouped(**_1D), CPU).depthwise_channels == 16  # padded in 2D only
     # elsewhere the rules are unchanged: other layouts, batch = ?, GPUs, grad_input, more channels per group
     assert plan_kernel(grouped(layout="GNHWC"), CPU).form == "gather"
     assert plan_kernel(grouped(dynamic_batch=True), CPU).form != "depthwise-named"
@@ -249,7 +250,8 @@ def test_few_channel_grad_weight_ir_is_one_convolution_per_image_and_output_chan
     {}, dict(batch=1), dict(stride=(2, 2)), dict(dilation=(2, 2), pad_lo=(2, 2), pad_hi=(2, 2), stride=(2, 1)),
     dict(stride=(2, 1), pad_lo=(0, 2), pad_hi=(1, 0)), dict(groups=32, in_channels=4, out_channels=4),
     dict(in_channels=1, out_channels=4), dict(in_channels=4, out_channels=1), dict(groups=80),
-    dict(batch=9, stride=(2, 2)), _1D, _3D, dict(dtype="bf16"), dict(weight_layout="GKCYX"),
+    dict(batch=9, stride=(2, 2)), _1D, _3D, dict(dtype="bf16"), dict(dtype="f16"), dict(_1D, dtype="f16"),
+    dict(_3D, dtype="f16"), dict(weight_layout="GKCYX"),
     dict(epilogue=Epilogue("bilinear", 1.5, -0.5)),
 ])
 def test_few_channel_grad_weight(changes):

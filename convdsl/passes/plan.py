@@ -167,7 +167,7 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
     whole = form in ("im2col", "depthwise-named")
     split = plan_split_k(problem) if problem.op == "grad_weight" and not whole else None
     channels = problem.groups * problem.in_channels
-    if form == "depthwise-named" and not problem.depthwise:
+    if form == "depthwise-named" and not problem.depthwise and problem.dims == 2:
         channels = policy.cpu_depthwise_channels(channels)  # few channels per group: pad to the fast count
     return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split,
                       dy_first=policy.dy_first(problem, target), pad_form=policy.default_pad_form(problem, target),
