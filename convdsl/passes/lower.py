@@ -772,7 +772,7 @@ def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bi
     # convolution per image unrolled took iree-compile 3.4 s at batch 64, and a loop of one image per step cost
     # 10-15% at batch 4.  Each image's zero border is its own tensor.pad (plan.pad_form "fuse"), which IREE fuses
     # into that image's convolution: a padded copy of X cost as much as the convolutions
-    # (docs/decisions.md#cpu-depthwise-wgrad).  The batch stays out of the channels: folding it in (one
+    # (docs/decisions.md#cpu-depthwise-wgrad); with K > 1 it feeds K convolutions, and IREE copies it once.  The batch stays out of the channels: folding it in (one
     # convolution over N*G channels) needed transposed copies of X and dY and ran slower.
     p = plan.problem
     c_count, k_count = p.in_channels, p.out_channels
