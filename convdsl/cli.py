@@ -285,8 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"where the kernels run: auto (a CUDA GPU when present, else the CPU), "
                             f"{', '.join(BACKENDS)} (default: {default_target})")
         p.add_argument("--arch", default=None, help="sm_80, sm_89, sm_90, gfx942, ... for a GPU target (default: "
-                       "sm_80 for cuda, gfx942 for rocm; with --target auto, the CUDA device's own); the CPU takes "
-                       "none")
+                       "sm_80 for cuda, gfx942 for rocm; with --target auto, the CUDA device's own); for the CPU an "
+                       "LLVM CPU name, e.g. sapphirerapids, znver4, x86-64-v4 (default: host, the CPU compiling)")
         p.add_argument("--batch", type=_batch, default=None,
                        help="override every conv's batch size, `batch = ?` included (compiled for this batch)")
 

@@ -27,8 +27,9 @@ class ArgumentError(TypeError):
 
 def resolve_target(target: Union[str, Target] = "cpu", arch: Optional[str] = None) -> Target:
     """'auto' picks CUDA when a CUDA device is present, for that device's arch unless `arch` names one
-    (targets.native_cuda_arch: sm_90 on H100/H200, for wgmma cubins and the tiles tuned there), else the CPU
-    (which takes no arch: a GPU arch given with 'auto' applies only when a GPU is picked).
+    (targets.native_cuda_arch: sm_90 on H100/H200, for wgmma cubins and the tiles tuned there), else the host
+    CPU (an arch given with 'auto' names the GPU's and applies only when a GPU is picked; `target="cpu"` takes
+    an LLVM CPU name).
     An explicit 'cuda' keeps the portable default arch (sm_80 PTX, which runs on any recent NVIDIA GPU)."""
     if isinstance(target, Target):
         return target
@@ -37,7 +38,7 @@ def resolve_target(target: Union[str, Target] = "cpu", arch: Optional[str] = Non
         if target == "cuda" and arch is None:
             arch = native_cuda_arch()
         elif target == "cpu":
-            arch = None  # an arch names the GPU to use when there is one; the CPU fallback takes none
+            arch = None  # an arch names the GPU to use when there is one; the CPU fallback compiles for the host
     return Target.parse(target, arch)
 
 

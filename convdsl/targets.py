@@ -102,6 +102,20 @@ def arch_for_capability(major: int, minor: int) -> Optional[str]:
     return None
 
 
+# The CPU target's arch: "host" (the CPU that compiles, features and all) or a CPU name LLVM knows, as
+# `clang -march` takes it (sapphirerapids, emeraldrapids, znver4, x86-64-v4, neoverse-v2, ...): IREE derives the
+# vector units from the name, so a module can be compiled on one machine for another's CPU.  iree-compile
+# rejects a name LLVM does not know and lists the ones it does.
+_CPU_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
+_GPU_NAME = re.compile(r"(sm|compute)_\d+a?|gfx[0-9a-f]{3,4}")
+
+
+def cpu_arch(arch: str) -> bool:
+    """Whether `arch` can name a CPU for the CPU target: "host" or an LLVM CPU name (lowercase letters, digits,
+    '-', '_', '.'), never a GPU's sm_XY or gfxNNN."""
+    return bool(_CPU_NAME.fullmatch(arch)) and not _GPU_NAME.fullmatch(arch)
+
+
 @dataclass(frozen=True)
 class Target:
     backend: str = "cpu"
@@ -114,9 +128,10 @@ class Target:
                                            and _arch_number(self.arch) >= MIN_CUDA_ARCH):
             raise TargetError(f"--arch: a CUDA target names an sm_XY architecture, sm_{MIN_CUDA_ARCH} or newer "
                               f"(e.g. sm_80, sm_90), got {self.arch!r}")
-        if self.backend == "cpu" and self.arch != DEFAULT_ARCH["cpu"]:
-            raise TargetError(f"--arch: the CPU target compiles for the host CPU and takes no arch (sm_XY and gfxNNN "
-                              f"name GPUs: use --target cuda or rocm with them), got {self.arch!r}")
+        if self.backend == "cpu" and not cpu_arch(self.arch):
+            raise TargetError(f"--arch: the CPU target takes an LLVM CPU name (e.g. sapphirerapids, znver4, x86-64-v4; "
+                              f"default host, the CPU that compiles; sm_XY and gfxNNN name GPUs: use --target cuda or "
+                              f"rocm with them), got {self.arch!r}")
         if self.backend == "rocm" and not re.fullmatch(r"gfx[0-9a-f]{3,4}", self.arch):
             raise TargetError(f"--arch: a ROCm target names a gfxNNN architecture (e.g. gfx942), got {self.arch!r}")
 
@@ -148,7 +163,8 @@ class Target:
             # data tiling (packed matmul operands) and the matmul microkernels: IREE's fast path for the
             # named matmuls of the im2col form (docs/decisions.md#cpu-im2col)
             return ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
-                    "--iree-llvmcpu-target-cpu=host", "--iree-opt-data-tiling", "--iree-llvmcpu-enable-ukernels=all"]
+                    f"--iree-llvmcpu-target-cpu={self.arch}", "--iree-opt-data-tiling",
+                    "--iree-llvmcpu-enable-ukernels=all"]
         # IREE's own split reduction for the reductions convdsl leaves whole (docs/decisions.md#iree-split-reduction)
         gpu = ["--iree-dispatch-creation-enable-split-reduction"]
         if self.device_targets_attr() is not None:

@@ -321,6 +321,51 @@ def test_auto_falling_back_to_the_cpu_drops_a_gpu_arch(monkeypatch):
     monkeypatch.setattr(module, "cuda_available", lambda: False)
     assert str(module.resolve_target("auto", "sm_90")) == "cpu:host"
     assert str(module.resolve_target("cpu", "host")) == "cpu:host"  # the CPU's own name is accepted
+    assert str(module.resolve_target("auto", "sapphirerapids")) == "cpu:host"  # unchanged: auto's CPU is the host
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a", "compute_80", "gfx942", "gfx90a", "SapphireRapids", "", "-x",
+                                  "a b", "znver4;rm"])
+def test_the_cpu_target_refuses_a_gpu_arch_or_what_cannot_name_a_cpu(arch):
+    from convdsl.targets import Target, TargetError
+
+    with pytest.raises(TargetError, match="the CPU target takes an LLVM CPU name"):
+        Target("cpu", arch)
+
+
+def test_the_cpu_target_passes_its_llvm_cpu_name_to_iree_and_keys_the_caches_on_it():
+    from convdsl import compiler, peak
+    from convdsl.module import manifest, resolve_target
+    from convdsl.problem import ConvProblem
+    from convdsl.targets import Target
+
+    host, spr = Target("cpu", "host"), Target("cpu", "sapphirerapids")
+    assert resolve_target("cpu") == host and resolve_target("cpu", "sapphirerapids") == spr
+    for target in (host, spr, Target("cpu", "x86-64-v4"), Target("cpu", "znver4"), Target("cpu", "neoverse-v2")):
+        flags = target.compile_flags()
+        cpu_flags = [f for f in flags if f.startswith("--iree-llvmcpu-target-cpu")]
+        assert cpu_flags == [f"--iree-llvmcpu-target-cpu={target.arch}"], flags
+        assert "--iree-opt-data-tiling" in flags and "--iree-llvmcpu-enable-ukernels=all" in flags
+    # modules and matmul peaks for different CPUs never share a cache entry; the manifest names the CPU
+    p = ConvProblem(op="grad_input", dims=1, groups=1, batch=1, in_channels=2, out_channels=3, input=(9,),
+                    filter=(3,), stride=(1,), dilation=(1,), pad_lo=(0,), pad_hi=(0,), name="k")
+    assert compiler.cache_key([p], host) != compiler.cache_key([p], spr)
+    assert peak.peak_key(host) != peak.peak_key(spr)
+    assert manifest([p], spr)["arch"] == "sapphirerapids"
+
+
+def test_compile_for_a_named_cpu_reaches_iree_compile(tmp_path, capsys):
+    source = tmp_path / "three.conv"
+    source.write_text(THREE)
+    out = tmp_path / "three.vmfb"
+    assert main(["compile", str(source), "--target", "cpu", "--arch", "x86-64-v3", "-o", str(out)]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["arch"] == "x86-64-v3" and out.stat().st_size > 0
+    capsys.readouterr()
+    # a name LLVM does not know is iree-compile's error: the name got there
+    assert main(["compile", str(source), "--target", "cpu", "--arch", "notacpu", "-o", str(tmp_path / "x.vmfb")]) == 2
+    err = capsys.readouterr().err
+    assert "cpu:notacpu" in err and "'notacpu' is not a recognized processor" in err
+    assert not (tmp_path / "x.vmfb").exists()
 
 
 @pytest.mark.parametrize("phase", ["candidates", "collect"])
