@@ -2,6 +2,7 @@
 
     gflops = peak.cached(target)            # None until measured on this machine, IREE and flags
     gflops = peak.measure(target)           # compile, time, store; about a second at 1024^3
+    vmfb = peak.compile_matmul(target)      # compile only (another machine may run it: time_matmul)
 
 The yardstick is a plain f32 `linalg.matmul` (C = A B, MATMUL_SIZE cubed unless `size` says otherwise), built
 with the MLIR Python bindings, compiled by IREE for the same target with the same flags as the CPU kernels
@@ -12,6 +13,9 @@ The GFLOP/s are stored in convdsl's cache (cache.py: checksummed, written atomic
 that changes them: the matmul's IR, the target and its flags, IREE's compiler and runtime versions, the CPU
 model and its feature flags, and the threads this process may run on.  Any of them changing is a miss and a new
 measurement; `convdsl` says on the terminal when it measures.
+
+Timing a compiled matmul (time_matmul) needs only NumPy and iree.runtime: the compiler is imported where the
+matmul is built or compiled, so a machine that runs modules compiled elsewhere can measure its peak.
 """
 from __future__ import annotations
 
@@ -22,15 +26,13 @@ import platform
 from typing import Optional, Sequence
 
 import numpy as np
-from iree.compiler import ir
-from iree.compiler.dialects import func, linalg
 
-from . import cache, compiler
+from . import cache
 from .backends import iree as _iree
-from .passes.ir import element_type, tensor_type, zeros
 from .targets import Target, TargetError
 
-__all__ = ["MATMUL_SIZE", "cached", "key_material", "matmul_mlir", "measure", "peak_key"]
+__all__ = ["MATMUL_SIZE", "cached", "compile_matmul", "key_material", "matmul_mlir", "measure", "peak_key",
+           "time_matmul"]
 
 # Bump when the key's JSON or the stored record changes, so old entries are never misread.
 PEAK_SCHEMA = 1
@@ -44,6 +46,11 @@ REPEAT = 15
 
 def matmul_mlir(size: int) -> str:
     """`func.func @matmul(A: size x size, B: size x size) -> A B`, f32, as IREE's input text."""
+    from iree.compiler import ir
+    from iree.compiler.dialects import func, linalg
+
+    from .passes.ir import element_type, tensor_type, zeros
+
     with ir.Context(), ir.Location.unknown():
         module = ir.Module.create()
         f32 = element_type("f32")
@@ -90,6 +97,8 @@ def threads() -> int:
 
 def key_material(target: Target, extra_flags: Sequence[str] = (), size: Optional[int] = None) -> dict:
     """Everything that changes the measured GFLOP/s."""
+    from . import compiler
+
     size = size or MATMUL_SIZE
     return {
         "schema": PEAK_SCHEMA,
@@ -128,19 +137,34 @@ def cached(target: Target, extra_flags: Sequence[str] = (), size: Optional[int] 
     return gflops if gflops > 0 and np.isfinite(gflops) else None
 
 
+def compile_matmul(target: Target, extra_flags: Sequence[str] = (), size: Optional[int] = None) -> bytes:
+    """The matmul's .vmfb for `target` (an LLVM CPU name compiles it for another machine's CPU)."""
+    _check_cpu(target)
+    # through the module: a patched compile_mlir is seen
+    vmfb = _iree.compile_mlir(matmul_mlir(size or MATMUL_SIZE), target, extra_flags)
+    cache.stats.compiles += 1
+    return vmfb
+
+
+def time_matmul(vmfb: bytes, target: Target, size: Optional[int] = None, repeat: Optional[int] = None,
+                seed: int = 0) -> tuple[float, float]:
+    """(GFLOP/s, median seconds per call) of a compiled matmul (compile_matmul, same `size`) on this machine."""
+    _check_cpu(target)
+    size = size or MATMUL_SIZE
+    rng = np.random.default_rng(seed)
+    a, b = (rng.standard_normal((size, size), dtype=np.float32) for _ in range(2))
+    seconds = _iree.LoadedModule(vmfb, target).time(FUNCTION, [a, b], repeat=repeat or REPEAT, warmup=WARMUP)
+    return 2.0 * size ** 3 / seconds / 1e9, seconds
+
+
 def measure(target: Target, extra_flags: Sequence[str] = (), size: Optional[int] = None,
             repeat: Optional[int] = None, seed: int = 0) -> float:
     """Compile and time the matmul, store its GFLOP/s in the cache and return them."""
-    _check_cpu(target)
     size = size or MATMUL_SIZE
     repeat = repeat or REPEAT
     material = key_material(target, extra_flags, size)
-    vmfb = _iree.compile_mlir(matmul_mlir(size), target, extra_flags)  # through the module: a patch is seen
-    cache.stats.compiles += 1
-    rng = np.random.default_rng(seed)
-    a, b = (rng.standard_normal((size, size), dtype=np.float32) for _ in range(2))
-    seconds = _iree.LoadedModule(vmfb, target).time(FUNCTION, [a, b], repeat=repeat, warmup=WARMUP)
-    gflops = 2.0 * size ** 3 / seconds / 1e9
+    vmfb = compile_matmul(target, extra_flags, size)
+    gflops, seconds = time_matmul(vmfb, target, size, repeat, seed)
     record = {"gflops": gflops, "seconds": seconds, "repeat": repeat, "warmup": WARMUP, "key": material}
     cache.store(cache.cache_key(material), json.dumps(record, sort_keys=True).encode(), suffix=SUFFIX)
     return gflops

@@ -1,4 +1,7 @@
-"""IREE backend: compile linalg IR to a .vmfb with `iree.compiler`, run it with `iree.runtime`."""
+"""IREE backend: compile linalg IR to a .vmfb with `iree.compiler`, run it with `iree.runtime`.
+
+Running needs only NumPy and iree.runtime (iree.compiler is imported by the compile functions, ml_dtypes only to
+hand a bf16 result back as an ml_dtypes array), so a machine that runs modules compiled elsewhere needs neither."""
 from __future__ import annotations
 
 import functools
@@ -15,7 +18,6 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..abi import INTO_SUFFIX
-from ..reference import NUMPY_DTYPES
 from ..targets import Target, TargetError
 from .into_call import IntoCall, allocate_result
 
@@ -80,14 +82,14 @@ def compile_mlir(mlir: str, target: Target, extra_flags: Sequence[str] = ()) -> 
         ) from None
 
 
-def _element_type(dtype: np.dtype):
+# convdsl's dtype names -> (iree.runtime's element type name, bytes per element)
+ELEMENT_TYPES = {"f32": ("FLOAT_32", 4), "f16": ("FLOAT_16", 2), "bf16": ("BFLOAT_16", 2)}
+
+
+def _element_type(dtype: str):
     import iree.runtime as rt
 
-    return {
-        "float32": rt.HalElementType.FLOAT_32,
-        "float16": rt.HalElementType.FLOAT_16,
-        "bfloat16": rt.HalElementType.BFLOAT_16,
-    }[np.dtype(dtype).name]
+    return getattr(rt.HalElementType, ELEMENT_TYPES[dtype][0])
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,11 +131,12 @@ class LoadedModule:
     def device(self):
         return self.config.device
 
-    def upload(self, array: np.ndarray):
-        """Host array -> device array; bf16 goes up as raw 16-bit words with the bf16 element type."""
+    def upload(self, array: np.ndarray, bf16_words: bool = False):
+        """Host array -> device array; bf16 goes up as raw 16-bit words with the bf16 element type: an
+        ml_dtypes.bfloat16 array, or (`bf16_words`) the words themselves as 16-bit integers (no ml_dtypes)."""
         rt = self._rt
         array = np.ascontiguousarray(array)
-        if array.dtype.name != "bfloat16":
+        if array.dtype.name != "bfloat16" and not bf16_words:
             return rt.asdevicearray(self.device, array, implicit_host_transfer=True)
         buffer_view = self.device.allocator.allocate_buffer_copy(
             memory_type=rt.MemoryType.DEVICE_LOCAL,
@@ -157,19 +160,21 @@ class LoadedModule:
             return result.to_host()
         import ml_dtypes
 
-        # NumPy has no bf16: view the same buffer as 16-bit words and copy those to the host (mapping
-        # the buffer instead works on the CPU but not for CUDA's device-local memory)
+        return self.download_bf16_words(result).view(ml_dtypes.bfloat16)
+
+    def download_bf16_words(self, result) -> np.ndarray:
+        """A bf16 device array's raw 16-bit words, as uint16.  NumPy has no bf16: view the same buffer as
+        16-bit words and copy those to the host (mapping the buffer instead works on the CPU but not for CUDA's
+        device-local memory)."""
         rt = self._rt
         view = result._buffer_view
         raw = rt.HalBufferView(view.get_buffer(), list(view.shape), rt.HalElementType.UINT_16)
-        words = np.array(rt.DeviceArray(self.device, raw, implicit_host_transfer=True).to_host(), copy=True)
-        return words.view(ml_dtypes.bfloat16)
+        return np.array(rt.DeviceArray(self.device, raw, implicit_host_transfer=True).to_host(), copy=True)
 
     def into_call(self, name: str, device_args: Sequence, out_shape: Sequence[int], out_dtype: str):
         """A reusable destination-passing call of kernel `name` (convdsl/abi.py): `call.call(call.pack(views))`
         writes the result into `call.out`, a buffer allocated once, with a workspace allocated once."""
-        dtype = np.dtype(NUMPY_DTYPES[out_dtype])
-        out = allocate_result(self.device, out_shape, _element_type(dtype), dtype.itemsize)
+        out = allocate_result(self.device, out_shape, _element_type(out_dtype), ELEMENT_TYPES[out_dtype][1])
         return IntoCall(self.context, self.vm_module, name, [a._buffer_view for a in device_args], out)
 
     def download_view(self, view, out_dtype: Optional[str] = None) -> np.ndarray:
