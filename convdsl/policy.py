@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from dataclasses import dataclass, replace
 
 from .kernels.launch import (IM2COL_CORNERS, IM2COL_MOST_STRIDE, Launch, TmaMap, arch_number, forward_direct_launch,
-                             forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, grad_weight_tma_launch,
+                             forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, grad_weight_flat_tma_launch,
+                             grad_weight_tma_launch, pad_planes_launch,
                              im2col_box,
                              grad_input_direct_launch, grad_input_launch, grad_weight_depthwise_launch,
                              grad_weight_launch, output_tiles, pad3, packable, packed_sizes, reduction_steps,
-                             split_chunks, tiles_within_images, triton_version, depthwise_channel_blocks)
+                             split_chunks, tiles_within_images, triton_version, depthwise_channel_blocks,
+                             flat_planes)
 from .kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
 from .problem import ConvProblem, weight_axes
 from .targets import Target
@@ -228,16 +230,19 @@ def tma_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> 
     and read back at the memory's peak.  Each program stores a [BLOCK_M, BLOCK_N] f32 tile through shared
     memory, so fewer are resident than for the cp.async kernel, and fewer, longer chunks than grad_weight_parts
     gives won: ResNet-50's 512-channel 3x3 at 7x7 0.065 -> 0.041 ms (docs/decisions.md#tma-forward)."""
-    parts = tiles.split or p.split_k
-    if parts:
-        return parts
+    return tiles.split or p.split_k or _least_time_parts(p, tiles, target, reduction_steps(p, tiles), 2, 1.0)
+
+
+def _least_time_parts(p: ConvProblem, tiles: TileConfig, target: Target, steps: int, element_bytes: int,
+                      rate: float) -> int:
+    # `rate`: the products' share of the matrix peak (TF32 runs at half the 16-bit rate)
     gpu = target.gpu
-    shared = (tiles.stages * (tiles.block_m + tiles.block_n) * tiles.block_k * 2
+    shared = (tiles.stages * (tiles.block_m + tiles.block_n) * tiles.block_k * element_bytes
               + tiles.block_m * tiles.block_n * 4)
     slots = gpu.sm_count * max(1, min(gpu.shared_per_sm // (shared + gpu.shared_reserved_per_block),
                                       gpu.warps_per_sm // tiles.warps))
-    tiles_out, steps = output_tiles(p, tiles), reduction_steps(p, tiles)
-    step_s = 2 * tiles.block_m * tiles.block_n * tiles.block_k / (gpu.matrix_flops / gpu.sm_count)
+    tiles_out = output_tiles(p, tiles)
+    step_s = 2 * tiles.block_m * tiles.block_n * tiles.block_k / (rate * gpu.matrix_flops / gpu.sm_count)
     partial_s = 2 * 4 * math.prod(p.w_shape) / gpu.memory_bandwidth
 
     def estimate(s: int) -> float:
@@ -246,6 +251,57 @@ def tma_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> 
         return -(-tiles_out * chunks // slots) * chunk * step_s + chunks * partial_s
 
     return min(range(1, min(256, steps) + 1), key=estimate)
+
+
+# --- one-pass TF32 grad_weight on flat planes (kernels/tma.grad_weight_flat_tma) ----------------------
+
+# the copies of X and dY it makes, most bytes (a fraction of an 80 GB GPU's memory)
+FLAT_PLANES_MOST_BYTES = 8 << 30
+
+
+def tma_flat_grad_weight_tiles(p: ConvProblem) -> TileConfig:
+    """128 x 128 where K and C allow (the rule's case), else 64; 32 positions a step (a 128-byte row of f32),
+    4 stages, 8 warps: two warp groups measured up to 7% faster than one (docs/decisions.md#tf32-flat)."""
+    return TileConfig(128 if p.out_channels % 128 == 0 else 64, 128 if p.in_channels % 128 == 0 else 64, 32,
+                      warps=8, stages=4)
+
+
+def tma_flat_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
+    """The flat kernel's split-K chunks, as tma_grad_weight_parts estimates them, over its own steps (images x
+    position blocks) at TF32's rate."""
+    steps = p.batch * flat_planes(p, tiles.block_k).blocks
+    return tiles.split or p.split_k or _least_time_parts(p, tiles, target, steps, 4, 0.5)
+
+
+def tma_flat_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]:
+    """Why an f32 grad_weight in one-pass TF32 does not run on the flat-plane TMA kernel (None: it does)."""
+    if p.op != "grad_weight":
+        return "not grad_weight"
+    if target.backend != "cuda" or arch_number(target.arch) != 90:
+        return f"TMA with TF32 wgmma is Hopper's (sm_90); target is {target.arch}"
+    if p.dtype != "f32" or not p.tf32 or p.out_dtype is not None:
+        return "the flat-plane kernel is f32 grad_weight in one-pass TF32"
+    if any(s != 1 for s in p.stride) or min(p.pad_lo) < 0 or min(p.pad_hi) < 0:
+        return "a tap is one shift of the flat positions with stride 1 and no negative padding only"
+    if p.dynamic_batch:
+        return "the flat-plane kernel is planned for a fixed batch"
+    if p.in_channels % 128 or p.out_channels % 128:
+        # with 64-channel tiles its copies cost more than they save: ResNet-50's 64-channel 3x3 grad_weight
+        # 0.24 -> 0.31 ms, U-Net's 3D one 1.71 -> 1.84 ms on an H100 (docs/decisions.md#tf32-flat)
+        return "the flat-plane kernel takes K and C in whole 128-channel tiles"
+    if math.prod(p.filter) == 1:
+        return "one tap: the positions need no shift, the cp.async kernel reads them as they are"
+    tiles = tma_flat_grad_weight_tiles(p)
+    planes = flat_planes(p, tiles.block_k)
+    copies = 4 * sum(math.prod(pad_planes_launch(p, planes, name, "k")[1]) for name in ("x", "dy"))
+    if copies > FLAT_PLANES_MOST_BYTES:
+        return f"its copies of X and dY would take {copies / 2**30:.1f} GiB"
+    if max(planes.x_length, planes.dy_length) + max(t * d for t, d in zip(p.filter, p.dilation)) * \
+            max(planes.plane[0] * planes.plane[1], 1) >= 2**31:
+        return "flat positions past 32 bits"
+    if not gluon_tma_im2col():
+        return "the installed Triton has no Gluon TMA copies (Triton 3.9 has)"
+    return None
 
 
 def tma_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]:
@@ -315,25 +371,41 @@ def grad_input_as_forward(p: ConvProblem) -> Optional[ConvProblem]:
                    pad_hi=hi, weight_layout=FAST_WEIGHT_LAYOUT)
 
 
-def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs
-                      ) -> Optional[tuple[Launch, tuple[TmaMap, ...], bool, tuple[int, ...]]]:
-    """The TMA launch, its maps, whether it reads the weight flipped (grad_input_as_forward) and grad_weight's
-    partials shape (else ()), for the stream runner; None where the kernel keeps its cp.async form
-    (tma_forward_reason, tma_grad_weight_reason).  Tiles in the knobs
+class TmaPlan(NamedTuple):
+    """A TMA kernel for the stream runner: its launch and maps, whether it reads the weight flipped
+    (grad_input_as_forward), grad_weight's partials shape (else ()), and the copies its operands are staged
+    through first (per operand in order: the copy's launch and its shape; empty: the operands as they come)."""
+
+    launch: Launch
+    maps: tuple[TmaMap, ...]
+    flipped: bool
+    partials: tuple[int, ...]
+    staging: tuple[tuple[Launch, tuple[int, ...]], ...] = ()
+
+
+def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[TmaPlan]:
+    """The TMA plan of p for the stream runner; None where the kernel keeps its cp.async form
+    (tma_forward_reason, tma_grad_weight_reason, tma_flat_grad_weight_reason).  Tiles in the knobs
     (the tuning database's, or a sweep's) are the cp.async kernel's: the TMA kernel takes tma_forward_tiles, and
     a sweep of cp.async tiles plans without it (stream.plan_stream_kernel's `tma`)."""
     if knobs.extern is False:
         return None
     base = re.sub(r"\W", "_", p.name)
     if tma_forward_reason(p, target) is None:
-        return (*forward_tma_launch(p, tma_forward_tiles(p), base), False, ())
+        return TmaPlan(*forward_tma_launch(p, tma_forward_tiles(p), base), False, ())
     q = grad_input_as_forward(p)
     if q is not None and _weight_rows(p) and tma_forward_reason(q, target) is None:
-        return (*forward_tma_launch(q, tma_forward_tiles(q), base, flipped=True), True, ())
+        return TmaPlan(*forward_tma_launch(q, tma_forward_tiles(q), base, flipped=True), True, ())
     if tma_grad_weight_reason(p, target) is None:
         tiles = tma_grad_weight_tiles(p)
         launch, maps, partials = grad_weight_tma_launch(p, tiles, base, tma_grad_weight_parts(p, tiles, target))
-        return launch, maps, False, partials
+        return TmaPlan(launch, maps, False, partials)
+    if tma_flat_grad_weight_reason(p, target) is None:
+        tiles = tma_flat_grad_weight_tiles(p)
+        launch, maps, partials, planes = grad_weight_flat_tma_launch(p, tiles, base,
+                                                                     tma_flat_grad_weight_parts(p, tiles, target))
+        return TmaPlan(launch, maps, False, partials,
+                       tuple(pad_planes_launch(p, planes, name, base) for name in ("x", "dy")))
     return None
 
 

@@ -72,6 +72,10 @@ class StreamKernel:
     tma_params: tuple[str, ...] = ()
     # grad_input as forward on the TMA kernel (policy.grad_input_as_forward), its weight read with the taps reversed
     tma_flipped_weight: bool = False
+    # the operands' staging copies, in operand order, and their shapes (f32): the TMA kernel reads these instead
+    # (the flat-plane TF32 grad_weight, policy.tma_flat_grad_weight_reason)
+    staging: tuple[StreamLaunch, ...] = ()
+    staged_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def result_copied(self) -> bool:
@@ -83,6 +87,10 @@ class StreamKernel:
         if self.tma_maps:
             how = "; grad_input as the forward convolution of dY with the flipped weight" \
                 if self.tma_flipped_weight else ""
+            if self.staging:
+                return (f"stream path: Gluon kernel {names} (one-pass TF32 wgmma on TMA copies of X and dY laid "
+                        f"channel-first on flat planes; tiles {self.tiles}, {self.arch}); knobs from the "
+                        f"{self.knobs_source}")
             return (f"stream path: Gluon kernel {names} (TMA im2col copies and wgmma; tiles {self.tiles}, "
                     f"{self.arch}){how}; knobs from the {self.knobs_source}")
         copies = f"; {', '.join(self.copied)} copied to NHWGC" if self.copied else ""
@@ -122,26 +130,28 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
     whether a TMA kernel may be chosen (Triton's interpreter runs none)."""
     tma_plan = policy.tma_stream_launch(p, target, knobs) if tma else None
     if tma_plan is not None:
-        launch, maps, flipped, partials = tma_plan
+        launch, maps, flipped, partials, staging = tma_plan
         kinds: tuple[str, ...] = ()
         if compile:
             binary, maps, kinds = compile_tma_launch(launch, maps, target.arch)
         else:
             binary = Binary(launch.name, b"", "none", 32 * launch.warps, 0, 0)
 
-        def compiled_sum(la: Launch) -> StreamLaunch:
+        def compiled_plain(la: Launch) -> StreamLaunch:
             return StreamLaunch(la, compile_launch(la, target.arch) if compile else
                                 Binary(la.name, b"", "none", 32 * la.warps, 0, 0))
 
         if p.op == "grad_weight":
-            tiles = policy.tma_grad_weight_tiles(p)
-            summed = compiled_sum(sum_partials_launch(p, partials, launch.name))
+            tiles = policy.tma_flat_grad_weight_tiles(p) if staging else policy.tma_grad_weight_tiles(p)
+            summed = compiled_plain(sum_partials_launch(p, partials, launch.name))
         else:
             tiles = policy.tma_forward_tiles(policy.grad_input_as_forward(p) if flipped else p)
             summed = None
         label = replace(tiles, split=partials[0]).label() if partials else tiles.label()
         return StreamKernel(p, target.arch, p, (), (StreamLaunch(launch, binary),), partials, label, source,
-                            summed, tma_maps=maps, tma_params=kinds, tma_flipped_weight=flipped)
+                            summed, tma_maps=maps, tma_params=kinds, tma_flipped_weight=flipped,
+                            staging=tuple(compiled_plain(la) for la, _ in staging),
+                            staged_shapes=tuple(shape for _, shape in staging))
     ext = policy.extern_launches(p, target, knobs)
     if ext is None:
         raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {unsupported_reason(p, target)}")
@@ -234,6 +244,7 @@ def _to_record(k: StreamKernel) -> dict:
         "copy_out": _launch_record(k.copy_out) if k.copy_out else None,
         "tma_maps": [asdict(m) for m in k.tma_maps], "tma_params": list(k.tma_params),
         "tma_flipped_weight": k.tma_flipped_weight,
+        "staging": [_launch_record(sl) for sl in k.staging], "staged_shapes": [list(v) for v in k.staged_shapes],
     }
 
 
@@ -267,7 +278,9 @@ def _from_record(r: dict) -> StreamKernel:
                         _launch_from_record(r["copy_out"]) if r.get("copy_out") else None,
                         tuple(TmaMap(**{key: tuple(v) if isinstance(v, list) else v for key, v in m.items()})
                               for m in r.get("tma_maps", [])),
-                        tuple(r.get("tma_params", [])), bool(r.get("tma_flipped_weight", False)))
+                        tuple(r.get("tma_params", [])), bool(r.get("tma_flipped_weight", False)),
+                        tuple(_launch_from_record(la) for la in r.get("staging", [])),
+                        tuple(tuple(v) for v in r.get("staged_shapes", [])))
 
 
 def save_bundle(kernels: Iterable[StreamKernel], path: Union[str, Path]) -> Path:

@@ -308,3 +308,195 @@ def test_tma_grad_weight_split_takes_fewer_chunks_where_partials_are_large():
     tiles = policy.tma_grad_weight_tiles(RESNET_WGRAD)
     assert policy.tma_grad_weight_parts(RESNET_WGRAD, tiles, HOPPER) < policy.grad_weight_parts(RESNET_WGRAD, tiles,
                                                                                                 HOPPER)
+
+
+# --- the flat-plane TF32 grad_weight (kernels/tma.grad_weight_flat_tma) --------------------------------------
+
+F32_WGRAD = BASE.with_(op="grad_weight", dtype="f32", compute="tf32", in_channels=64, out_channels=64)
+F32_WIDE = F32_WGRAD.with_(in_channels=128, out_channels=128)
+
+
+def _pad_planes(x: np.ndarray, consts: dict, copies: int) -> np.ndarray:
+    """pad_planes' copy (kernels/elementwise.py) as its constants describe it, in float64, without the rounding:
+    copy z shifted by SIGN * z positions, the copies stacked along the rows."""
+    rows, length = consts["ROWS"], consts["L"]
+    r, f = np.arange(rows), np.arange(length)
+    n, g, c = r // (consts["G"] * consts["CH"]), (r // consts["CH"]) % consts["G"], r % consts["CH"]
+    p1, p2 = consts["P1"], consts["P2"]
+    out = []
+    for z in range(copies):
+        fp = f + consts["SIGN"] * z
+        i0, i1, i2 = fp // (p1 * p2), (fp // p2) % p1 - consts["LO1"], fp % p2 - consts["LO2"]
+        inside = (fp >= 0) & (i0 < consts["I0"]) & (i1 >= 0) & (i1 < consts["I1"]) & (i2 >= 0) & \
+            (i2 < consts["I2"])
+        src = (n * consts["SN"] + g * consts["SG"] + c * consts["SC"])[:, None] + \
+            (i0 * consts["S0"] + i1 * consts["S1"] + i2 * consts["S2"])[None, :]
+        flat = x.reshape(-1).astype(np.float64)
+        out.append(np.where(inside[None, :], flat[np.clip(src, 0, flat.size - 1)], 0.0))
+    return np.concatenate(out)
+
+
+def _box(a: np.ndarray, row: int, col: int, rows: int, cols: int) -> np.ndarray:
+    """A TMA tiled box: zeros outside the tensor (negative coordinates too)."""
+    out = np.zeros((rows, cols))
+    r0, c0 = max(row, 0), max(col, 0)
+    r1, c1 = min(row + rows, a.shape[0]), min(col + cols, a.shape[1])
+    if r1 > r0 and c1 > c0:
+        out[r0 - row:r1 - row, c0 - col:c1 - col] = a[r0:r1, c0:c1]
+    return out
+
+
+def _emulated_flat_grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray, parts: int = 3) -> np.ndarray:
+    """grad_weight_flat_tma's copies, boxes and partial stores in float64 with the coordinates the kernel
+    computes, then the chunks' sum."""
+    from convdsl.kernels.launch import grad_weight_flat_tma_launch, pad_planes_launch
+
+    tiles = policy.tma_flat_grad_weight_tiles(p)
+    launch, maps, partials_shape, planes = grad_weight_flat_tma_launch(p, tiles, "k", parts)
+    copies = [pad_planes_launch(p, planes, name, "k") for name in ("x", "dy")]
+    xf, yf = (_pad_planes(a, dict(la.constants), dict(la.constants)["COPIES"])
+              for a, (la, _) in zip((x, dy), copies))
+    assert [xf.shape, yf.shape] == [shape for _, shape in copies] == [m.shape for m in maps[:2]]
+    consts = dict(launch.constants)
+    f, d, xs, lox = consts["F"], consts["D"], consts["XS"], consts["LOX"]
+    c, k, g_count, qb, steps, chunk = (consts[n] for n in ("C", "K", "G", "QB", "STEPS", "CHUNK"))
+    images = consts["N"]
+    bm, bn, br = tiles.block_m, tiles.block_n, tiles.block_k
+    part = np.full(maps[2].shape, np.nan)
+    for s in range(launch.grid[2]):
+        for g in range(launch.grid[1]):
+            for pid in range(launch.grid[0]):
+                off_k = (pid // (math.prod(f) * (c // bn))) * bm
+                t, c_col = divmod(pid % (math.prod(f) * (c // bn)), c // bn)
+                c_col *= bn
+                t2, t1, t0 = t % f[2], (t // f[2]) % f[1], t // (f[2] * f[1])
+                shift = (t0 * d[0] - lox[0]) * xs[0] + (t1 * d[1] - lox[1]) * xs[1] + (t2 * d[2] - lox[2]) * xs[2]
+                acc = np.zeros((bm, bn))
+                residue = shift % 4
+                for r in range(s * chunk, min(steps, (s + 1) * chunk)):
+                    n, q0 = r // qb, (r % qb) * br
+                    x_row, y_row = (n * g_count + g) * c + c_col, (n * g_count + g) * k + off_k
+                    if consts["SHIFT_X"]:
+                        x_row += residue * images * g_count * c
+                    else:
+                        y_row += residue * images * g_count * k
+                    assert q0 % 4 == 0 and (q0 + shift - residue) % 4 == 0  # TMA: 16-byte starts
+                    a = _box(yf, y_row, q0, bm, br)
+                    b = _box(xf, x_row, q0 + shift - residue, bn, br)
+                    acc += a @ b.T
+                part[(s * g_count + g) * k + off_k:(s * g_count + g) * k + off_k + bm,
+                     t * c + c_col:t * c + c_col + bn] = acc
+    total = part.reshape(partials_shape).sum(0).reshape(p.groups, k, *p.filter, c)  # GKYXC, as sum_partials
+    return np.moveaxis(total, -1, 2) if p.weight_layout == "GKCYX" else total
+
+
+FLAT_CASES = [
+    F32_WGRAD.with_(out_channels=128),  # X the smaller operand: copied once per residue
+    F32_WGRAD.with_(in_channels=128, input=(6, 7)),  # dY the smaller: its copies start r positions later
+    F32_WGRAD.with_(batch=3, dilation=(1, 2), pad_lo=(1, 3), pad_hi=(0, 1)),  # dilated, asymmetric padding
+    F32_WGRAD.with_(layout="NGCHW", weight_layout="GKCYX", input=(5, 9)),  # channel-first read through strides
+    F32_WGRAD.with_(groups=2, dims=3, input=(3, 4, 5), filter=(2, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
+                    pad_lo=(0, 1, 1), pad_hi=(1, 1, 1)),  # 3D: the smallest dimension goes outermost
+    F32_WGRAD.with_(dims=3, input=(6, 5, 2), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
+                    pad_lo=(1, 1, 1), pad_hi=(1, 1, 1), layout="GNHWC"),
+    F32_WGRAD.with_(dims=1, input=(21,), filter=(5,), stride=(1,), dilation=(2,), pad_lo=(4,), pad_hi=(3,)),
+    F32_WIDE.with_(groups=2, batch=2, input=(9, 10)),  # the rule's 128 x 128 tiles, two groups
+]
+
+
+def test_flat_cases_shift_either_operand():
+    from convdsl.kernels.launch import flat_planes
+
+    assert {flat_planes(p, 32).shifted for p in FLAT_CASES} == {"x", "dy"}
+
+
+@pytest.mark.parametrize("p", FLAT_CASES)
+def test_emulated_flat_grad_weight_matches_the_reference(p):
+    x, dy = random_inputs(p, seed=6)
+    got = _emulated_flat_grad_weight(p, x, dy)
+    assert not np.isnan(got).any(), "some partials were never stored"
+    # the reference with exact products: the emulation leaves out the copies' TF32 rounding
+    assert relative_error(got, reference(p.with_(compute=None), x, dy)) < 1e-12
+    if gluon_tma_im2col():
+        wide = p.in_channels % 128 == 0 and p.out_channels % 128 == 0  # 64-channel tiles keep the cp.async kernel
+        assert (policy.tma_flat_grad_weight_reason(p, HOPPER) is None) == wide
+        plan = policy.tma_stream_launch(p.with_(in_channels=128, out_channels=128), HOPPER, Knobs())
+        assert plan.launch.kernel == "grad_weight_flat_tma" and [la.kernel for la, _ in plan.staging] == \
+            ["pad_planes", "pad_planes"]
+
+
+def test_flat_planes_put_the_smallest_dimension_outermost():
+    # CK 11's 3D grad_weight (28 x 28 x 3): the 3-wide dimension outermost leaves a 30 x 30 plane, 89% of its
+    # positions real, where the problem's own order (a 30 x 5 plane) leaves 56%
+    from convdsl.kernels.launch import flat_planes
+
+    p = F32_WGRAD.with_(dims=3, input=(28, 28, 3), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
+                        pad_lo=(1, 1, 1), pad_hi=(1, 1, 1), groups=8, batch=64, in_channels=128, out_channels=128)
+    planes = flat_planes(p, 32)
+    assert planes.order[0] == 2 and planes.plane == (30, 32)
+    assert 28 * 28 * 3 / (planes.blocks * 32) > 0.8
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(stride=(2, 2), pad_lo=(1, 1)), "stride 1"),
+    (dict(compute=None), "one-pass TF32"),
+    (dict(dtype="bf16", compute=None), "one-pass TF32"),
+    (dict(in_channels=96), "128-channel tiles"),
+    (dict(in_channels=64, out_channels=128), "128-channel tiles"),
+    (dict(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0)), "one tap"),
+    (dict(batch=4096, input=(224, 224)), "GiB"),
+])
+def test_flat_grad_weight_reasons(change, why):
+    p = F32_WIDE.with_(**change)
+    reason = policy.tma_flat_grad_weight_reason(p, HOPPER)
+    assert reason is not None and why in reason
+    assert "sm_90" in policy.tma_flat_grad_weight_reason(F32_WIDE, AMPERE)
+
+
+def test_pad_planes_kernel_matches_its_algebra():
+    # the Triton kernel in Triton's interpreter (a subprocess: TRITON_INTERPRET is read at import) against
+    # _pad_planes, with the TF32 rounding applied to the emulation's values
+    import subprocess
+    import sys
+
+    script = r'''
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import numpy as np, torch
+from convdsl.kernels import elementwise
+from convdsl.kernels.launch import flat_planes, pad_planes_launch
+from convdsl.problem import problem_from_spec
+from convdsl.reference import random_inputs
+out = []
+for spec in json.loads(sys.stdin.read()):
+    p = problem_from_spec(spec)
+    x, dy = random_inputs(p, seed=7)
+    planes = flat_planes(p, 32)
+    for name, a in (("x", x), ("dy", dy)):
+        la, shape = pad_planes_launch(p, planes, name, "k")
+        y = torch.full(shape, float("nan"))
+        getattr(elementwise, la.kernel)[la.grid](torch.from_numpy(np.ascontiguousarray(a)), y, **dict(la.constants))
+        out.append(y.numpy().tolist())
+print(json.dumps(out))
+'''
+    from convdsl.kernels.launch import flat_planes, pad_planes_launch
+    from convdsl.problem import problem_to_spec
+
+    cases = [F32_WGRAD.with_(batch=2, dilation=(1, 2), pad_lo=(1, 3), pad_hi=(0, 1), in_channels=64),
+             F32_WGRAD.with_(layout="NGCHW", weight_layout="GKCYX", groups=2, dims=3, input=(3, 4, 5),
+                             filter=(2, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(0, 1, 1),
+                             pad_hi=(1, 1, 1), batch=1, in_channels=128)]
+    assert [flat_planes(p, 32).shifted for p in cases] == ["x", "dy"]  # both signs of the copies' shift
+    done = subprocess.run([sys.executable, "-c", script], input=json.dumps([problem_to_spec(p) for p in cases]),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = iter(json.loads(done.stdout.strip().splitlines()[-1]))
+    for p in cases:
+        x, dy = random_inputs(p, seed=7)
+        planes = flat_planes(p, 32)
+        for name, a in (("x", x), ("dy", dy)):
+            la = pad_planes_launch(p, planes, name, "k")[0]
+            want = _pad_planes(a, dict(la.constants), dict(la.constants)["COPIES"])
+            bits = want.astype(np.float32).view(np.uint32)
+            want = ((bits + 0x1000) & 0xFFFFE000).view(np.float32)  # TF32, ties away from zero
+            assert np.array_equal(np.asarray(next(got), dtype=np.float32), want)

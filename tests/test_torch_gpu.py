@@ -25,6 +25,8 @@ MODULES = [
     ("ConvTranspose2d", dict(in_channels=64, out_channels=32, kernel_size=4, stride=2, padding=1), (4, 64, 14, 14)),
     ("Conv3d", dict(in_channels=32, out_channels=32, kernel_size=3, padding=1), (2, 32, 8, 12, 12)),
     ("Conv1d", dict(in_channels=64, out_channels=64, kernel_size=3, stride=2), (8, 64, 101)),
+    # 128 channels: f32 grad_weight in TF32 on the flat-plane kernel on Hopper
+    ("Conv2d", dict(in_channels=128, out_channels=128, kernel_size=3, padding=1), (4, 128, 14, 14)),
 ]
 # (dtype, TF32 allowed): tolerance of the relative L2 error against float64
 PRECISIONS = {("f32", False): 1e-4, ("f32", True): 5e-3, ("f16", False): 1e-2, ("bf16", False): 1e-2}
@@ -115,6 +117,23 @@ def test_the_stream_path_is_taken():
     if torch.cuda.get_device_capability() == (9, 0):  # Hopper: all three on the TMA im2col kernels
         for op, runner in runners.items():
             assert "TMA im2col" in runner.kernel.describe(), op
+
+
+def test_f32_grad_weight_in_tf32_takes_the_flat_planes(monkeypatch):
+    # Hopper: one-pass TF32 grad_weight on TMA copies of X and dY laid channel-first (kernels/tma.py); its
+    # results are checked in test_against_cudnn_and_float64 (MODULES[-1], f32 with TF32, both memory formats)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    name, kwargs, shape = MODULES[-1]
+    for fmt in (torch.channels_last, torch.contiguous_format):
+        conv = getattr(ct, name)(**kwargs).cuda().to(memory_format=fmt)
+        y = conv(torch.randn(shape, device="cuda").to(memory_format=fmt).requires_grad_())
+        y.backward(torch.randn_like(y))
+        layout = "NHWGC" if fmt == torch.channels_last else "NGCHW"
+        (runner,) = [r for (p, _), r in runtime._runners.items()
+                     if p.op == "grad_weight" and p.tf32 and p.layout == layout and p.batch == shape[0]
+                     and p.input == shape[2:] and p.stride == (1, 1) and p.out_channels == kwargs["out_channels"]]
+        flat = "flat planes" in runner.kernel.describe()
+        assert flat == (torch.cuda.get_device_capability() == (9, 0)), runner.kernel.describe()
 
 
 def _model() -> nn.Module:

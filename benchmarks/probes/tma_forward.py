@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -98,26 +99,52 @@ def versions(command: str) -> dict:
             "cudnn": torch.backends.cudnn.version(), "command": command}
 
 
-def run(bundle: Path, result: Path) -> None:
-    rows = timed_rows(bundle)
-    record = {"versions": versions("python3 benchmarks/probes/tma_forward.py run TMA.convk OUT.json"),
+def ms_by_case(rows: list[dict]) -> dict:
+    """{case: {kernel label: ms}} of timed_rows' rows."""
+    by_case: dict = {}
+    for r in rows:
+        by_case.setdefault(r["case"], {})[r["kernel"]] = r["ms"]
+    return by_case
+
+
+def geomean_ratio(by_case: dict, base: str, other: str) -> float | None:
+    """The geometric mean over cases of base's time / other's, where a case has both."""
+    pairs = [(t[base], t[other]) for t in by_case.values() if base in t and other in t]
+    return math.exp(sum(math.log(a / b) for a, b in pairs) / len(pairs)) if pairs else None
+
+
+def write_record(result: Path, command: str, rows: list[dict], summary: dict | None = None) -> None:
+    record = {"versions": versions(command), **({"summary": summary} if summary is not None else {}),
               "results": rows}
     result.write_text(json.dumps(record, indent=1) + "\n")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def run(bundle: Path, result: Path) -> None:
+    write_record(result, "python3 benchmarks/probes/tma_forward.py run TMA.convk OUT.json", timed_rows(bundle))
+
+
+def probe_main(doc: str, build, run, argv=None, extra=None) -> int:
+    """A probe's command line: `build BUNDLE` (build(bundle, **extra options)) where Triton is, `run BUNDLE OUT.json`
+    on the GPU.  extra: (flag, argparse keyword arguments) of build's further options."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=("build", "run"))
     ap.add_argument("bundle", type=Path)
     ap.add_argument("result", type=Path, nargs="?")
-    args = ap.parse_args(argv)
-    if args.mode == "build":
-        build(args.bundle)
-    elif args.result is None:
+    for flag, kwargs in extra or ():
+        ap.add_argument(flag, **kwargs)
+    args = vars(ap.parse_args(argv))
+    mode, bundle, result = args.pop("mode"), args.pop("bundle"), args.pop("result")
+    if mode == "build":
+        build(bundle, **args)
+    elif result is None:
         ap.error("run: OUT.json is required")
     else:
-        run(args.bundle, args.result)
+        run(bundle, result)
     return 0
+
+
+def main(argv=None) -> int:
+    return probe_main(__doc__, build, run, argv)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ CUDA-graph replay.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -113,38 +112,25 @@ def build(out: Path, source: Optional[Path], ops: Optional[list[str]]) -> None:
 
 
 def run(bundle: Path, result: Path) -> None:
-    from benchmarks.probes.tma_forward import timed_rows, versions
+    from benchmarks.probes.tma_forward import geomean_ratio, ms_by_case, timed_rows, write_record
 
     rows = timed_rows(bundle)
-    by_case: dict = {}
-    for r in rows:
-        by_case.setdefault(r["case"], {})[r["kernel"]] = r["ms"]
+    by_case = ms_by_case(rows)
     summary = {}
     for v in sorted({v for vs in VARIANTS.values() for v in vs} - {"cp.async"}):
-        pairs = [(t["cp.async"], t[v]) for t in by_case.values() if v in t and "cp.async" in t]
-        if pairs:
-            summary[f"geomean_cp.async_over_{v}"] = math.exp(sum(math.log(a / b) for a, b in pairs) / len(pairs))
+        ratio = geomean_ratio(by_case, "cp.async", v)
+        if ratio is not None:
+            summary[f"geomean_cp.async_over_{v}"] = ratio
     print(json.dumps(summary))
-    record = {"versions": versions("python3 benchmarks/probes/tma_variants.py run P.convk OUT.json"),
-              "summary": summary, "results": rows}
-    result.write_text(json.dumps(record, indent=1) + "\n")
+    write_record(result, "python3 benchmarks/probes/tma_variants.py run P.convk OUT.json", rows, summary)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=("build", "run"))
-    ap.add_argument("bundle", type=Path)
-    ap.add_argument("result", type=Path, nargs="?")
-    ap.add_argument("--from", dest="source", type=Path, help="a stream bundle whose problems join the suite's")
-    ap.add_argument("--ops", nargs="*", help="only these ops (forward, grad_input, grad_weight)")
-    args = ap.parse_args(argv)
-    if args.mode == "build":
-        build(args.bundle, args.source, args.ops)
-    elif args.result is None:
-        ap.error("run: OUT.json is required")
-    else:
-        run(args.bundle, args.result)
-    return 0
+    from benchmarks.probes.tma_forward import probe_main
+
+    return probe_main(__doc__, lambda bundle, source, ops: build(bundle, source, ops), run, argv, extra=(
+        ("--from", dict(dest="source", type=Path, help="a stream bundle whose problems join the suite's")),
+        ("--ops", dict(nargs="*", help="only these ops (forward, grad_input, grad_weight)"))))
 
 
 if __name__ == "__main__":

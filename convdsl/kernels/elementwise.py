@@ -13,13 +13,18 @@ stream path, convdsl/stream.py): inside an IREE module the same steps are linalg
                  scalings are exact.  rint(w) for |w| < 2^22 is (w + 1.5 * 2^23) - 1.5 * 2^23 in f32: the
                  addition rounds to an integer, ties to even (here |w| < 2^(m+1)).  Values beyond the fp8 range
                  are not saturated (as the linalg pass).
+  pad_planes:    y[z, r, f] = tf32(x[n, g, c, i0, j1 - LO1, j2 - LO2]) for rows r = (n, g, c) and flat positions
+                 f + SIGN * z = i0 * P1 * P2 + j1 * P2 + j2 of a P1 x P2 plane, zero outside x: X and dY (LO = 0,
+                 I1 x I2 = O1 x O2) channel-first for the flat TF32 grad_weight, copy z shifted by z positions
+                 (launch.flat_planes); x is read through its strides (any layout), the spatial sizes and strides
+                 in the planes' order.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .igemm import wide_index
+from .igemm import tf32_round, wide_index
 
 
 @triton.jit
@@ -72,3 +77,31 @@ def transpose_planes(x, y, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.con
     inside = (r < ROWS)[:, None] & (c < COLS)[None, :]
     tile = tl.load(x + plane + r[:, None] * COLS + c[None, :], mask=inside)
     tl.store(y + plane + c[None, :] * ROWS + r[:, None], tile, mask=inside)
+
+
+@triton.jit
+def pad_planes(x, y, CH: tl.constexpr, G: tl.constexpr, SN: tl.constexpr, SG: tl.constexpr, SC: tl.constexpr,
+               S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, I0: tl.constexpr, I1: tl.constexpr,
+               I2: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, LO1: tl.constexpr, LO2: tl.constexpr,
+               L: tl.constexpr, ROWS: tl.constexpr, SIGN: tl.constexpr, COPIES: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, WIDE: tl.constexpr):
+    # a [BLOCK_R rows, BLOCK_F positions] tile per program, for every copy z (shifted by SIGN * z positions: the
+    # same source lines again, from the cache); Triton moves each tile through shared memory between the loads
+    # (contiguous along the channels in NHWGC) and the stores (contiguous along the positions)
+    r = wide_index(tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R), WIDE)
+    f = wide_index(tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F), WIDE)
+    n = r // (G * CH)
+    g = (r // CH) % G
+    c = r % CH
+    rows = r < ROWS
+    row_base = n * SN + g * SG + c * SC
+    for z in tl.static_range(COPIES):
+        fp = f + SIGN * z
+        i0 = fp // (P1 * P2)
+        i1 = (fp // P2) % P1 - LO1
+        i2 = fp % P2 - LO2
+        inside = (fp >= 0) & (i0 < I0) & (i1 >= 0) & (i1 < I1) & (i2 >= 0) & (i2 < I2)
+        v = tl.load(x + row_base[:, None] + (i0 * S0 + i1 * S1 + i2 * S2)[None, :],
+                    mask=rows[:, None] & inside[None, :], other=0.0)
+        tl.store(y + (z * ROWS + r)[:, None] * L + f[None, :], tf32_round(v),
+                 mask=rows[:, None] & (f < L)[None, :])

@@ -517,6 +517,135 @@ def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: 
     return launch, maps, (parts, g, k, *pad3(p.filter, 1), c)
 
 
+# --- one-pass TF32 grad_weight on flat planes (kernels/tma.grad_weight_flat_tma) -------------------------
+#
+# TF32 wgmma reads both operands K-major (the reduction contiguous); grad_weight reduces over positions, which
+# NHWGC stores strided by the channels.  So X and dY are first copied channel-first, X with its zero border in
+# the two inner spatial dimensions of `order` (a plane P1 x P2, P2 a multiple of 4), dY laid out on the same plane:
+#     Xf[(n, g, c), f]  f = i0 * P1 * P2 + j1 * P2 + j2,  = X[n, i0, j1 - lo1, j2 - lo2, g, c]  (0 outside X)
+#     Yf[(n, g, k), q]  q = o0 * P1 * P2 + o1 * P2 + o2,  = dY[n, o0, o1, o2, g, k]  (0 where o1 >= O1 or o2 >= O2)
+# With stride 1 the position that tap t reads for output q is q + shift(t), one constant per tap:
+#     shift(t) = (t0 * d0 - lo0) * P1 * P2 + t1 * d1 * P2 + t2 * d2
+# (j1 = o1 + t1 * d1 stays below P1 for every real o1, so a position leaves X only through i0, which maps it
+# below 0 or past I0 * P1 * P2: outside the row, where TMA reads zeros).  So
+#     dW[g, k, t, c] = sum over n, q of Yf[(n, g, k), q] * Xf[(n, g, c), q + shift(t)]
+# a GEMM of two K-major [rows, positions] matrices, tiled by 2D TMA boxes.  A TMA box must start 16 bytes into a
+# row (4 f32 elements), and shift(t) is not always a multiple of 4: its residue r = t2 * d2 mod 4 (P2 and
+# P1 * P2 are multiples of 4).  So one operand is copied once per residue r = 0 .. R - 1, shifted by r:
+#     X shifted:  Xr[f] = Xf[f + r]; tap t reads Yf at q0 and X_r at q0 + shift(t) - r
+#     dY shifted: Yr[u] = Yf[u - r]; tap t reads Y_r at q0 and Xf at q0 + shift(t) - r
+# (both starts multiples of 4), the smaller operand, stacked as [R * rows, length].  The plane's zero columns cost
+# products; `order` puts outermost the spatial dimension that leaves fewest (docs/decisions.md#tf32-flat).
+
+TMA_ALIGN_F32 = 4  # a TMA box's first element along a row: a multiple of 16 bytes
+
+
+@dataclass(frozen=True)
+class FlatPlanes:
+    """How grad_weight_flat_tma lays X and dY out: the spatial dimensions outermost first (`order`, indices of
+    the problem's spatial dimensions padded to 3D), the inner plane (P1, P2) with X's border, the rows' lengths
+    (multiples of 4 elements: TMA needs 16-byte row strides), the position blocks per image, the residues R and
+    which operand ("x" or "dy") is copied once per residue."""
+
+    order: tuple[int, int, int]
+    plane: tuple[int, int]
+    x_length: int
+    dy_length: int
+    blocks: int
+    residues: int
+    shifted: str
+
+
+def _round4(v: int) -> int:
+    return -(-v // TMA_ALIGN_F32) * TMA_ALIGN_F32
+
+
+def flat_planes(p: ConvProblem, block_r: int) -> FlatPlanes:
+    """The layout of the fewest reduction steps (then the fewest bytes copied, then the problem's own order)."""
+    inp, out = pad3(p.input, 1), pad3(p.output, 1)
+    lo, hi = pad3(p.pad_lo, 0), pad3(p.pad_hi, 0)
+    taps, dil = pad3(p.filter, 1), pad3(p.dilation, 1)
+    best, best_cost = None, None
+    for order in ((0, 1, 2), (1, 0, 2), (2, 0, 1), (0, 2, 1), (1, 2, 0), (2, 1, 0)):
+        a, b, c = order
+        p1, p2 = inp[b] + lo[b] + hi[b], _round4(inp[c] + lo[c] + hi[c])
+        residues = 1 + max(t * dil[c] % TMA_ALIGN_F32 for t in range(taps[c]))
+        last = (out[a] - 1) * p1 * p2 + (out[b] - 1) * p2 + out[c]  # one past the last real position
+        x_length = _round4(inp[a] * p1 * p2)
+        rows_x, rows_dy = p.in_channels, p.out_channels
+        # the shifted operand: the one of fewer bytes with its R copies (dY's copies start r positions later)
+        shift_x = residues * rows_x * x_length + rows_dy * _round4(last) <= \
+            rows_x * x_length + residues * rows_dy * _round4(last + residues - 1)
+        reach = last if shift_x else last + residues - 1
+        blocks = -(-reach // block_r)
+        planes = FlatPlanes(order, (p1, p2), x_length, _round4(reach), blocks, residues, "x" if shift_x else "dy")
+        copied = (residues if shift_x else 1) * rows_x * x_length + (1 if shift_x else residues) * rows_dy * \
+            planes.dy_length
+        cost = (blocks, copied)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = planes, cost
+    assert best is not None
+    return best
+
+
+PAD_PLANES_ROWS, PAD_PLANES_POSITIONS = 32, 128
+
+
+def pad_planes_launch(p: ConvProblem, planes: FlatPlanes, operand: str, base: str) -> tuple[Launch, tuple[int, int]]:
+    """The copy of `operand` ("x" or "dy") to its flat plane rows, rounded to TF32, once per residue if it is the
+    shifted operand: the launch and the copy's shape [R * N*G*channels, length]."""
+    x = operand == "x"
+    channels = p.in_channels if x else p.out_channels
+    sizes = pad3(p.input, 1) if x else pad3(p.output, 1)
+    strides = activation_strides(p, p.input if x else p.output, channels)
+    lo = pad3(p.pad_lo, 0) if x else (0, 0, 0)
+    a, b, c = planes.order
+    rows, length = p.batch * p.groups * channels, planes.x_length if x else planes.dy_length
+    copies = planes.residues if planes.shifted == operand else 1
+    consts = dict(CH=channels, G=p.groups, SN=strides[0], SG=strides[1], SC=strides[2],
+                  S0=strides[3 + a], S1=strides[3 + b], S2=strides[3 + c], I0=sizes[a], I1=sizes[b], I2=sizes[c],
+                  P1=planes.plane[0], P2=planes.plane[1], LO1=lo[b], LO2=lo[c], L=length, ROWS=rows,
+                  SIGN=1 if x else -1, COPIES=copies, BLOCK_R=PAD_PLANES_ROWS, BLOCK_F=PAD_PLANES_POSITIONS,
+                  WIDE=needs_wide(p, copies * rows * length))
+    grid = check_grid(f"{base}_{operand}", (-(-rows // PAD_PLANES_ROWS), -(-length // PAD_PLANES_POSITIONS), 1))
+    return Launch("pad_planes", f"{base}_{operand}_planes", ("fp32", "fp32"), tuple(consts.items()), grid, 4,
+                  1), (copies * rows, length)
+
+
+def grad_weight_flat_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int
+                                ) -> tuple[Launch, tuple[TmaMap, ...], tuple[int, ...], FlatPlanes]:
+    """grad_weight (stride 1, f32 in one-pass TF32) on kernels/tma.grad_weight_flat_tma over the flat plane copies
+    of X and dY (operands 0 and 1 of its launch: pad_planes_launch's), f32 partials as [S*G*K, taps*C]; one
+    program per (K tile, tap and C tile, group, chunk).  Returns the launch, its maps, the partials' shape
+    [S, G, K, F0, F1, F2, C] and the planes."""
+    c, k, g = p.in_channels, p.out_channels, p.groups
+    planes = flat_planes(p, tiles.block_k)
+    steps = p.batch * planes.blocks
+    parts = max(1, min(parts, steps, GRID_YZ_MOST))
+    chunk = -(-steps // parts)
+    parts = -(-steps // chunk)
+    a = planes.order[0]
+    p1, p2 = planes.plane
+    flat = [0, 0, 0]  # each spatial dimension's stride in the flat positions
+    flat[planes.order[0]], flat[planes.order[1]], flat[planes.order[2]] = p1 * p2, p2, 1
+    outer_lo = [0, 0, 0]
+    outer_lo[a] = pad3(p.pad_lo, 0)[a]
+    taps = math.prod(p.filter)
+    x_copies, dy_copies = (planes.residues, 1) if planes.shifted == "x" else (1, planes.residues)
+    maps = (
+        TmaMap(0, (x_copies * p.batch * g * c, planes.x_length), (tiles.block_n, tiles.block_k)),
+        TmaMap(1, (dy_copies * p.batch * g * k, planes.dy_length), (tiles.block_m, tiles.block_k)),
+        TmaMap(2, (parts * g * k, taps * c), (tiles.block_m, tiles.block_n)),
+    )
+    consts = dict(F=pad3(p.filter, 1), D=pad3(p.dilation, 1), XS=tuple(flat), LOX=tuple(outer_lo), C=c, K=k, G=g,
+                  N=p.batch, QB=planes.blocks, STEPS=steps, CHUNK=chunk, SHIFT_X=planes.shifted == "x",
+                  STAGES=tiles.stages)
+    grid = check_grid(base, ((k // tiles.block_m) * taps * (c // tiles.block_n), g, parts))
+    launch = Launch("grad_weight_flat_tma", f"{base}_grad_weight_flat_tma", ("fp32", "fp32", "fp32"),
+                    tuple(consts.items()), grid, tiles.warps, tiles.stages)
+    return launch, maps, (parts, g, k, *pad3(p.filter, 1), c), planes
+
+
 @functools.lru_cache(maxsize=None)
 def gluon_tma_im2col() -> bool:
     """Whether the installed Triton compiles Gluon kernels with TMA im2col copies (Triton 3.9 does; PyTorch's
@@ -629,7 +758,7 @@ def compile_launch(launch: Launch, arch: str) -> Binary:
 
 # --- the steps around the GEMM cores, for runtimes that launch the kernels themselves (kernels/elementwise.py)
 
-ELEMENTWISE_KERNELS = ("sum_partials", "round_fp8", "transpose_planes")
+ELEMENTWISE_KERNELS = ("sum_partials", "round_fp8", "transpose_planes", "pad_planes")
 ELEMENTWISE_BLOCK = 1024
 # sum_partials: programs to aim for (two per SM of the largest GPUs)
 SUM_PROGRAMS = 264

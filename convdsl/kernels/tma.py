@@ -17,6 +17,10 @@ a [G * K, taps * C] matrix, Y written as [N * O, G * K].  C is a multiple of BLO
 a multiple of BLOCK_N, so that no copy reaches into the next group or tap (policy.tma_forward_reason).
 FLIPPED: stride-1 grad_input as this forward over dY (policy.grad_input_as_forward), reading grad_input's own
 weight [G * C, taps * K] (its K is this kernel's C) with the taps in reverse order, in [BLOCK_K, BLOCK_N] tiles.
+
+grad_weight_flat_tma: one-pass TF32 grad_weight over channel-first copies of X and dY on one flat position
+index, where every tap is a constant shift (kernels/launch.py, flat_planes, has the algebra): both operands are
+plain K-major boxes, as TF32 wgmma reads them.
 """
 from __future__ import annotations
 
@@ -149,6 +153,27 @@ def forward_tma(x_desc, w_desc, y_desc,
 
 
 @gluon.jit
+def _weight_tile(F: gl.constexpr, COL_TILES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    # a grad_weight program's output tile: program_id(0) = (K tile, tap t, C tile), C tiles innermost
+    pid = gl.program_id(0)
+    off_k = (pid // (F[0] * F[1] * F[2] * COL_TILES)) * BLOCK_M
+    col = pid % (F[0] * F[1] * F[2] * COL_TILES)
+    return off_k, col // COL_TILES, (col % COL_TILES) * BLOCK_N
+
+
+@gluon.jit
+def _store_partials(p_desc, acc, bars, row, col, STAGES: gl.constexpr):
+    # the f32 tile into the partials through shared memory and a TMA store, once every product is done
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    p_smem = gl.allocate_shared_memory(gl.float32, p_desc.block_type.shape, p_desc.layout)
+    p_smem.store(acc)
+    fence_async_shared()
+    tma.async_store(p_desc, [row, col], p_smem)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def _issue_grad_weight(x_desc, dy_desc, a_buf, b_buf, bar, r0, g, t, c_col, off_k,
                        O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
                        C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr):
@@ -192,13 +217,9 @@ def grad_weight_tma(x_desc, dy_desc, p_desc,
     dtype: gl.constexpr = x_desc.dtype
     COL_TILES: gl.constexpr = C // BLOCK_N
 
-    pid = gl.program_id(0)
     g = gl.program_id(1)
     s = gl.program_id(2)
-    off_k = (pid // (F[0] * F[1] * F[2] * COL_TILES)) * BLOCK_M
-    col = pid % (F[0] * F[1] * F[2] * COL_TILES)
-    t = col // COL_TILES
-    c_col = (col % COL_TILES) * BLOCK_N
+    off_k, t, c_col = _weight_tile(F, COL_TILES, BLOCK_M, BLOCK_N)
     start = s * CHUNK
     steps = (L - start + BLOCK_R - 1) // BLOCK_R  # the last chunk is shorter
     if steps > CHUNK // BLOCK_R:
@@ -230,11 +251,85 @@ def grad_weight_tma(x_desc, dy_desc, p_desc,
             _issue_grad_weight(x_desc, dy_desc, a_bufs.index(ns), b_bufs.index(ns), bars.index(ns),
                                start + nxt * BLOCK_R, g, t, c_col, off_k, O, F, S, D, LO, C, K, DIMS)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
+    _store_partials(p_desc, acc, bars, (s * G + g) * K + off_k, t * C + c_col, STAGES)
 
-    p_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N], p_desc.layout)
-    p_smem.store(acc)
-    fence_async_shared()
-    tma.async_store(p_desc, [(s * G + g) * K + off_k, t * C + c_col], p_smem)
-    tma.store_wait(pendings=0)
+
+@gluon.jit
+def _issue_flat(x_desc, dy_desc, a_buf, b_buf, bar, r, g, shift, c_col, off_k,
+                C: gl.constexpr, K: gl.constexpr, G: gl.constexpr, N: gl.constexpr, QB: gl.constexpr,
+                SHIFT_X: gl.constexpr, BLOCK_R: gl.constexpr):
+    # reduction step r = (image n, position block): dY's [BLOCK_M, BLOCK_R] box of rows (n, g, k..) and X's
+    # [BLOCK_N, BLOCK_R] box of rows (n, g, c..), positions shifted by the tap (TMA reads zeros outside a row);
+    # the shifted operand's copy for the shift's residue (launch.flat_planes), so that both boxes start 16 bytes in
+    n = r // QB
+    q0 = (r % QB) * BLOCK_R
+    residue = ((shift % 4) + 4) % 4
+    if SHIFT_X:
+        x_row = (residue * N * G + n * G + g) * C + c_col
+        y_row = (n * G + g) * K + off_k
+    else:
+        x_row = (n * G + g) * C + c_col
+        y_row = (residue * N * G + n * G + g) * K + off_k
+    mbarrier.expect(bar, x_desc.block_type.nbytes + dy_desc.block_type.nbytes)
+    tma.async_load(dy_desc, [y_row, q0], bar, a_buf)
+    tma.async_load(x_desc, [x_row, q0 + shift - residue], bar, b_buf)
+
+
+@gluon.jit
+def grad_weight_flat_tma(x_desc, dy_desc, p_desc,
+                         # filter, dilation, each spatial dimension's stride in the flat positions, the outer
+                         # dimension's low padding (3 each, in the problem's order of dimensions)
+                         F: gl.constexpr, D: gl.constexpr, XS: gl.constexpr, LOX: gl.constexpr,
+                         C: gl.constexpr, K: gl.constexpr, G: gl.constexpr, N: gl.constexpr, QB: gl.constexpr,
+                         STEPS: gl.constexpr, CHUNK: gl.constexpr, SHIFT_X: gl.constexpr, STAGES: gl.constexpr,
+                         num_warps: gl.constexpr):
+    # partial[s, g, k, t, c] = sum over steps r of chunk s of Yf[(n, g, k), q] * Xf[(n, g, c), q + shift(t)]:
+    # one program per (K tile, tap and C tile, group, chunk), as grad_weight_tma.  K and C are multiples of
+    # BLOCK_M and BLOCK_N (policy.tma_flat_grad_weight_reason): no box crosses into another image or group
+    BLOCK_M: gl.constexpr = p_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = p_desc.block_type.shape[1]
+    BLOCK_R: gl.constexpr = x_desc.block_type.shape[1]
+    COL_TILES: gl.constexpr = C // BLOCK_N
+
+    g = gl.program_id(1)
+    s = gl.program_id(2)
+    off_k, t, c_col = _weight_tile(F, COL_TILES, BLOCK_M, BLOCK_N)
+    t2 = t % F[2]
+    t1 = (t // F[2]) % F[1]
+    t0 = t // (F[2] * F[1])
+    shift = (t0 * D[0] - LOX[0]) * XS[0] + (t1 * D[1] - LOX[1]) * XS[1] + (t2 * D[2] - LOX[2]) * XS[2]
+    start = s * CHUNK
+    steps = STEPS - start  # the last chunk is shorter
+    if steps > CHUNK:
+        steps = CHUNK
+
+    a_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M, BLOCK_R], dy_desc.layout)
+    b_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, BLOCK_R], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=_warps_per_cta(BLOCK_M, num_warps),
+        instr_shape=[16, _instr_n(BLOCK_M, BLOCK_N, num_warps), 8])
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+
+    for i in gl.static_range(STAGES - 1):
+        if i < steps:
+            _issue_flat(x_desc, dy_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i), start + i, g, shift,
+                        c_col, off_k, C, K, G, N, QB, SHIFT_X, BLOCK_R)
+    for step in range(steps):
+        st = step % STAGES
+        mbarrier.wait(bars.index(st), (step // STAGES) & 1)
+        # the copies hold TF32 values already (launch.pad_planes_launch rounds them), so wgmma's truncation of
+        # the low mantissa bits changes nothing
+        acc = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)), acc, precision="tf32",
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        nxt = step + STAGES - 1
+        if nxt < steps:
+            ns = nxt % STAGES
+            _issue_flat(x_desc, dy_desc, a_bufs.index(ns), b_bufs.index(ns), bars.index(ns), start + nxt, g,
+                        shift, c_col, off_k, C, K, G, N, QB, SHIFT_X, BLOCK_R)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    _store_partials(p_desc, acc, bars, (s * G + g) * K + off_k, t * C + c_col, STAGES)

@@ -117,6 +117,7 @@ class StreamRunner:
                     (self.core,) = [DriverLaunch(sl, self.index) for sl in kernel.launches]
                 self.sum = DriverLaunch(kernel.sum, self.index) if kernel.sum else None
                 self.rounds = [DriverLaunch(sl, self.index) for sl in kernel.rounds]
+                self.staging = [DriverLaunch(sl, self.index) for sl in kernel.staging]
                 copy_in = [DriverLaunch(sl, self.index) for sl in kernel.copy_in]
                 self.copy_out = DriverLaunch(kernel.copy_out, self.index) if kernel.copy_out else None
             self._stream = lambda: _raw_stream(self.index)
@@ -124,6 +125,7 @@ class StreamRunner:
             if kernel.tma_maps:
                 raise ValueError(f"kernel {kernel.problem.name}: a TMA kernel runs on the GPU only, not through "
                                  "another launcher")
+            self.staging = []
             (self.core,) = [launcher(sl) for sl in kernel.launches]
             self.sum = launcher(kernel.sum) if kernel.sum else None
             self.rounds = [launcher(sl) for sl in kernel.rounds]
@@ -156,10 +158,22 @@ class StreamRunner:
         if self.sum is None:
             self.core(stream, a, b, out)
             return out
+        a, b = self._staged(stream, (a, b))
         partials = torch.empty(self.kernel.partials_shape, dtype=torch.float32, device=self.device)
         self.core(stream, a, b, partials)
         self.sum(stream, partials, out)
         return out
+
+    def _staged(self, stream: int, operands: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The operands the core reads: their staging copies where the kernel has them, else themselves."""
+        if not self.staging:
+            return list(operands)
+        staged = []
+        for launch, shape, a in zip(self.staging, self.kernel.staged_shapes, operands):
+            copy = torch.empty(shape, dtype=torch.float32, device=self.device)
+            launch(stream, a, copy)
+            staged.append(copy)
+        return staged
 
     def __call__(self, *args: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         k = self.kernel
@@ -180,6 +194,7 @@ class StreamRunner:
             rounded = torch.empty(operands[i].shape, dtype=torch.float16, device=self.device)
             launch(stream, operands[i], rounded)
             operands[i] = rounded
+        operands = self._staged(stream, operands)
         if self.sum is not None:  # grad_weight: f32 partials, then their sum in chunk order
             partials = torch.empty(k.partials_shape, dtype=torch.float32, device=self.device)
             self.core(stream, operands[0], operands[1], partials)
