@@ -83,6 +83,30 @@ def cpu_im2col(p: ConvProblem, target: Target) -> bool:
             and not gather_applies(p) and not p.fp8_compute and not p.bf16x3 and not p.dynamic_batch)
 
 
+# im2col grad_weight on the CPU: positions per split-K chunk at least, and chunks at most
+CPU_SPLIT_POSITIONS = 512
+CPU_SPLIT_MOST = 64
+
+
+def cpu_im2col_row_chunks(p: ConvProblem) -> int:
+    """The im2col grad_weight's chunks per image along its first output dimension (1: no split).  Its matmul
+    reduces over all N * O positions into a G x K x (taps * C) result; where that result is small against the
+    reduction (the ResNet stem: 64 x 147 over 50176 positions at batch 4), IREE's matmul streams both operands
+    once per output tile and keeps few cores busy.  Split into chunks of rows (at least CPU_SPLIT_POSITIONS
+    positions each, N x chunks at most CPU_SPLIT_MOST), the chunks are the batch of a batch_matmul and their f32
+    partials are summed after (docs/decisions.md#cpu-split-k)."""
+    positions = p.batch * math.prod(p.output)
+    if p.dynamic_batch or positions < 2 * p.out_channels * p.in_channels * math.prod(p.filter):
+        return 1
+    row = math.prod(p.output[1:])
+    best = 1
+    for rows in range(1, p.output[0] + 1):
+        chunks = p.output[0] // rows
+        if p.output[0] % rows == 0 and rows * row >= CPU_SPLIT_POSITIONS and p.batch * chunks <= CPU_SPLIT_MOST:
+            best = max(best, chunks)
+    return best
+
+
 def cpu_depthwise_named(p: ConvProblem, target: Target) -> bool:
     """CPU depthwise gradients in NHWGC as IREE's named depthwise convolution (form "depthwise-named"), which its
     CPU pipeline vectorises along the channels.  grad_input: one per stride phase; the stencil generic with the

@@ -258,3 +258,38 @@ def test_few_channel_grad_weight(changes):
     p = grouped(**changes)
     assert plan_kernel(p, CPU).form == "depthwise-named"
     check(p)
+
+
+# --- im2col grad_weight split along its first output dimension (policy.cpu_im2col_row_chunks) --------------
+
+def split_wgrad(**changes) -> ConvProblem:
+    # 8 x 6 x 9 = 432 weights over 2 x 64 x 32 = 4096 positions: small against the reduction, so it splits
+    return conv("grad_weight", **{"input": (64, 32), **changes})
+
+
+def test_im2col_grad_weight_splits_where_the_weight_is_small_against_the_reduction():
+    p = split_wgrad()
+    chunks = policy.cpu_im2col_row_chunks(p)
+    assert chunks > 1 and p.output[0] % chunks == 0
+    assert (p.output[0] // chunks) * p.output[1] >= policy.CPU_SPLIT_POSITIONS
+    assert p.batch * chunks <= policy.CPU_SPLIT_MOST
+    assert plan_kernel(p, CPU).row_chunks == chunks
+    # a weight as large as the reduction, a dynamic batch: one GEMM over every position
+    assert policy.cpu_im2col_row_chunks(split_wgrad(input=(9, 9))) == 1
+    assert policy.cpu_im2col_row_chunks(split_wgrad(dynamic_batch=True)) == 1
+    text = function_text(lower_to_mlir([p], CPU), p.name)
+    assert "linalg.batch_matmul" in text and "linalg.matmul" not in text
+
+
+@pytest.mark.parametrize("changes", [
+    {}, dict(stride=(2, 1), input=(128, 32)), dict(dilation=(2, 2), pad_lo=(2, 0), pad_hi=(1, 2)),
+    dict(layout="NGCHW", weight_layout="GKCYX"), dict(layout="GNHWC", groups=2, in_channels=8, out_channels=8),
+    dict(dims=1, input=(1024,), filter=(3,), stride=(1,), dilation=(1,), pad_lo=(1,), pad_hi=(1,)),
+    dict(dims=3, input=(16, 8, 8), filter=(3, 3, 1), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 0),
+         pad_hi=(1, 1, 0)),
+    dict(dtype="bf16"), dict(epilogue=Epilogue("scale", -1.25)), dict(epilogue=Epilogue("bilinear", 0.5, -0.75)),
+])
+def test_im2col_grad_weight_split(changes):
+    p = split_wgrad(**changes)
+    assert plan_kernel(p, CPU).row_chunks > 1, p.describe()
+    check(p)

@@ -706,6 +706,11 @@ def _grad_weight_im2col(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optio
     #   Xcol[g, (n, o), (t, c)] = Xpad[n, o*s + t*d, g, c]                 (window gather; (c, t) for GKCYX)
     #   dYt[g, k, (n, o)] = dY[n, o, g, k]                                (transpose)
     #   dW[g, k, (t, c)] = sum_{(n, o)} dYt[g, k, (n, o)] * Xcol[g, (n, o), (t, c)]   (matmul)
+    # Split (plan.row_chunks = H > 1): o0 = h * R + r with R = O0 / H rows per chunk, the chunks (n, h) a batch
+    # before the groups, each its own GEMM over its rows (r, o1..) into f32 partials P[(n, h), g, k, (t, c)],
+    # summed in chunk order after:
+    #   Xcol[(n, h, g), (r, o1..), (t, c)] = Xpad[n, (h*R + r)*s0 + t0*d0, o1*s1 + t1*d1.., g, c]
+    #   dYt[(n, h, g), k, (r, o1..)] = dY[n, h*R + r, o1.., g, k]
     p = plan.problem
     x_axes, w_axes = activation_axes(p, "ch"), weight_axes(p)
     sp = _spatial_positions(p, x_axes)
@@ -713,21 +718,46 @@ def _grad_weight_im2col(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optio
     x = _x_window(plan, x, sp)
     o = [f"o{i}" for i in range(p.dims)]
     inner = w_axes[2:]  # the weight's column axes in its layout: t0.., c or c, t0..
-    space = gemm.parallel_space(["g", "n", *o, *inner])
-    x_map = {"n": space["n"], "g": space["g"], "ch": space["c"]}
-    for i in range(p.dims):
-        x_map[f"sp{i}"] = space[o[i]] * p.stride[i] + space[f"t{i}"] * p.dilation[i]
     size = {"c": p.in_channels, **{f"t{i}": p.filter[i] for i in range(p.dims)}}
     batch = sizes_of(x)[x_axes.index("n")]
-    col = gemm.gather(x, x_axes, x_map, space, [p.groups, batch, *p.output, *[size[a] for a in inner]])
-    dy_space = gemm.parallel_space(["g", "k", "n", *o])
+    split = plan.row_chunks > 1
+    rows = p.output[0] // plan.row_chunks
+    # the gathers' loops: the chunk (n, h) and the group lead when split, the group leads otherwise
+    lead = ["n", "h", "g"] if split else ["g", "n"]
+    lead_sizes = [batch, plan.row_chunks, p.groups] if split else [p.groups, batch]
+    positions = ["r", *o[1:]] if split else o
+
+    def output_row(space: Space) -> ir.AffineExpr:
+        return space["h"] * rows + space["r"] if split else space["o0"]
+
+    space = gemm.parallel_space([*lead, *positions, *inner])
+    x_map = {"n": space["n"], "g": space["g"], "ch": space["c"]}
+    for i in range(p.dims):
+        out_i = output_row(space) if i == 0 else space[o[i]]
+        x_map[f"sp{i}"] = out_i * p.stride[i] + space[f"t{i}"] * p.dilation[i]
+    position_sizes = [rows, *p.output[1:]] if split else list(p.output)
+    col = gemm.gather(x, x_axes, x_map, space, [*lead_sizes, *position_sizes, *[size[a] for a in inner]])
+    # dYt's rows k right after the batch of its GEMMs: (n, h, g) split, g otherwise (then n leads the columns)
+    dy_lead, dy_sizes = (lead, lead_sizes) if split else (["g"], [p.groups])
+    dy_cols, dy_col_sizes = (positions, position_sizes) if split else (["n", *o], [batch, *p.output])
+    dy_space = gemm.parallel_space([*dy_lead, "k", *dy_cols])
     dy_map = {"n": dy_space["n"], "g": dy_space["g"], "ch": dy_space["k"],
-              **{f"sp{i}": dy_space[o[i]] for i in range(p.dims)}}
-    dyt = gemm.gather(dy, activation_axes(p, "ch"), dy_map, dy_space, [p.groups, p.out_channels, batch, *p.output])
-    a = gemm.as_matrices(gemm.materialised(dyt), 1, grouped)  # [G, K, M]
-    b = gemm.as_matrices(col, 1 + p.dims, grouped)  # [G, M, (t, c)]
-    dw = gemm.from_matrices(gemm.matmul(a, b), list(p.w_shape), 1, grouped)
-    return _epilogue(p, dw, bias)
+              **{f"sp{i}": output_row(dy_space) if i == 0 else dy_space[o[i]] for i in range(p.dims)}}
+    dyt = gemm.materialised(gemm.gather(dy, activation_axes(p, "ch"), dy_map, dy_space,
+                                        [*dy_sizes, p.out_channels, *dy_col_sizes]))
+    if not split:
+        a = gemm.as_matrices(dyt, 1, grouped)  # [G, K, M]
+        b = gemm.as_matrices(col, 1 + p.dims, grouped)  # [G, M, (t, c)]
+        dw = gemm.from_matrices(gemm.matmul(a, b), list(p.w_shape), 1, grouped)
+        return _epilogue(p, dw, bias)
+    # [(n, h, g), K, M] x [(n, h, g), M, (t, c)]: one batch_matmul over chunks and groups
+    a = collapse(dyt, [[0, 1, 2], [3], list(range(4, 4 + p.dims))])
+    b = collapse(col, [[0, 1, 2], list(range(3, 3 + p.dims)), list(range(3 + p.dims, 3 + p.dims + len(inner)))])
+    partials = gemm.matmul(a, b)  # [(n, h, g), K, (t, c)] in f32
+    chunks = batch * plan.row_chunks
+    stacked = expand(partials, [[0, 1], [2], list(range(3, 3 + len(inner)))],
+                     [chunks, p.groups, p.out_channels, *[size[a] for a in inner]])
+    return _sum_partials(p, stacked, bias)
 
 
 # --- the CPU form "depthwise-named": grad_input of a depthwise convolution as IREE's named depthwise op ----

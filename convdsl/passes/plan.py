@@ -64,6 +64,8 @@ class KernelPlan:
     linalg_reason: Optional[str] = None
     # depthwise-named grad_weight: the channels each convolution runs over (G*C and zeros up to it)
     depthwise_channels: int = 0
+    # im2col grad_weight: split-K chunks per image along the first output dimension (policy.cpu_im2col_row_chunks)
+    row_chunks: int = 1
 
 
 def plan_kernel(problem: ConvProblem, target: Target, knobs: Optional[Knobs] = None) -> KernelPlan:
@@ -171,4 +173,5 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
         channels = policy.cpu_depthwise_channels(channels)  # few channels per group: pad to the fast count
     return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split,
                       dy_first=policy.dy_first(problem, target), pad_form=policy.default_pad_form(problem, target),
-                      depthwise_channels=channels if form == "depthwise-named" else 0)
+                      depthwise_channels=channels if form == "depthwise-named" else 0,
+                      row_chunks=policy.cpu_im2col_row_chunks(problem) if form == "im2col" else 1)
