@@ -223,8 +223,8 @@ def _tma_common_reason(p: ConvProblem, target: Target) -> Optional[str]:
     im2col box in range, and Gluon's TMA im2col in the installed Triton."""
     if target.backend != "cuda" or arch_number(target.arch) != 90:
         return f"TMA im2col with wgmma is Hopper's (sm_90); target is {target.arch}"
-    if p.dtype not in ("f16", "bf16") or p.compute is not None:
-        return "the TMA kernels compute in f16/bf16 with exact products"
+    if not (p.dtype in ("f16", "bf16") and p.compute is None) and not (p.dtype == "f32" and p.tf32):
+        return "the TMA kernels compute in f16/bf16 with exact products, or f32 in one-pass TF32"
     if p.layout != "NHWGC" or p.dynamic_batch:
         return "the TMA kernels read NHWGC activations of a fixed batch"
     if math.prod(p.filter) == 1:
@@ -335,6 +335,9 @@ def tma_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]:
     reason = _tma_common_reason(p, target)
     if reason is not None:
         return reason
+    if p.dtype == "f32":
+        # TF32 wgmma reads K-major operands only, and this kernel's are position-major (tma_flat_grad_weight_reason)
+        return "f32 in one-pass TF32: the flat-plane kernel's, or the cp.async kernel's"
     if p.in_channels % 64 or p.out_channels % 64:
         return "the TMA grad_weight's tiles take K and C in whole 64-channel blocks"
     if p.dims == 3:
@@ -364,16 +367,19 @@ def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
         return "the TMA kernel has no epilogue"
     tiles = tma_forward_tiles(p)
     if p.in_channels % tiles.block_k or p.out_channels % 8:
-        return "the TMA kernel reads channels in whole 16-element steps (C a multiple of 16, K of 8)"
+        return (f"the TMA kernel reads channels in whole {tiles.block_k}-element steps (C a multiple of "
+                f"{tiles.block_k}, K of 8)")
     if p.groups > 1 and p.out_channels % tiles.block_n:
         return "with several groups the TMA kernel's column tiles must not cross into the next group"
     return None
 
 
 def tma_forward_tiles(p: ConvProblem) -> TileConfig:
-    """128 rows, columns as wide as K up to 128 (a wider tile than K doubles the products for nothing), 64
-    channels a step where C allows, 4 stages and 4 warps (docs/decisions.md#tma-forward)."""
-    block_k = next((b for b in (64, 32, 16) if p.in_channels % b == 0), 16)
+    """128 rows, columns as wide as K up to 128 (a wider tile than K doubles the products for nothing), 128
+    bytes of channels a step where C allows (64 of 16-bit, 32 of f32), 4 stages and 4 warps
+    (docs/decisions.md#tma-forward, #tf32-flat)."""
+    steps = (32, 16, 8) if p.dtype == "f32" else (64, 32, 16)
+    block_k = next((b for b in steps if p.in_channels % b == 0), steps[-1])
     return TileConfig(128, 64 if p.out_channels <= 64 else 128, block_k, warps=4, stages=4)
 
 
@@ -418,7 +424,8 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
     if tma_forward_reason(p, target) is None:
         return TmaPlan(*forward_tma_launch(p, tma_forward_tiles(p), base), False, ())
     q = grad_input_as_forward(p)
-    if q is not None and _weight_rows(p) and tma_forward_reason(q, target) is None:
+    # f32 keeps its cp.async grad_input: the flipped weight tiles are N-major, which TF32 wgmma cannot read
+    if q is not None and _weight_rows(p) and p.dtype != "f32" and tma_forward_reason(q, target) is None:
         return TmaPlan(*forward_tma_launch(q, tma_forward_tiles(q), base, flipped=True), True, ())
     if tma_grad_weight_reason(p, target) is None:
         tiles = tma_grad_weight_tiles(p)

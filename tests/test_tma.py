@@ -120,6 +120,9 @@ def _problem(dims: int, size: int, stride: int, dilation: int, pad: tuple[int, i
     BASE.with_(dims=1, input=(13,), filter=(5,), stride=(3,), dilation=(1,), pad_lo=(2,), pad_hi=(2,)),  # 1D
     BASE.with_(groups=2, in_channels=16, out_channels=64),  # groups: channel and row offsets per group
     BASE.with_(filter=(1, 3), pad_lo=(0, 1), pad_hi=(0, 1), stride=(2, 2), in_channels=48),  # one row of taps
+    # f32 in one-pass TF32: 32 channels a step (the copies' TF32 rounding is left out, as the products' is)
+    BASE.with_(dtype="f32", compute="tf32", in_channels=64, stride=(2, 1)),
+    BASE.with_(dtype="f32", compute="tf32", in_channels=40, groups=2, out_channels=64),  # 8 channels a step
 ])
 def test_emulated_tma_forward_matches_the_reference(p):
     assert policy.tma_forward_reason(p, HOPPER) in (None, "the installed Triton has no Gluon TMA im2col copies "
@@ -127,7 +130,24 @@ def test_emulated_tma_forward_matches_the_reference(p):
     x, w = random_inputs(p, seed=5)
     got = _emulated_forward(p, x, w)
     assert not np.isnan(got).any(), "some outputs were never stored"
-    assert relative_error(got, reference(p, x, w)) < 1e-12
+    assert relative_error(got, reference(p.with_(compute=None), x, w)) < 1e-12
+
+
+def test_tf32_forward_maps_round_their_operands_and_f32_gradients_keep_their_kernels():
+    # forward's X and W copies are TFLOAT32 maps (rounded by TMA); f32 grad_input keeps cp.async (its flipped
+    # weight tiles are N-major, which TF32 wgmma cannot read) and f32 grad_weight the flat-plane kernel
+    p = BASE.with_(dtype="f32", compute="tf32", in_channels=64, out_channels=128)
+    _, maps = forward_tma_launch(p, policy.tma_forward_tiles(p), "k")
+    assert [m.round_tf32 for m in maps] == [True, True, False]
+    assert policy.tma_forward_tiles(p).block_k == 32
+    assert "exact products, or f32 in one-pass TF32" in policy.tma_forward_reason(p.with_(compute=None), HOPPER)
+    if gluon_tma_im2col():
+        assert policy.tma_stream_launch(p, HOPPER, Knobs()).launch.kernel == "forward_tma"
+        dgrad = p.with_(op="grad_input", in_channels=128, out_channels=128)
+        assert policy.tma_stream_launch(dgrad, HOPPER, Knobs()) is None
+        wgrad = p.with_(op="grad_weight", in_channels=128, out_channels=128)
+        assert policy.tma_stream_launch(wgrad, HOPPER, Knobs()).launch.kernel == "grad_weight_flat_tma"
+        assert "f32" in policy.tma_grad_weight_reason(wgrad, HOPPER)
 
 
 @settings(max_examples=25, deadline=None)
@@ -155,7 +175,8 @@ def test_which_forwards_take_the_tma_kernel():
     takes = lambda p, target=HOPPER: policy.tma_forward_reason(p, target) is None  # noqa: E731
     assert takes(BASE) and takes(BASE.with_(dtype="bf16"))
     assert not takes(BASE, AMPERE), "wgmma and TMA im2col: sm_90 only"
-    assert not takes(BASE.with_(dtype="f32")) and not takes(BASE.with_(dtype="f32", compute="tf32"))
+    assert not takes(BASE.with_(dtype="f32")) and takes(BASE.with_(dtype="f32", compute="tf32")), \
+        "f32: in one-pass TF32 only (three passes need the cp.async kernel's splits)"
     assert not takes(BASE.with_(op="grad_input")) and not takes(BASE.with_(op="grad_weight"))
     assert not takes(BASE.with_(layout="NGCHW")) and not takes(BASE.with_(weight_layout="GKCYX"))
     assert not takes(BASE.with_(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0))), "1x1: the cp.async one-tap loop"

@@ -458,6 +458,8 @@ class TmaMap:
     element_strides: tuple[int, ...] = ()
     box: tuple[int, ...] = ()
     swizzle: int = 0
+    # f32 read as TF32: the copy rounds each value to TF32 on its way to shared memory (CUDA's TFLOAT32 maps)
+    round_tf32: bool = False
 
 
 def im2col_box(p: ConvProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -477,11 +479,12 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
     c, k, g = p.in_channels, p.out_channels, p.groups
     rows = p.batch * math.prod(p.output)
     lower, upper = im2col_box(p)
+    tf32 = p.dtype == "f32"  # one-pass TF32 (policy.tma_forward_reason): both operands rounded by their copies
     maps = (
         TmaMap(0, (p.batch, *p.input, g * c), (tiles.block_m, tiles.block_k), im2col=True, lower=lower, upper=upper,
-               element_strides=(1, *p.stride, 1)),
+               element_strides=(1, *p.stride, 1), round_tf32=tf32),
         TmaMap(1, (g * c, math.prod(p.filter) * k), (tiles.block_k, tiles.block_n)) if flipped else
-        TmaMap(1, (g * k, math.prod(p.filter) * c), (tiles.block_n, tiles.block_k)),
+        TmaMap(1, (g * k, math.prod(p.filter) * c), (tiles.block_n, tiles.block_k), round_tf32=tf32),
         TmaMap(2, (rows, g * k), (tiles.block_m, tiles.block_n)),
     )
     consts = dict(O=pad3(p.output, 1), F=pad3(p.filter, 1), S=pad3(p.stride, 1), D=pad3(p.dilation, 1),

@@ -63,7 +63,7 @@ class TmaDriverLaunch:
     tensor's address changed (a training loop's tensors mostly come back at the same addresses); the driver
     copies the block at every launch, so a CUDA graph keeps the descriptors of its capture."""
 
-    _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+    _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4}
 
     def __init__(self, sl: StreamLaunch, maps: Sequence[TmaMap], kinds: Sequence[str], device: int) -> None:
         b = sl.binary
@@ -86,7 +86,7 @@ class TmaDriverLaunch:
         for i, m in enumerate(self.maps):
             address = tensors[m.operand].data_ptr()
             if address != self._addresses[i]:
-                element = self.elements[i]
+                element = "tf32" if m.round_tf32 else self.elements[i]
                 size = self._ELEMENT_BYTES[element]
                 if m.im2col:
                     self.tensor_maps.encode_im2col(i, element, address, m.shape, size, m.lower, m.upper,
