@@ -119,7 +119,7 @@ def test_the_stream_path_is_taken():
             assert "TMA im2col" in runner.kernel.describe(), op
 
 
-def test_f32_grad_weight_in_tf32_takes_the_flat_planes(monkeypatch):
+def test_f32_in_tf32_takes_the_flat_planes_and_the_tma_forward(monkeypatch):
     # Hopper: one-pass TF32 grad_weight on TMA copies of X and dY laid channel-first (kernels/tma.py); its
     # results are checked in test_against_cudnn_and_float64 (MODULES[-1], f32 with TF32, both memory formats)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
@@ -134,6 +134,12 @@ def test_f32_grad_weight_in_tf32_takes_the_flat_planes(monkeypatch):
                      and p.input == shape[2:] and p.stride == (1, 1) and p.out_channels == kwargs["out_channels"]]
         flat = "flat planes" in runner.kernel.describe()
         assert flat == (torch.cuda.get_device_capability() == (9, 0)), runner.kernel.describe()
+        # its forward in NHWGC on the TMA forward kernel, the copies rounding to TF32
+        (forward,) = [r for (p, _), r in runtime._runners.items()
+                      if p.op == "forward" and p.tf32 and p.layout == layout and p.batch == shape[0]
+                      and p.input == shape[2:] and p.out_channels == kwargs["out_channels"]]
+        tma = "TMA im2col" in forward.kernel.describe()
+        assert tma == (torch.cuda.get_device_capability() == (9, 0) and layout == "NHWGC"), forward.kernel.describe()
 
 
 def _model() -> nn.Module:

@@ -692,7 +692,8 @@ def compile_tma_launch(launch: Launch, maps: tuple[TmaMap, ...], arch: str
                   for decl in re.findall(r"\.param ([^\n,]*)", head))
     compiled = tuple(replace(m, box=tuple(d["block_size"]), swizzle=d["swizzle"])
                      for m, d in zip(maps, meta.tensordesc_meta))
-    binary = Binary(meta.name, kernel.asm["cubin"], "cubin", threads=32 * launch.warps, shared_bytes=int(meta.shared),
+    # meta.num_warps: the launch's warps plus a warp-specialised kernel's worker warps (in whole warp groups)
+    binary = Binary(meta.name, kernel.asm["cubin"], "cubin", threads=32 * meta.num_warps, shared_bytes=int(meta.shared),
                     params=len(kinds))
     return binary, compiled, kinds
 
