@@ -6,8 +6,8 @@ its copies of X and dY) against the cp.async kernel that rounds its operands in 
 
 Problems: the suite's CK 11 3D grad_weight (TF32 twin), U-Net's 3D grad_weight and DeepLab's dilated shape in
 f32, and ResNet-50's 3x3 stride-1 grad_weights in f32 at batch 64 (NHWGC).  Variants: "staged" (the cp.async
-kernel, policy.tf32_staged), "flat" (the rule: policy.tma_flat_grad_weight_tiles and _parts), "flat-s3" (3
-stages), "flat-S/2" (half the rule's chunks).  `run` calls
+kernel, policy.tf32_staged), "flat" (the rule: policy.tma_flat_grad_weight_tiles and _parts), "flat-r64s3" and
+"flat-r64s2" (64 positions a step, 3 or 2 stages), "flat-s3" (3 stages).  `run` calls
 each through the stream runner, checks it against cuDNN on the same tensors and times both by CUDA-graph replay.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 SUITE_CASES = ["ck11_wgrad_3d_g8_f32", "unet3d_wgrad", "deeplab_atrous_dgrad"]
 RESNET_STAGES = [(64, 56), (128, 28), (256, 14), (512, 7)]
-VARIANTS = ("staged", "flat", "flat-s3", "flat-S/2")
+VARIANTS = ("staged", "flat", "flat-r64s3", "flat-r64s2", "flat-s3")
 
 
 def problems() -> list:
@@ -64,7 +64,8 @@ def _compile(job):
 
     def tiles(q):
         t = rule_tiles(q)
-        return replace(t, stages=3) if variant.endswith("s3") else t
+        t = replace(t, block_k=64) if "r64" in variant else t
+        return replace(t, stages=int(variant[-1])) if variant[-2] == "s" else t
 
     def parts(q, t, tgt):
         s = rule_parts(q, t, tgt)
