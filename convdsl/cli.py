@@ -12,7 +12,7 @@ from typing import Iterator, Optional, Sequence, TextIO
 
 import numpy as np
 
-from . import __version__, peak, tune
+from . import __version__, peak, stream, tune
 from .backends.iree import CompileError
 from .compiler import compile as compile_module
 from .compiler import iree_config_notes, knobs_by_kernel, load_problems, tuned_knobs
@@ -170,6 +170,16 @@ def _share(gflops: float, of: float) -> str:
     return f"{_fixed(100 * gflops / of, 1)}%".rjust(6)
 
 
+def _stream_path(p: ConvProblem, target: Target) -> str:
+    """What convdsl.torch runs for p on a CUDA device of target's arch: the stream kernels (planned, not
+    compiled) or, where they do not apply, the IREE module through DLPack.  (With TF32 allowed, PyTorch's f32 calls
+    are the problem with compute = tf32.)"""
+    reason = stream.unsupported_reason(p, target)
+    if reason is not None:
+        return f"the IREE module through DLPack (synchronised): {reason}"
+    return stream.plan_stream_kernel(p, target, tuned_knobs(p, target)[0], tuned_knobs(p, target)[1]).describe()
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     target = resolve_target(args.target, args.arch)
     problems = load_problems(args.file, args.batch)
@@ -199,6 +209,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 line = _iree_config_line(plan.problem.name, knobs[plan.problem.name], notes)
                 if line:
                     print(f"  {line}")
+                if target.backend == "cuda":
+                    print(f"  from PyTorch (convdsl.torch): {_stream_path(plan.problem, target)}")
         elif name == "gemm-cores":
             print(describe_binaries(stage.binaries))
         else:

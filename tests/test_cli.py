@@ -566,3 +566,23 @@ def test_the_peak_is_two_n_cubed_over_the_timed_median(small_peak, monkeypatch):
     assert peak.measure(cpu, size=32) == pytest.approx(2 * 32 ** 3 / 0.004 / 1e9)
     assert calls == [(peak.FUNCTION, [(32, 32), (32, 32)], peak.REPEAT, peak.WARMUP)] and peak.WARMUP >= 1
     assert peak.cached(cpu, size=32) == pytest.approx(2 * 32 ** 3 / 0.004 / 1e9)
+
+
+def test_explain_says_which_kernels_pytorch_calls_take(tmp_path, monkeypatch, capsys):
+    import convdsl.passes.pipeline as pipeline
+    from convdsl.kernels.launch import Binary, gluon_tma_im2col
+
+    monkeypatch.setattr(pipeline, "compile_launch", lambda launch, arch: Binary(launch.name, b"\0" * 64, "cubin",
+                                                                                128, 4096, 9))
+    src = tmp_path / "tf32.conv"
+    src.write_text("conv c {\n  dims = 2; groups = 1; batch = 4; in_channels = 128; out_channels = 128\n"
+                   "  input = [14, 14]; filter = [3, 3]; stride = 1; dilation = 1; padding = 1\n"
+                   "  layout = NHWGC; weight_layout = GKYXC; dtype = f32\n}\n"
+                   "kernel wgrad = grad_weight(c) { compute = tf32 }\n")
+    assert main(["explain", str(src), "--target", "cuda", "--arch", "sm_90", "--stage", "plan"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "from PyTorch (convdsl.torch):" in x)
+    assert "stream path" in line
+    assert ("flat planes" in line) == gluon_tma_im2col(), line  # the Hopper TF32 grad_weight where Gluon is
+    assert main(["explain", str(src), "--target", "cpu", "--stage", "plan"]) == 0
+    assert "from PyTorch" not in capsys.readouterr().out  # the CPU has no stream kernels
