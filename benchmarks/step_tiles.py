@@ -4,6 +4,7 @@ grad_input and grad_weight, each distinct problem with every candidate tile shap
     python3 benchmarks/step_tiles.py build BUNDLE [--ops forward,grad_input,grad_weight] [--jobs 2]   # where Triton is
     python3 benchmarks/step_tiles.py build BUNDLE --cases deeplab_atrous_dgrad ck15_dgrad_3d_f32 [--tf32]
     python3 benchmarks/step_tiles.py build BUNDLE --cases ck15_dgrad_3d_f32 --tf32 --tiles grad_input=t128x64x32w4s3,t256x64x32w8s3
+    python3 benchmarks/step_tiles.py build BUNDLE --f32 --ops forward,grad_input     # the step in f32 (TF32)
     python3 benchmarks/step_tiles.py run BUNDLE OUT.json                                           # on a CUDA GPU
 
 `--cases` takes suite cases and their forward convolutions as `benchmarks/torch_bench.py` builds them (`--tf32`:
@@ -45,7 +46,7 @@ def candidates(p, tiles: dict[str, list[str]]) -> list[str]:
     return tiles.get(p.op) or (F32_CANDIDATES if p.dtype == "f32" else CANDIDATES[p.op])
 
 
-def problems(ops: list[str]):
+def problems(ops: list[str], f32: bool = False):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -56,7 +57,7 @@ def problems(ops: list[str]):
     model = ct.convert(tr.ResNet(classes=100)).to(memory_format=torch.channels_last)
     with runtime.recording(as_cuda=True) as seen, FakeTensorMode(allow_non_fake_inputs=True):
         images = torch.randn(64, 3, 224, 224)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not f32):
             loss = torch.nn.CrossEntropyLoss()(model(images.contiguous(memory_format=torch.channels_last)),
                                                torch.zeros(64, dtype=torch.long))
         loss.backward()
@@ -82,11 +83,11 @@ def _compile(job):
 
 
 def build(bundle: Path, ops: list[str], jobs: int, cases: list[str], tf32: bool, splits: list[int],
-          tiles: dict[str, list[str]]) -> None:
+          tiles: dict[str, list[str]], f32: bool = False) -> None:
     from benchmarks.torch_bench import problems as suite_problems
     from convdsl import stream
 
-    found = [p for p in suite_problems(cases, tf32) if p.op in ops] if cases else problems(ops)
+    found = [p for p in suite_problems(cases, tf32) if p.op in ops] if cases else problems(ops, f32)
     print(len(found), "problems", flush=True)
     if splits:  # grad_weight's split-K chunks instead of tiles: the rule's first, then each forced count
         found = [p for p in found if p.op == "grad_weight"]
@@ -148,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="build: compiling processes")
     ap.add_argument("--cases", nargs="*", help="build: these suite cases (and their forward convolutions) instead")
     ap.add_argument("--tf32", action="store_true", help="build --cases: the f32 cases with compute = tf32")
+    ap.add_argument("--f32", action="store_true",
+                    help="build: the training step in f32 (no autocast; TF32 convolutions, PyTorch's default)")
     ap.add_argument("--tiles", nargs="*", default=[], metavar="OP=TILES",
                     help="build: candidates of an op instead of the built-in lists, e.g. "
                          "grad_input=t128x64x32w4s3,t256x64x32w8s3")
@@ -156,7 +159,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.mode == "build":
         tiles = {op: labels.split(",") for op, labels in (t.split("=", 1) for t in args.tiles)}
-        build(args.bundle, args.ops.split(","), args.jobs, args.cases or [], args.tf32, args.splits or [], tiles)
+        build(args.bundle, args.ops.split(","), args.jobs, args.cases or [], args.tf32, args.splits or [], tiles,
+              args.f32)
     else:
         if args.out is None:
             ap.error("run: OUT.json is required")

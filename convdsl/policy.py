@@ -507,7 +507,7 @@ def _dense_16bit_tiles(p: ConvProblem, rows: int, columns: int, reduction: int) 
 
 def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
     """Tiles for shapes the tuning database does not hold: dense 16-bit GEMMs as _dense_16bit_tiles says (rows:
-    the positions of one stride phase), else columns as wide as C up to 256, three stages for the widest;
+    the positions of one stride phase), else columns as wide as C up to 256 (f32: 128), three stages for the widest;
     few-channel groups packed (default_pack) (docs/decisions.md#default-tiles)."""
     taps = math.prod(p.filter)
     dense = _dense_16bit_tiles(p, p.batch * math.prod(p.input) // math.prod(p.stride), p.in_channels,
@@ -516,8 +516,9 @@ def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
         return dense
     pack = default_pack(p)
     _, c, k = packed_sizes(p, pack)
-    block_n = matrix_block(c, 256)
     wide = p.dtype == "f32"
+    # f32 columns up to 128: a 128 x 256 f32 tile with 4 warps spills its accumulator (docs/decisions.md#f32-tiles)
+    block_n = matrix_block(c, 128 if wide else 256)
     block_k = matrix_block(k, 32 if wide else 64)
     # one-pass TF32 keeps 4 warps on wide columns (CK 15's 3D forward shapes: 2.46 against 2.71 ms with 8,
     # docs/decisions.md#tf32-staged)

@@ -10,8 +10,10 @@ To run on a GPU machine without a compiler, compile the kernels of one training 
     python3 examples/train_resnet.py --bundle-out resnet50.convk --arch sm_90
     CONVDSL_STREAM_BUNDLES=resnet50.convk python3 examples/train_resnet.py --backend convdsl
 
-On CUDA the step runs in bf16 autocast with channels-last tensors (the way cuDNN is fastest); on the CPU, for a
-quick check, in f32 (`--steps 2 --batch 2 --image-size 32`).  The data are made here from a fixed seed (nothing
+On CUDA the step runs in bf16 autocast with channels-last tensors (the way cuDNN is fastest), or with `--f32` in
+f32 with PyTorch's default TF32 for convolutions (`torch.backends.cudnn.allow_tf32`: one-pass TF32 for both
+backends; build its bundle with `--f32` too); on the CPU, for a quick check, in f32 (`--steps 2 --batch 2
+--image-size 32`).  The data are made here from a fixed seed (nothing
 is downloaded): images drawn per class around a class template, so the loss falls as the model learns.  Both
 backends start from the same weights and see the same batches; `--compare` reports how far apart the loss
 curves are and the images per second of each.
@@ -141,7 +143,7 @@ def train(args: argparse.Namespace) -> dict:
     share = args.batch // world
 
     def step(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda and not args.f32):
             loss = loss_fn(forward(images), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -174,7 +176,9 @@ def train(args: argparse.Namespace) -> dict:
     if world > 1:  # the global batch's loss: the mean of the ranks' equal shares
         torch.distributed.all_reduce(curve)
         curve /= world
-    result = {"backend": args.backend, "processes": world, "compile": args.compile and (args.compile_mode or "default"), "steps": args.steps, "batch": args.batch,
+    result = {"backend": args.backend, "processes": world, "compile": args.compile and (args.compile_mode or "default"),
+              "precision": "f32 (TF32 convolutions)" if args.f32 else "bf16 autocast", "steps": args.steps,
+              "batch": args.batch,
               "image_size": args.image_size, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
               "torch": torch.__version__, "losses": curve.tolist(),
               "images_per_s": args.batch / statistics.median(steady)}
@@ -256,7 +260,7 @@ def build_bundle(args: argparse.Namespace) -> int:
     calls: dict = {}
     with runtime.recording(as_cuda=True, calls=calls) as problems, FakeTensorMode(allow_non_fake_inputs=True):
         images = torch.randn(args.batch, 3, args.image_size, args.image_size)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.f32):
             loss = nn.CrossEntropyLoss()(model(images.contiguous(memory_format=torch.channels_last)),
                                          torch.zeros(args.batch, dtype=torch.long))
         loss.backward()
@@ -311,6 +315,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-every", type=int, default=20)
     ap.add_argument("--resnext", action="store_true", help="ResNeXt-50 32x4d instead of ResNet-50")
+    ap.add_argument("--f32", action="store_true",
+                    help="f32 without autocast (convolutions in one-pass TF32, PyTorch's default) instead of bf16")
     ap.add_argument("--compile", action="store_true", help="torch.compile the training step")
     ap.add_argument("--compile-mode", default=None, help="torch.compile's mode, e.g. reduce-overhead")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA is present")

@@ -737,3 +737,19 @@ def test_the_command_line_reports_a_triton_failure_without_a_traceback(monkeypat
     assert main(["explain", str(example), "--target", "cuda", "--arch", "sm_90"]) == 2
     err = capsys.readouterr().err
     assert "convdsl: error: kernel" in err and "boom" in err and "Traceback" not in err
+
+
+def test_f32_tiles_stay_at_most_128_columns_wide():
+    # a 128 x 256 f32 tile with 4 warps spills its accumulator (docs/decisions.md#f32-tiles); 16-bit keeps
+    # columns up to 256
+    from convdsl import policy
+    from convdsl.problem import ConvProblem
+
+    p = ConvProblem(op="grad_input", dims=2, groups=1, batch=64, in_channels=256, out_channels=256, input=(14, 14),
+                    filter=(3, 3), stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), layout="NHWGC",
+                    weight_layout="GKYXC", dtype="f32", compute="tf32", name="k")
+    for q in (p, p.with_(compute=None), p.with_(op="forward", in_channels=1024, out_channels=256)):
+        tiles = policy.default_grad_input_tiles(q) if q.op == "grad_input" else policy.default_forward_tiles(q)
+        assert tiles.block_n <= 128 and tiles.block_k == 32, (q.describe(), tiles)
+    wide = policy.default_grad_input_tiles(p.with_(dtype="bf16", compute=None, in_channels=512, groups=1))
+    assert wide.block_n >= 128
