@@ -56,6 +56,24 @@ def _instr_n(block_m, block_n, num_warps):
 
 
 @gluon.jit
+def _barriers(STAGES: gl.constexpr):
+    # one mbarrier per stage of the copy ring, each completed by its stage's copies
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    return bars
+
+
+@gluon.jit
+def _zero_accumulator(BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, K_WIDTH: gl.constexpr, num_warps: gl.constexpr):
+    # the f32 accumulator in wgmma's register layout; K_WIDTH: the instruction's K (32 bytes of operands)
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=_warps_per_cta(BLOCK_M, num_warps),
+        instr_shape=[16, _instr_n(BLOCK_M, BLOCK_N, num_warps), K_WIDTH])
+    return gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+
+
+@gluon.jit
 def _issue(x_desc, w_desc, a_buf, b_buf, bar, step, n, c0, c1, c2, g, off_k,
            F: gl.constexpr, D: gl.constexpr, C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr,
            BLOCK_K: gl.constexpr, FLIPPED: gl.constexpr):
@@ -113,14 +131,9 @@ def forward_tma(x_desc, w_desc, y_desc,
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
     else:
         b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    bars = _barriers(STAGES)
 
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=_warps_per_cta(BLOCK_M, num_warps),
-        instr_shape=[16, _instr_n(BLOCK_M, BLOCK_N, num_warps), 256 // dtype.primitive_bitwidth])
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    acc = _zero_accumulator(BLOCK_M, BLOCK_N, 256 // dtype.primitive_bitwidth, num_warps)
 
     # prologue: the first STAGES - 1 steps' copies in flight
     for i in gl.static_range(STAGES - 1):
@@ -227,14 +240,9 @@ def grad_weight_tma(x_desc, dy_desc, p_desc,
 
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_M], dy_desc.layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_N], x_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    bars = _barriers(STAGES)
 
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=_warps_per_cta(BLOCK_M, num_warps),
-        instr_shape=[16, _instr_n(BLOCK_M, BLOCK_N, num_warps), 256 // dtype.primitive_bitwidth])
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    acc = _zero_accumulator(BLOCK_M, BLOCK_N, 256 // dtype.primitive_bitwidth, num_warps)
 
     for i in gl.static_range(STAGES - 1):
         if i < steps:
@@ -305,14 +313,9 @@ def grad_weight_flat_tma(x_desc, dy_desc, p_desc,
 
     a_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M, BLOCK_R], dy_desc.layout)
     b_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, BLOCK_R], x_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    bars = _barriers(STAGES)
 
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=_warps_per_cta(BLOCK_M, num_warps),
-        instr_shape=[16, _instr_n(BLOCK_M, BLOCK_N, num_warps), 8])
-    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+    acc = _zero_accumulator(BLOCK_M, BLOCK_N, 8, num_warps)
 
     for i in gl.static_range(STAGES - 1):
         if i < steps:
