@@ -177,7 +177,8 @@ def _stream_path(p: ConvProblem, target: Target) -> str:
     reason = stream.unsupported_reason(p, target)
     if reason is not None:
         return f"the IREE module through DLPack (synchronised): {reason}"
-    return stream.plan_stream_kernel(p, target, tuned_knobs(p, target)[0], tuned_knobs(p, target)[1]).describe()
+    knobs, source = tuned_knobs(p, target)
+    return stream.plan_stream_kernel(p, target, knobs, source).describe()
 
 
 def cmd_explain(args: argparse.Namespace) -> int:

@@ -403,13 +403,15 @@ def grad_input_as_forward(p: ConvProblem) -> Optional[ConvProblem]:
 
 class TmaPlan(NamedTuple):
     """A TMA kernel for the stream runner: its launch and maps, whether it reads the weight flipped
-    (grad_input_as_forward), grad_weight's partials shape (else ()), and the copies its operands are staged
-    through first (per operand in order: the copy's launch and its shape; empty: the operands as they come)."""
+    (grad_input_as_forward), grad_weight's partials shape (else ()), the tiles the rule chose, and the copies its
+    operands are staged through first (per operand in order: the copy's launch and its shape; empty: the operands
+    as they come)."""
 
     launch: Launch
     maps: tuple[TmaMap, ...]
     flipped: bool
     partials: tuple[int, ...]
+    tiles: TileConfig
     staging: tuple[tuple[Launch, tuple[int, ...]], ...] = ()
 
 
@@ -422,20 +424,22 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
         return None
     base = re.sub(r"\W", "_", p.name)
     if tma_forward_reason(p, target) is None:
-        return TmaPlan(*forward_tma_launch(p, tma_forward_tiles(p), base), False, ())
+        tiles = tma_forward_tiles(p)
+        return TmaPlan(*forward_tma_launch(p, tiles, base), False, (), tiles)
     q = grad_input_as_forward(p)
     # f32 keeps its cp.async grad_input: the flipped weight tiles are N-major, which TF32 wgmma cannot read
     if q is not None and _weight_rows(p) and p.dtype != "f32" and tma_forward_reason(q, target) is None:
-        return TmaPlan(*forward_tma_launch(q, tma_forward_tiles(q), base, flipped=True), True, ())
+        tiles = tma_forward_tiles(q)
+        return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True), True, (), tiles)
     if tma_grad_weight_reason(p, target) is None:
         tiles = tma_grad_weight_tiles(p)
         launch, maps, partials = grad_weight_tma_launch(p, tiles, base, tma_grad_weight_parts(p, tiles, target))
-        return TmaPlan(launch, maps, False, partials)
+        return TmaPlan(launch, maps, False, partials, tiles)
     if tma_flat_grad_weight_reason(p, target) is None:
         tiles = tma_flat_grad_weight_tiles(p)
         launch, maps, partials, planes = grad_weight_flat_tma_launch(p, tiles, base,
                                                                      tma_flat_grad_weight_parts(p, tiles, target))
-        return TmaPlan(launch, maps, False, partials,
+        return TmaPlan(launch, maps, False, partials, tiles,
                        tuple(pad_planes_launch(p, planes, name, base) for name in ("x", "dy")))
     return None
 

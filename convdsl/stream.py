@@ -130,7 +130,7 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
     whether a TMA kernel may be chosen (Triton's interpreter runs none)."""
     tma_plan = policy.tma_stream_launch(p, target, knobs) if tma else None
     if tma_plan is not None:
-        launch, maps, flipped, partials, staging = tma_plan
+        launch, maps, flipped, partials, tiles, staging = tma_plan
         kinds: tuple[str, ...] = ()
         if compile:
             binary, maps, kinds = compile_tma_launch(launch, maps, target.arch)
@@ -141,12 +141,7 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
             return StreamLaunch(la, compile_launch(la, target.arch) if compile else
                                 Binary(la.name, b"", "none", 32 * la.warps, 0, 0))
 
-        if p.op == "grad_weight":
-            tiles = policy.tma_flat_grad_weight_tiles(p) if staging else policy.tma_grad_weight_tiles(p)
-            summed = compiled_plain(sum_partials_launch(p, partials, launch.name))
-        else:
-            tiles = policy.tma_forward_tiles(policy.grad_input_as_forward(p) if flipped else p)
-            summed = None
+        summed = compiled_plain(sum_partials_launch(p, partials, launch.name)) if p.op == "grad_weight" else None
         label = replace(tiles, split=partials[0]).label() if partials else tiles.label()
         return StreamKernel(p, target.arch, p, (), (StreamLaunch(launch, binary),), partials, label, source,
                             summed, tma_maps=maps, tma_params=kinds, tma_flipped_weight=flipped,
