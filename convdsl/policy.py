@@ -13,14 +13,13 @@ from typing import NamedTuple, Optional
 
 from dataclasses import dataclass, replace
 
-from .kernels.launch import (IM2COL_CORNERS, IM2COL_MOST_STRIDE, Launch, TmaMap, arch_number, forward_direct_launch,
-                             forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, grad_weight_flat_tma_launch,
-                             grad_weight_tma_launch, pad_planes_launch,
-                             im2col_box,
-                             grad_input_direct_launch, grad_input_launch, grad_weight_depthwise_launch,
-                             grad_weight_launch, output_tiles, pad3, packable, packed_sizes, reduction_steps,
-                             split_chunks, tiles_within_images, triton_version, depthwise_channel_blocks,
-                             flat_planes)
+from .kernels.launch import (ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST_STRIDE, Launch, TmaMap, arch_number,
+                             depthwise_channel_blocks, flat_elements, flat_planes, forward_direct_launch,
+                             forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, grad_input_direct_launch,
+                             grad_input_launch, grad_weight_depthwise_launch, grad_weight_flat_tma_launch,
+                             grad_weight_launch, grad_weight_tma_launch, im2col_box, output_tiles, pad3, packable,
+                             packed_sizes, pad_planes_launch, reduction_steps, split_chunks, tiles_within_images,
+                             triton_version)
 from .kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
 from .problem import ConvProblem, weight_axes
 from .targets import Target
@@ -284,27 +283,38 @@ FLAT_PLANES_MOST_BYTES = 8 << 30
 
 
 def tma_flat_grad_weight_tiles(p: ConvProblem) -> TileConfig:
-    """128 x 128 where K and C allow (the rule's case), else 64; 32 positions a step (a 128-byte row of f32),
-    4 stages, 8 warps: two warp groups measured up to 7% faster than one (docs/decisions.md#tf32-flat)."""
-    return TileConfig(128 if p.out_channels % 128 == 0 else 64, 128 if p.in_channels % 128 == 0 else 64, 32,
-                      warps=8, stages=4)
+    """128 x 128 where K and C allow (the rule's case), else 64; a 128-byte row of positions a step (32 of f32,
+    128 of fp8), 4 stages, 8 warps: two warp groups measured up to 7% faster than one
+    (docs/decisions.md#tf32-flat, #fp8-flat)."""
+    return TileConfig(128 if p.out_channels % 128 == 0 else 64, 128 if p.in_channels % 128 == 0 else 64,
+                      128 // ELEMENT_BYTES[flat_elements(p)[0]], warps=8, stages=4)
 
 
 def tma_flat_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
     """The flat kernel's split-K chunks, as tma_grad_weight_parts estimates them, over its own steps (images x
-    position blocks) at TF32's rate."""
+    position blocks) at TF32's rate (half the 16-bit one) or fp8's (twice)."""
     steps = p.batch * flat_planes(p, tiles.block_k).blocks
-    return tiles.split or p.split_k or _least_time_parts(p, tiles, target, steps, 4, 0.5)
+    element_bytes = ELEMENT_BYTES[flat_elements(p)[0]]
+    return tiles.split or p.split_k or _least_time_parts(p, tiles, target, steps, element_bytes,
+                                                         2.0 / element_bytes)
+
+
+def tma_flat_promote(p: ConvProblem, tiles: TileConfig) -> int:
+    """fp8: the positions whose products wgmma sums in its own accumulator, which keeps fewer bits than f32,
+    before they join the f32 sum (0: all of them).  One step's: CK 11's fp8 grad_weight 4.2e-3 -> 2.2e-4 relative
+    error (the f16 kernel's), for 1-6% more time (docs/decisions.md#fp8-flat)."""
+    return tiles.block_k if p.fp8_compute else 0
 
 
 def tma_flat_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]:
-    """Why an f32 grad_weight in one-pass TF32 does not run on the flat-plane TMA kernel (None: it does)."""
+    """Why a grad_weight in one-pass TF32 or fp8 compute does not run on the flat-plane TMA kernel (None: it
+    does)."""
     if p.op != "grad_weight":
         return "not grad_weight"
     if target.backend != "cuda" or arch_number(target.arch) != 90:
-        return f"TMA with TF32 wgmma is Hopper's (sm_90); target is {target.arch}"
-    if p.dtype != "f32" or not p.tf32 or p.out_dtype is not None:
-        return "the flat-plane kernel is f32 grad_weight in one-pass TF32"
+        return f"TMA with TF32 or fp8 wgmma is Hopper's (sm_90); target is {target.arch}"
+    if not (p.dtype == "f32" and p.tf32 or p.fp8_compute) or p.out_dtype is not None:
+        return "the flat-plane kernel is grad_weight in one-pass TF32 (f32) or fp8 compute"
     if any(s != 1 for s in p.stride) or min(p.pad_lo) < 0 or min(p.pad_hi) < 0:
         return "a tap is one shift of the flat positions with stride 1 and no negative padding only"
     if p.dynamic_batch:
@@ -317,7 +327,8 @@ def tma_flat_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]
         return "one tap: the positions need no shift, the cp.async kernel reads them as they are"
     tiles = tma_flat_grad_weight_tiles(p)
     planes = flat_planes(p, tiles.block_k)
-    copies = 4 * sum(math.prod(pad_planes_launch(p, planes, name, "k")[1]) for name in ("x", "dy"))
+    copies = ELEMENT_BYTES[flat_elements(p)[0]] * sum(math.prod(pad_planes_launch(p, planes, name, "k")[1])
+                                                     for name in ("x", "dy"))
     if copies > FLAT_PLANES_MOST_BYTES:
         return f"its copies of X and dY would take {copies / 2**30:.1f} GiB"
     if max(planes.x_length, planes.dy_length) + max(t * d for t, d in zip(p.filter, p.dilation)) * \
@@ -438,7 +449,8 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
     if tma_flat_grad_weight_reason(p, target) is None:
         tiles = tma_flat_grad_weight_tiles(p)
         launch, maps, partials, planes = grad_weight_flat_tma_launch(p, tiles, base,
-                                                                     tma_flat_grad_weight_parts(p, tiles, target))
+                                                                     tma_flat_grad_weight_parts(p, tiles, target),
+                                                                     tma_flat_promote(p, tiles))
         return TmaPlan(launch, maps, False, partials, tiles,
                        tuple(pad_planes_launch(p, planes, name, base) for name in ("x", "dy")))
     return None

@@ -88,7 +88,8 @@ class StreamKernel:
             how = "; grad_input as the forward convolution of dY with the flipped weight" \
                 if self.tma_flipped_weight else ""
             if self.staging:
-                return (f"stream path: Gluon kernel {names} (one-pass TF32 wgmma on TMA copies of X and dY laid "
+                products = ("fp8 wgmma (f32 sums)" if self.problem.fp8_compute else "one-pass TF32 wgmma")
+                return (f"stream path: Gluon kernel {names} ({products} on TMA copies of X and dY laid "
                         f"channel-first on flat planes; tiles {self.tiles}, {self.arch}); knobs from the "
                         f"{self.knobs_source}")
             return (f"stream path: Gluon kernel {names} (TMA im2col copies and wgmma; tiles {self.tiles}, "

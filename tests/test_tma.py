@@ -335,6 +335,7 @@ def test_tma_grad_weight_split_takes_fewer_chunks_where_partials_are_large():
 
 F32_WGRAD = BASE.with_(op="grad_weight", dtype="f32", compute="tf32", in_channels=64, out_channels=64)
 F32_WIDE = F32_WGRAD.with_(in_channels=128, out_channels=128)
+FP8_WGRAD = F32_WIDE.with_(dtype="f16", compute=("bf8", "fp8"))
 
 
 def _pad_planes(x: np.ndarray, consts: dict, copies: int) -> np.ndarray:
@@ -393,7 +394,7 @@ def _emulated_flat_grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray, pa
                 t2, t1, t0 = t % f[2], (t // f[2]) % f[1], t // (f[2] * f[1])
                 shift = (t0 * d[0] - lox[0]) * xs[0] + (t1 * d[1] - lox[1]) * xs[1] + (t2 * d[2] - lox[2]) * xs[2]
                 acc = np.zeros((bm, bn))
-                residue = shift % 4
+                residue = shift % planes.align
                 for r in range(s * chunk, min(steps, (s + 1) * chunk)):
                     n, q0 = r // qb, (r % qb) * br
                     x_row, y_row = (n * g_count + g) * c + c_col, (n * g_count + g) * k + off_k
@@ -401,7 +402,8 @@ def _emulated_flat_grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray, pa
                         x_row += residue * images * g_count * c
                     else:
                         y_row += residue * images * g_count * k
-                    assert q0 % 4 == 0 and (q0 + shift - residue) % 4 == 0  # TMA: 16-byte starts
+                    # TMA: 16-byte starts
+                    assert q0 % planes.align == 0 and (q0 + shift - residue) % planes.align == 0
                     a = _box(yf, y_row, q0, bm, br)
                     b = _box(xf, x_row, q0 + shift - residue, bn, br)
                     acc += a @ b.T
@@ -422,6 +424,11 @@ FLAT_CASES = [
                     pad_lo=(1, 1, 1), pad_hi=(1, 1, 1), layout="GNHWC"),
     F32_WGRAD.with_(dims=1, input=(21,), filter=(5,), stride=(1,), dilation=(2,), pad_lo=(4,), pad_hi=(3,)),
     F32_WIDE.with_(groups=2, batch=2, input=(9, 10)),  # the rule's 128 x 128 tiles, two groups
+    # fp8 compute: 16 elements in 16 bytes, so residues mod 16 (dilation 5: taps 0, 5, 10 along the inner plane)
+    FP8_WGRAD.with_(batch=2, input=(7, 9)),
+    FP8_WGRAD.with_(in_channels=64, out_channels=128, dilation=(1, 5), pad_lo=(1, 5), pad_hi=(1, 5), input=(5, 6)),
+    FP8_WGRAD.with_(dims=3, groups=2, input=(3, 4, 5), filter=(2, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
+                    pad_lo=(0, 1, 1), pad_hi=(1, 1, 1), dtype="bf16", compute=("fp8", "bf8")),
 ]
 
 
@@ -474,11 +481,16 @@ def test_flat_grad_weight_reasons(change, why):
     assert "sm_90" in policy.tma_flat_grad_weight_reason(F32_WIDE, AMPERE)
 
 
+PAD_SCALE = 600.0  # the fp8 copies' inputs scaled past e4m3's largest finite value (448): saturated
+
+
 def test_pad_planes_kernel_matches_its_algebra():
     # the Triton kernel in Triton's interpreter (a subprocess: TRITON_INTERPRET is read at import) against
-    # _pad_planes, with the TF32 rounding applied to the emulation's values
+    # _pad_planes, with the TF32 rounding, or fp8's (saturated), applied to the emulation's values
     import subprocess
     import sys
+
+    import ml_dtypes
 
     script = r'''
 import json, os, sys
@@ -488,36 +500,70 @@ from convdsl.kernels import elementwise
 from convdsl.kernels.launch import flat_planes, pad_planes_launch
 from convdsl.problem import problem_from_spec
 from convdsl.reference import random_inputs
+TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8e4nv": torch.float8_e4m3fn,
+         "fp8e5": torch.float8_e5m2}
 out = []
-for spec in json.loads(sys.stdin.read()):
+for spec, scale in json.loads(sys.stdin.read()):
     p = problem_from_spec(spec)
-    x, dy = random_inputs(p, seed=7)
+    x, dy = (a * np.asarray(scale, a.dtype) for a in random_inputs(p, seed=7))
     planes = flat_planes(p, 32)
     for name, a in (("x", x), ("dy", dy)):
         la, shape = pad_planes_launch(p, planes, name, "k")
-        y = torch.full(shape, float("nan"))
-        getattr(elementwise, la.kernel)[la.grid](torch.from_numpy(np.ascontiguousarray(a)), y, **dict(la.constants))
-        out.append(y.numpy().tolist())
+        y = torch.full(shape, float("nan")).to(TYPES[la.pointer_types[1]])
+        source = torch.from_numpy(np.ascontiguousarray(a.astype(np.float32))).to(TYPES[la.pointer_types[0]])
+        getattr(elementwise, la.kernel)[la.grid](source, y, **dict(la.constants))
+        out.append(y.float().numpy().tolist())
 print(json.dumps(out))
 '''
-    from convdsl.kernels.launch import flat_planes, pad_planes_launch
+    from convdsl.kernels.launch import FP8_MAX, flat_planes, pad_planes_launch
     from convdsl.problem import problem_to_spec
+    from convdsl.reference import COMPUTE_DTYPES
 
     cases = [F32_WGRAD.with_(batch=2, dilation=(1, 2), pad_lo=(1, 3), pad_hi=(0, 1), in_channels=64),
              F32_WGRAD.with_(layout="NGCHW", weight_layout="GKCYX", groups=2, dims=3, input=(3, 4, 5),
                              filter=(2, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(0, 1, 1),
-                             pad_hi=(1, 1, 1), batch=1, in_channels=128)]
-    assert [flat_planes(p, 32).shifted for p in cases] == ["x", "dy"]  # both signs of the copies' shift
-    done = subprocess.run([sys.executable, "-c", script], input=json.dumps([problem_to_spec(p) for p in cases]),
+                             pad_hi=(1, 1, 1), batch=1, in_channels=128),
+             FP8_WGRAD.with_(batch=1, in_channels=32, input=(5, 6)),
+             FP8_WGRAD.with_(batch=1, out_channels=32, input=(5, 6), dtype="bf16", compute=("fp8", "bf8"))]
+    scales = [1.0, 1.0, PAD_SCALE, PAD_SCALE]
+    assert [flat_planes(p, 32).shifted for p in cases] == ["x", "dy", "x", "dy"]  # both signs of the shift
+    done = subprocess.run([sys.executable, "-c", script],
+                          input=json.dumps([[problem_to_spec(p), s] for p, s in zip(cases, scales)]),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     got = iter(json.loads(done.stdout.strip().splitlines()[-1]))
-    for p in cases:
-        x, dy = random_inputs(p, seed=7)
+    for p, scale in zip(cases, scales):
+        x, dy = (a * np.asarray(scale, a.dtype) for a in random_inputs(p, seed=7))
         planes = flat_planes(p, 32)
-        for name, a in (("x", x), ("dy", dy)):
+        for i, (name, a) in enumerate((("x", x), ("dy", dy))):
             la = pad_planes_launch(p, planes, name, "k")[0]
             want = _pad_planes(a, dict(la.constants), dict(la.constants)["COPIES"])
-            bits = want.astype(np.float32).view(np.uint32)
-            want = ((bits + 0x1000) & 0xFFFFE000).view(np.float32)  # TF32, ties away from zero
-            assert np.array_equal(np.asarray(next(got), dtype=np.float32), want)
+            if p.fp8_compute:  # nearest fp8 value, ties to even, saturated at the largest finite one
+                kind = p.compute[i]
+                assert kind == "bf8" or np.abs(want).max() > FP8_MAX[kind]  # e4m3 saturates somewhere
+                want = np.clip(want, -FP8_MAX[kind], FP8_MAX[kind]).astype(COMPUTE_DTYPES[kind]).astype(np.float32)
+            else:
+                bits = want.astype(np.float32).view(np.uint32)
+                want = ((bits + 0x1000) & 0xFFFFE000).view(np.float32)  # TF32, ties away from zero
+            assert np.array_equal(np.asarray(next(got), dtype=np.float32), want), (p.name, name)
+
+
+def test_fp8_flat_planes_align_to_16_elements():
+    # a TMA box starts 16 bytes into a row: 16 fp8 elements, so the inner plane is a multiple of 16 and the taps
+    # along it leave up to 16 residues (3 for a 3-tap filter); CK 11's fp8 grad_weight takes the kernel
+    from convdsl.kernels.launch import flat_planes
+
+    p = FP8_WGRAD.with_(dims=3, input=(28, 28, 3), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
+                        pad_lo=(1, 1, 1), pad_hi=(1, 1, 1), groups=8, batch=64)
+    planes = flat_planes(p, 128)
+    assert planes.align == 16 and planes.plane == (30, 32) and planes.residues == 3
+    assert planes.x_length % 16 == 0 and planes.dy_length % 16 == 0
+    assert flat_planes(F32_WIDE, 32).align == 4
+    if gluon_tma_im2col():
+        plan = policy.tma_stream_launch(p, HOPPER, Knobs())
+        assert plan.launch.kernel == "grad_weight_flat_tma" and plan.launch.pointer_types == \
+            ("fp8e5", "fp8e4nv", "fp32")
+        assert dict(plan.launch.constants)["PROMOTE"] == plan.tiles.block_k == 128
+        assert [la.pointer_types for la, _ in plan.staging] == [("fp16", "fp8e5"), ("fp16", "fp8e4nv")]
+    # without fp8 wgmma (before Hopper) the f16 kernel over operands rounded first
+    assert "sm_90" in policy.tma_flat_grad_weight_reason(p, AMPERE)

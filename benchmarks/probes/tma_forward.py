@@ -4,9 +4,15 @@ cp.async stream kernels, on the suite's dense 16-bit forward shapes, per tile ca
     python3 benchmarks/probes/tma_forward.py build TMA.convk          # where Triton 3.9 is (no GPU needed)
     python3 benchmarks/probes/tma_forward.py run TMA.convk OUT.json   # on an H100/H200
 
+    python3 benchmarks/probes/tma_forward.py build WIDE.convk --wide --from resnet50.convk
+
 `build` compiles the kernel for sm_90 per shape and tile candidate into a stream bundle (kernels named
-<case>:<tiles>), with the cp.async kernel the shape had before (<case>:cp.async, its rule's tiles).  `run` calls
-each through the stream runner, checks it against cuDNN on the same tensors and times both by CUDA-graph replay.
+<case>:<tiles>), with the cp.async kernel the shape had before (<case>:cp.async, its rule's tiles).  `--wide`:
+the candidates are the rule's tiles and the wide ones of two warp groups (128 x 256, 256 x 128), over the
+suite's shapes with at least 256 output channels and the TMA forwards (stride-1 grad_inputs included, as the
+forwards they run as) of the bundle named by `--from` (examples/train_resnet.py --bundle-out makes ResNet-50's).
+`run` calls each through the stream runner, checks it against cuDNN on the same tensors and times both by
+CUDA-graph replay.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ CASES = ["r50_3x3_s1_dgrad_fwd", "ck17_dgrad_2d_s2_fwd", "deeplab_atrous_dgrad_f
          "unet3d_dgrad_fwd"]
 TILES = ["t128x128x64w8s4", "t128x64x64w4s4", "t128x128x64w4s4", "t128x256x64w8s3", "t64x128x64w4s5",
          "t128x128x64w8s5"]
+WIDE_TILES = ["rule", "t128x256x64w8s3", "t256x128x64w8s3"]
 
 
 def _compile(job):
@@ -32,6 +39,10 @@ def _compile(job):
     from convdsl.stream import StreamKernel, StreamLaunch
 
     p, label = job
+    if label == "rule":
+        from convdsl import policy
+
+        label = policy.tma_forward_tiles(p).label()
     if label == "cp.async":
         from convdsl.stream import plan_stream_kernel
         from convdsl.targets import Target
@@ -46,13 +57,38 @@ def _compile(job):
                         tma_maps=maps, tma_params=kinds)
 
 
-def build(out: Path) -> None:
+def _wide_problems(bundle: Path | None) -> list:
+    # the suite's and the bundle's problems that run on the TMA forward kernel with at least 256 columns
+    from benchmarks.torch_bench import problems
+    from convdsl import policy, stream
+    from convdsl.targets import Target
+
+    hopper = Target("cuda", "sm_90")
+    found = [p for p in problems([c.removesuffix("_fwd") for c in CASES]) if p.name in CASES]
+    for k in stream.load_bundle(bundle) if bundle else ():
+        q = policy.grad_input_as_forward(k.problem) if k.problem.op == "grad_input" else k.problem
+        if q is not None and q.op == "forward":
+            found.append(q.with_(name=f"{k.problem.name}"))
+    out, seen = [], set()
+    for p in found:
+        key = repr(p.with_(name="").record())
+        if p.out_channels >= 256 and policy.tma_forward_reason(p, hopper) is None and key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+def build(out: Path, wide: bool = False, source: Path | None = None) -> None:
     from benchmarks.torch_bench import problems
     from convdsl import stream
 
-    found = [p for p in problems([c.removesuffix("_fwd") for c in CASES]) if p.name in CASES]
+    if wide:
+        jobs = [(p, t) for p in _wide_problems(source) for t in WIDE_TILES]
+    else:
+        found = [p for p in problems([c.removesuffix("_fwd") for c in CASES]) if p.name in CASES]
+        jobs = [(p, t) for p in found for t in ["cp.async", *TILES]]
     with ProcessPoolExecutor(2) as pool:
-        kernels = list(pool.map(_compile, [(p, t) for p in found for t in ["cp.async", *TILES]]))
+        kernels = list(pool.map(_compile, jobs))
     stream.save_bundle(kernels, out)
     print(f"wrote {out}: {len(kernels)} kernels")
 
@@ -62,7 +98,7 @@ def timed_rows(bundle: Path) -> list[dict]:
     checked against cuDNN on the same tensors, both timed by CUDA-graph replay."""
     import torch
 
-    from benchmarks.gpu_bench import TorchConv, random_args, rel_error
+    from benchmarks.gpu_bench import TorchConv, random_args, reference, rel_error
     from benchmarks.torch_bench import _case_dict, graph_ms
     from convdsl import stream
     from convdsl.torch.stream import StreamRunner
@@ -81,10 +117,15 @@ def timed_rows(bundle: Path) -> list[dict]:
             cudnn_times[case] = graph_ms(lambda: cudnn(*targs))
         cudnn_ms = cudnn_times[case]
         runner = StreamRunner(k, dev)
-        err = rel_error(runner(*args), conv.from_torch(cudnn(*targs)).double())
+        if p.fp8_compute:  # cuDNN computes in f16: the check is against the reference on the rounded operands
+            err = rel_error(runner(*args), reference(cd, conv, args)[0])
+            checked = "error_vs_reference"
+        else:
+            err = rel_error(runner(*args), conv.from_torch(cudnn(*targs)).double())
+            checked = "error_vs_cudnn"
         ms = graph_ms(lambda: runner(*args))
         rows.append({"case": case, "kernel": label, "tiles": k.tiles, "describe": k.describe(), "ms": ms,
-                     "error_vs_cudnn": err, "cudnn_ms": cudnn_ms, "tflops": p.flops / ms / 1e9})
+                     checked: err, "cudnn_ms": cudnn_ms, "tflops": p.flops / ms / 1e9})
         print(f"{case:<44} {label:<16} {k.tiles:<22} {ms:.4f} ms err {err:.1e} cuDNN {cudnn_ms:.4f} -> "
               f"{cudnn_ms / ms:.2f}x {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
         del args, targs
@@ -144,7 +185,8 @@ def probe_main(doc: str, build, run, argv=None, extra=None) -> int:
 
 
 def main(argv=None) -> int:
-    return probe_main(__doc__, build, run, argv)
+    return probe_main(__doc__, build, run, argv,
+                      extra=[("--wide", dict(action="store_true")), ("--from", dict(type=Path, dest="source"))])
 
 
 if __name__ == "__main__":

@@ -104,8 +104,8 @@ class LoadedFunction:
 
 # CUtensorMapDataType by element type; CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
 # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE (reads past a tensor's bounds give zeros)
-# CUtensorMapDataType: "tf32" is TFLOAT32, f32 in memory rounded to TF32 by the copy
-TENSOR_MAP_TYPES = {"fp16": 6, "bf16": 9, "fp32": 7, "tf32": 11}
+# CUtensorMapDataType: "tf32" is TFLOAT32, f32 in memory rounded to TF32 by the copy; fp8 copies as UINT8
+TENSOR_MAP_TYPES = {"fp16": 6, "bf16": 9, "fp32": 7, "tf32": 11, "fp8e4nv": 0, "fp8e5": 0}
 _INTERLEAVE, _L2_PROMOTION, _OOB_FILL = 0, 2, 0
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
 

@@ -13,11 +13,12 @@ stream path, convdsl/stream.py): inside an IREE module the same steps are linalg
                  scalings are exact.  rint(w) for |w| < 2^22 is (w + 1.5 * 2^23) - 1.5 * 2^23 in f32: the
                  addition rounds to an integer, ties to even (here |w| < 2^(m+1)).  Values beyond the fp8 range
                  are not saturated (as the linalg pass).
-  pad_planes:    y[z, r, f] = tf32(x[n, g, c, i0, j1 - LO1, j2 - LO2]) for rows r = (n, g, c) and flat positions
+  pad_planes:    y[z, r, f] = round(x[n, g, c, i0, j1 - LO1, j2 - LO2]) for rows r = (n, g, c) and flat positions
                  f + SIGN * z = i0 * P1 * P2 + j1 * P2 + j2 of a P1 x P2 plane, zero outside x: X and dY (LO = 0,
-                 I1 x I2 = O1 x O2) channel-first for the flat TF32 grad_weight, copy z shifted by z positions
+                 I1 x I2 = O1 x O2) channel-first for the flat grad_weight, copy z shifted by z positions
                  (launch.flat_planes); x is read through its strides (any layout), the spatial sizes and strides
-                 in the planes' order.
+                 in the planes' order.  round: to TF32 (f32 kept), or with FP8 to the fp8 grid as round_fp8,
+                 saturated at the type's largest finite value, and stored in y's fp8 type.
 """
 from __future__ import annotations
 
@@ -53,18 +54,25 @@ RINT_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def round_fp8(x, y, N: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BLOCK: tl.constexpr,
-              WIDE: tl.constexpr):
-    i = wide_index(tl.program_id(0), WIDE) * BLOCK + tl.arange(0, BLOCK)
-    inside = i < N
-    v = tl.load(x + i, mask=inside, other=0.0).to(tl.float32)
+def fp8_grid(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
+    # f32 v -> the nearest value of the fp8 grid of MBITS mantissa bits and smallest normal exponent EMIN, ties to
+    # even, in f32 (module docstring: round_fp8)
     biased = (v.to(tl.int32, bitcast=True) >> 23) & 255
     q = tl.maximum(biased, EMIN + 127) - MBITS
     up = ((254 - q) << 23).to(tl.float32, bitcast=True)
     down = (q << 23).to(tl.float32, bitcast=True)
     scaled = v * up
     whole = (scaled + RINT_MAGIC) - RINT_MAGIC
-    tl.store(y + i, (whole * down).to(tl.float16), mask=inside)
+    return whole * down
+
+
+@triton.jit
+def round_fp8(x, y, N: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BLOCK: tl.constexpr,
+              WIDE: tl.constexpr):
+    i = wide_index(tl.program_id(0), WIDE) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < N
+    v = tl.load(x + i, mask=inside, other=0.0).to(tl.float32)
+    tl.store(y + i, fp8_grid(v, MBITS, EMIN).to(tl.float16), mask=inside)
 
 
 @triton.jit
@@ -83,8 +91,9 @@ def transpose_planes(x, y, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.con
 def pad_planes(x, y, CH: tl.constexpr, G: tl.constexpr, SN: tl.constexpr, SG: tl.constexpr, SC: tl.constexpr,
                S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, I0: tl.constexpr, I1: tl.constexpr,
                I2: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, LO1: tl.constexpr, LO2: tl.constexpr,
-               L: tl.constexpr, ROWS: tl.constexpr, SIGN: tl.constexpr, COPIES: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, WIDE: tl.constexpr):
+               L: tl.constexpr, ROWS: tl.constexpr, SIGN: tl.constexpr, COPIES: tl.constexpr, FP8: tl.constexpr,
+               MBITS: tl.constexpr, EMIN: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_F: tl.constexpr, WIDE: tl.constexpr):
     # a [BLOCK_R rows, BLOCK_F positions] tile per program, for every copy z (shifted by SIGN * z positions: the
     # same source lines again, from the cache); Triton moves each tile through shared memory between the loads
     # (contiguous along the channels in NHWGC) and the stores (contiguous along the positions)
@@ -103,5 +112,9 @@ def pad_planes(x, y, CH: tl.constexpr, G: tl.constexpr, SN: tl.constexpr, SG: tl
         inside = (fp >= 0) & (i0 < I0) & (i1 >= 0) & (i1 < I1) & (i2 >= 0) & (i2 < I2)
         v = tl.load(x + row_base[:, None] + (i0 * S0 + i1 * S1 + i2 * S2)[None, :],
                     mask=rows[:, None] & inside[None, :], other=0.0)
-        tl.store(y + (z * ROWS + r)[:, None] * L + f[None, :], tf32_round(v),
+        if FP8:  # on the fp8 grid, saturated: exact in the fp8 type, whatever rounding the conversion has
+            v = tl.minimum(tl.maximum(fp8_grid(v.to(tl.float32), MBITS, EMIN), -FP8_MAX), FP8_MAX)
+        else:
+            v = tf32_round(v)
+        tl.store(y + (z * ROWS + r)[:, None] * L + f[None, :], v.to(y.dtype.element_ty),
                  mask=rows[:, None] & (f < L)[None, :])

@@ -520,11 +520,13 @@ def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: 
     return launch, maps, (parts, g, k, *pad3(p.filter, 1), c)
 
 
-# --- one-pass TF32 grad_weight on flat planes (kernels/tma.grad_weight_flat_tma) -------------------------
+# --- one-pass grad_weight on flat planes (kernels/tma.grad_weight_flat_tma): TF32, and fp8 compute -----------
 #
-# TF32 wgmma reads both operands K-major (the reduction contiguous); grad_weight reduces over positions, which
-# NHWGC stores strided by the channels.  So X and dY are first copied channel-first, X with its zero border in
-# the two inner spatial dimensions of `order` (a plane P1 x P2, P2 a multiple of 4), dY laid out on the same plane:
+# TF32 and fp8 wgmma read both operands K-major (the reduction contiguous); grad_weight reduces over positions,
+# which NHWGC stores strided by the channels.  So X and dY are first copied channel-first, rounded to the compute
+# type (TF32 kept in f32; fp8/bf8 stored as fp8), X with its zero border in the two inner spatial dimensions of
+# `order` (a plane P1 x P2, P2 a multiple of A, the elements in 16 bytes: 4 of f32, 16 of fp8), dY laid out on the
+# same plane:
 #     Xf[(n, g, c), f]  f = i0 * P1 * P2 + j1 * P2 + j2,  = X[n, i0, j1 - lo1, j2 - lo2, g, c]  (0 outside X)
 #     Yf[(n, g, k), q]  q = o0 * P1 * P2 + o1 * P2 + o2,  = dY[n, o0, o1, o2, g, k]  (0 where o1 >= O1 or o2 >= O2)
 # With stride 1 the position that tap t reads for output q is q + shift(t), one constant per tap:
@@ -533,22 +535,39 @@ def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: 
 # below 0 or past I0 * P1 * P2: outside the row, where TMA reads zeros).  So
 #     dW[g, k, t, c] = sum over n, q of Yf[(n, g, k), q] * Xf[(n, g, c), q + shift(t)]
 # a GEMM of two K-major [rows, positions] matrices, tiled by 2D TMA boxes.  A TMA box must start 16 bytes into a
-# row (4 f32 elements), and shift(t) is not always a multiple of 4: its residue r = t2 * d2 mod 4 (P2 and
-# P1 * P2 are multiples of 4).  So one operand is copied once per residue r = 0 .. R - 1, shifted by r:
+# row (A elements), and shift(t) is not always a multiple of A: its residue r = t2 * d2 mod A (P2 and P1 * P2 are
+# multiples of A).  So one operand is copied once per residue r = 0 .. R - 1, shifted by r:
 #     X shifted:  Xr[f] = Xf[f + r]; tap t reads Yf at q0 and X_r at q0 + shift(t) - r
 #     dY shifted: Yr[u] = Yf[u - r]; tap t reads Y_r at q0 and Xf at q0 + shift(t) - r
-# (both starts multiples of 4), the smaller operand, stacked as [R * rows, length].  The plane's zero columns cost
+# (both starts multiples of A), the smaller operand, stacked as [R * rows, length].  The plane's zero columns cost
 # products; `order` puts outermost the spatial dimension that leaves fewest (docs/decisions.md#tf32-flat).
 
-TMA_ALIGN_F32 = 4  # a TMA box's first element along a row: a multiple of 16 bytes
+TMA_ALIGN_BYTES = 16  # a TMA box's first element along a row, and a row's stride: multiples of 16 bytes
+ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8e4nv": 1, "fp8e5": 1}
+# CK's fp8 (e4m3, finite-only) and bf8 (e5m2) as Triton's element types
+FP8_ELEMENT = {"fp8": "fp8e4nv", "bf8": "fp8e5"}
+# the largest finite value of each: the flat copies saturate to it (an fp8 copy has no room for more)
+FP8_MAX = {"fp8": 448.0, "bf8": 57344.0}
+
+
+def flat_elements(p: ConvProblem) -> tuple[str, str]:
+    """The element types of the flat copies of X and dY: f32 (TF32 values) or the fp8 compute types [A, B]."""
+    if p.fp8_compute:
+        return FP8_ELEMENT[p.compute[0]], FP8_ELEMENT[p.compute[1]]
+    return "fp32", "fp32"
+
+
+def flat_align(p: ConvProblem) -> int:
+    """A: the copies' elements in 16 bytes (both compute types of a problem have one width)."""
+    return TMA_ALIGN_BYTES // ELEMENT_BYTES[flat_elements(p)[0]]
 
 
 @dataclass(frozen=True)
 class FlatPlanes:
     """How grad_weight_flat_tma lays X and dY out: the spatial dimensions outermost first (`order`, indices of
     the problem's spatial dimensions padded to 3D), the inner plane (P1, P2) with X's border, the rows' lengths
-    (multiples of 4 elements: TMA needs 16-byte row strides), the position blocks per image, the residues R and
-    which operand ("x" or "dy") is copied once per residue."""
+    (multiples of A elements: TMA needs 16-byte row strides), the position blocks per image, the residues R,
+    which operand ("x" or "dy") is copied once per residue, and A."""
 
     order: tuple[int, int, int]
     plane: tuple[int, int]
@@ -557,10 +576,11 @@ class FlatPlanes:
     blocks: int
     residues: int
     shifted: str
+    align: int = 4
 
 
-def _round4(v: int) -> int:
-    return -(-v // TMA_ALIGN_F32) * TMA_ALIGN_F32
+def _round_up(v: int, align: int) -> int:
+    return -(-v // align) * align
 
 
 def flat_planes(p: ConvProblem, block_r: int) -> FlatPlanes:
@@ -568,20 +588,22 @@ def flat_planes(p: ConvProblem, block_r: int) -> FlatPlanes:
     inp, out = pad3(p.input, 1), pad3(p.output, 1)
     lo, hi = pad3(p.pad_lo, 0), pad3(p.pad_hi, 0)
     taps, dil = pad3(p.filter, 1), pad3(p.dilation, 1)
+    align = flat_align(p)
     best, best_cost = None, None
     for order in ((0, 1, 2), (1, 0, 2), (2, 0, 1), (0, 2, 1), (1, 2, 0), (2, 1, 0)):
         a, b, c = order
-        p1, p2 = inp[b] + lo[b] + hi[b], _round4(inp[c] + lo[c] + hi[c])
-        residues = 1 + max(t * dil[c] % TMA_ALIGN_F32 for t in range(taps[c]))
+        p1, p2 = inp[b] + lo[b] + hi[b], _round_up(inp[c] + lo[c] + hi[c], align)
+        residues = 1 + max(t * dil[c] % align for t in range(taps[c]))
         last = (out[a] - 1) * p1 * p2 + (out[b] - 1) * p2 + out[c]  # one past the last real position
-        x_length = _round4(inp[a] * p1 * p2)
+        x_length = _round_up(inp[a] * p1 * p2, align)
         rows_x, rows_dy = p.in_channels, p.out_channels
         # the shifted operand: the one of fewer bytes with its R copies (dY's copies start r positions later)
-        shift_x = residues * rows_x * x_length + rows_dy * _round4(last) <= \
-            rows_x * x_length + residues * rows_dy * _round4(last + residues - 1)
+        shift_x = residues * rows_x * x_length + rows_dy * _round_up(last, align) <= \
+            rows_x * x_length + residues * rows_dy * _round_up(last + residues - 1, align)
         reach = last if shift_x else last + residues - 1
         blocks = -(-reach // block_r)
-        planes = FlatPlanes(order, (p1, p2), x_length, _round4(reach), blocks, residues, "x" if shift_x else "dy")
+        planes = FlatPlanes(order, (p1, p2), x_length, _round_up(reach, align), blocks, residues,
+                            "x" if shift_x else "dy", align)
         copied = (residues if shift_x else 1) * rows_x * x_length + (1 if shift_x else residues) * rows_dy * \
             planes.dy_length
         cost = (blocks, copied)
@@ -591,12 +613,14 @@ def flat_planes(p: ConvProblem, block_r: int) -> FlatPlanes:
     return best
 
 
-PAD_PLANES_ROWS, PAD_PLANES_POSITIONS = 32, 128
+# a copy tile: the channels of 128 source bytes (one coalesced line per position in NHWGC) x 128 positions
+PAD_PLANES_ROW_BYTES, PAD_PLANES_POSITIONS = 128, 128
 
 
 def pad_planes_launch(p: ConvProblem, planes: FlatPlanes, operand: str, base: str) -> tuple[Launch, tuple[int, int]]:
-    """The copy of `operand` ("x" or "dy") to its flat plane rows, rounded to TF32, once per residue if it is the
-    shifted operand: the launch and the copy's shape [R * N*G*channels, length]."""
+    """The copy of `operand` ("x" or "dy") to its flat plane rows, rounded to its compute type (TF32, or fp8
+    stored as fp8), once per residue if it is the shifted operand: the launch and the copy's shape
+    [R * N*G*channels, length]."""
     x = operand == "x"
     channels = p.in_channels if x else p.out_channels
     sizes = pad3(p.input, 1) if x else pad3(p.output, 1)
@@ -605,22 +629,28 @@ def pad_planes_launch(p: ConvProblem, planes: FlatPlanes, operand: str, base: st
     a, b, c = planes.order
     rows, length = p.batch * p.groups * channels, planes.x_length if x else planes.dy_length
     copies = planes.residues if planes.shifted == operand else 1
+    kind = p.compute[0 if x else 1] if p.fp8_compute else None
+    block_rows = PAD_PLANES_ROW_BYTES // ELEMENT_BYTES[ELEMENT[p.dtype]]
+    mbits, emin = FP8_FORMATS[kind] if kind else (0, 0)
     consts = dict(CH=channels, G=p.groups, SN=strides[0], SG=strides[1], SC=strides[2],
                   S0=strides[3 + a], S1=strides[3 + b], S2=strides[3 + c], I0=sizes[a], I1=sizes[b], I2=sizes[c],
                   P1=planes.plane[0], P2=planes.plane[1], LO1=lo[b], LO2=lo[c], L=length, ROWS=rows,
-                  SIGN=1 if x else -1, COPIES=copies, BLOCK_R=PAD_PLANES_ROWS, BLOCK_F=PAD_PLANES_POSITIONS,
+                  SIGN=1 if x else -1, COPIES=copies, FP8=kind is not None, MBITS=mbits, EMIN=emin,
+                  FP8_MAX=FP8_MAX[kind] if kind else 0.0, BLOCK_R=block_rows, BLOCK_F=PAD_PLANES_POSITIONS,
                   WIDE=needs_wide(p, copies * rows * length))
-    grid = check_grid(f"{base}_{operand}", (-(-rows // PAD_PLANES_ROWS), -(-length // PAD_PLANES_POSITIONS), 1))
-    return Launch("pad_planes", f"{base}_{operand}_planes", ("fp32", "fp32"), tuple(consts.items()), grid, 4,
-                  1), (copies * rows, length)
+    grid = check_grid(f"{base}_{operand}", (-(-rows // block_rows), -(-length // PAD_PLANES_POSITIONS), 1))
+    elements = flat_elements(p)[0 if x else 1]
+    return Launch("pad_planes", f"{base}_{operand}_planes", (ELEMENT[p.dtype], elements), tuple(consts.items()),
+                  grid, 4, 1), (copies * rows, length)
 
 
-def grad_weight_flat_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int
+def grad_weight_flat_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int, promote: int = 0
                                 ) -> tuple[Launch, tuple[TmaMap, ...], tuple[int, ...], FlatPlanes]:
-    """grad_weight (stride 1, f32 in one-pass TF32) on kernels/tma.grad_weight_flat_tma over the flat plane copies
-    of X and dY (operands 0 and 1 of its launch: pad_planes_launch's), f32 partials as [S*G*K, taps*C]; one
-    program per (K tile, tap and C tile, group, chunk).  Returns the launch, its maps, the partials' shape
-    [S, G, K, F0, F1, F2, C] and the planes."""
+    """grad_weight (stride 1; f32 in one-pass TF32, or fp8 compute) on kernels/tma.grad_weight_flat_tma over the
+    flat plane copies of X and dY (operands 0 and 1 of its launch: pad_planes_launch's), f32 partials as
+    [S*G*K, taps*C]; one program per (K tile, tap and C tile, group, chunk).  Returns the launch, its maps, the
+    partials' shape [S, G, K, F0, F1, F2, C] and the planes.  promote (fp8): positions whose products wgmma sums in
+    its own accumulator before adding them to the f32 one (0: all of them)."""
     c, k, g = p.in_channels, p.out_channels, p.groups
     planes = flat_planes(p, tiles.block_k)
     steps = p.batch * planes.blocks
@@ -642,9 +672,9 @@ def grad_weight_flat_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, pa
     )
     consts = dict(F=pad3(p.filter, 1), D=pad3(p.dilation, 1), XS=tuple(flat), LOX=tuple(outer_lo), C=c, K=k, G=g,
                   N=p.batch, QB=planes.blocks, STEPS=steps, CHUNK=chunk, SHIFT_X=planes.shifted == "x",
-                  STAGES=tiles.stages)
+                  ALIGN=planes.align, PROMOTE=promote, STAGES=tiles.stages)
     grid = check_grid(base, ((k // tiles.block_m) * taps * (c // tiles.block_n), g, parts))
-    launch = Launch("grad_weight_flat_tma", f"{base}_grad_weight_flat_tma", ("fp32", "fp32", "fp32"),
+    launch = Launch("grad_weight_flat_tma", f"{base}_grad_weight_flat_tma", (*flat_elements(p), "fp32"),
                     tuple(consts.items()), grid, tiles.warps, tiles.stages)
     return launch, maps, (parts, g, k, *pad3(p.filter, 1), c), planes
 
@@ -674,7 +704,8 @@ def compile_tma_launch(launch: Launch, maps: tuple[TmaMap, ...], arch: str
     from . import tma
 
     fn = getattr(tma, launch.kernel)
-    dtypes = {"fp16": gl.float16, "bf16": gl.bfloat16, "fp32": gl.float32}
+    dtypes = {"fp16": gl.float16, "bf16": gl.bfloat16, "fp32": gl.float32, "fp8e4nv": gl.float8e4nv,
+              "fp8e5": gl.float8e5}
     signature = {}
     for name, m in zip(fn.arg_names, maps):
         layout = gl.NVMMASharedLayout.get_default_for(list(m.block), dtypes[launch.pointer_types[m.operand]])

@@ -18,9 +18,9 @@ a multiple of BLOCK_N, so that no copy reaches into the next group or tap (polic
 FLIPPED: stride-1 grad_input as this forward over dY (policy.grad_input_as_forward), reading grad_input's own
 weight [G * C, taps * K] (its K is this kernel's C) with the taps in reverse order, in [BLOCK_K, BLOCK_N] tiles.
 
-grad_weight_flat_tma: one-pass TF32 grad_weight over channel-first copies of X and dY on one flat position
-index, where every tap is a constant shift (kernels/launch.py, flat_planes, has the algebra): both operands are
-plain K-major boxes, as TF32 wgmma reads them.
+grad_weight_flat_tma: grad_weight in one-pass TF32 or fp8 compute over channel-first copies of X and dY on one
+flat position index, where every tap is a constant shift (kernels/launch.py, flat_planes, has the algebra): both
+operands are plain K-major boxes, as TF32 and fp8 wgmma read them.
 """
 from __future__ import annotations
 
@@ -265,13 +265,14 @@ def grad_weight_tma(x_desc, dy_desc, p_desc,
 @gluon.jit
 def _issue_flat(x_desc, dy_desc, a_buf, b_buf, bar, r, g, shift, c_col, off_k,
                 C: gl.constexpr, K: gl.constexpr, G: gl.constexpr, N: gl.constexpr, QB: gl.constexpr,
-                SHIFT_X: gl.constexpr, BLOCK_R: gl.constexpr):
+                SHIFT_X: gl.constexpr, ALIGN: gl.constexpr, BLOCK_R: gl.constexpr):
     # reduction step r = (image n, position block): dY's [BLOCK_M, BLOCK_R] box of rows (n, g, k..) and X's
     # [BLOCK_N, BLOCK_R] box of rows (n, g, c..), positions shifted by the tap (TMA reads zeros outside a row);
-    # the shifted operand's copy for the shift's residue (launch.flat_planes), so that both boxes start 16 bytes in
+    # the shifted operand's copy for the shift's residue mod ALIGN (the elements in 16 bytes; launch.flat_planes),
+    # so that both boxes start 16 bytes in
     n = r // QB
     q0 = (r % QB) * BLOCK_R
-    residue = ((shift % 4) + 4) % 4
+    residue = ((shift % ALIGN) + ALIGN) % ALIGN
     if SHIFT_X:
         x_row = (residue * N * G + n * G + g) * C + c_col
         y_row = (n * G + g) * K + off_k
@@ -289,8 +290,8 @@ def grad_weight_flat_tma(x_desc, dy_desc, p_desc,
                          # dimension's low padding (3 each, in the problem's order of dimensions)
                          F: gl.constexpr, D: gl.constexpr, XS: gl.constexpr, LOX: gl.constexpr,
                          C: gl.constexpr, K: gl.constexpr, G: gl.constexpr, N: gl.constexpr, QB: gl.constexpr,
-                         STEPS: gl.constexpr, CHUNK: gl.constexpr, SHIFT_X: gl.constexpr, STAGES: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         STEPS: gl.constexpr, CHUNK: gl.constexpr, SHIFT_X: gl.constexpr, ALIGN: gl.constexpr,
+                         PROMOTE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
     # partial[s, g, k, t, c] = sum over steps r of chunk s of Yf[(n, g, k), q] * Xf[(n, g, c), q + shift(t)]:
     # one program per (K tile, tap and C tile, group, chunk), as grad_weight_tma.  K and C are multiples of
     # BLOCK_M and BLOCK_N (policy.tma_flat_grad_weight_reason): no box crosses into another image or group
@@ -311,28 +312,36 @@ def grad_weight_flat_tma(x_desc, dy_desc, p_desc,
     if steps > CHUNK:
         steps = CHUNK
 
-    a_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M, BLOCK_R], dy_desc.layout)
-    b_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, BLOCK_R], x_desc.layout)
+    # f32 copies (TF32 values) or fp8 ones (dY's and X's compute types may differ: wgmma takes e4m3 x e5m2)
+    a_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES, BLOCK_M, BLOCK_R], dy_desc.layout)
+    b_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_N, BLOCK_R], x_desc.layout)
     bars = _barriers(STAGES)
+    TF32: gl.constexpr = x_desc.dtype == gl.float32
 
-    acc = _zero_accumulator(BLOCK_M, BLOCK_N, 8, num_warps)
+    acc = _zero_accumulator(BLOCK_M, BLOCK_N, 256 // x_desc.dtype.primitive_bitwidth, num_warps)
 
     for i in gl.static_range(STAGES - 1):
         if i < steps:
             _issue_flat(x_desc, dy_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i), start + i, g, shift,
-                        c_col, off_k, C, K, G, N, QB, SHIFT_X, BLOCK_R)
+                        c_col, off_k, C, K, G, N, QB, SHIFT_X, ALIGN, BLOCK_R)
     for step in range(steps):
         st = step % STAGES
         mbarrier.wait(bars.index(st), (step // STAGES) & 1)
-        # the copies hold TF32 values already (launch.pad_planes_launch rounds them), so wgmma's truncation of
-        # the low mantissa bits changes nothing
-        acc = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)), acc, precision="tf32",
-                            is_async=True)
+        # the f32 copies hold TF32 values already (launch.pad_planes_launch rounds them), so wgmma's truncation
+        # of the low mantissa bits changes nothing
+        if TF32:
+            acc = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)), acc, precision="tf32",
+                                is_async=True)
+        elif PROMOTE > 0:  # fp8: products summed in wgmma's own (narrower) accumulator PROMOTE at a time, then in f32
+            acc = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)), acc,
+                                max_num_imprecise_acc=PROMOTE, is_async=True)
+        else:
+            acc = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         nxt = step + STAGES - 1
         if nxt < steps:
             ns = nxt % STAGES
             _issue_flat(x_desc, dy_desc, a_bufs.index(ns), b_bufs.index(ns), bars.index(ns), start + nxt, g,
-                        shift, c_col, off_k, C, K, G, N, QB, SHIFT_X, BLOCK_R)
+                        shift, c_col, off_k, C, K, G, N, QB, SHIFT_X, ALIGN, BLOCK_R)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     _store_partials(p_desc, acc, bars, (s * G + g) * K + off_k, t * C + c_col, STAGES)

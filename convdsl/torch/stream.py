@@ -18,6 +18,9 @@ from ..problem import activation_axes, weight_axes
 from ..stream import StreamKernel, StreamLaunch
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# the launches' Triton element types of the staged copies (kernels/launch.flat_elements)
+TORCH_ELEMENTS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+                  "fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
 # every binding of the kernels starts 16-byte aligned (kernels/launch.POINTER_ALIGNMENT)
 ALIGNMENT = 16
 
@@ -63,7 +66,7 @@ class TmaDriverLaunch:
     tensor's address changed (a training loop's tensors mostly come back at the same addresses); the driver
     copies the block at every launch, so a CUDA graph keeps the descriptors of its capture."""
 
-    _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4}
+    _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4, "fp8e4nv": 1, "fp8e5": 1}
 
     def __init__(self, sl: StreamLaunch, maps: Sequence[TmaMap], kinds: Sequence[str], device: int) -> None:
         b = sl.binary
@@ -169,8 +172,8 @@ class StreamRunner:
         if not self.staging:
             return list(operands)
         staged = []
-        for launch, shape, a in zip(self.staging, self.kernel.staged_shapes, operands):
-            copy = torch.empty(shape, dtype=torch.float32, device=self.device)
+        for launch, sl, shape, a in zip(self.staging, self.kernel.staging, self.kernel.staged_shapes, operands):
+            copy = torch.empty(shape, dtype=TORCH_ELEMENTS[sl.launch.pointer_types[1]], device=self.device)
             launch(stream, a, copy)
             staged.append(copy)
         return staged
