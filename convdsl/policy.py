@@ -376,7 +376,7 @@ def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
         return "the TMA kernel reads GKYXC weights"
     if p.epilogue.kind != "none":
         return "the TMA kernel has no epilogue"
-    tiles = tma_forward_tiles(p)
+    tiles = tma_forward_tiles(p, target)
     if p.in_channels % tiles.block_k or p.out_channels % 8:
         return (f"the TMA kernel reads channels in whole {tiles.block_k}-element steps (C a multiple of "
                 f"{tiles.block_k}, K of 8)")
@@ -385,13 +385,32 @@ def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
     return None
 
 
-def tma_forward_tiles(p: ConvProblem) -> TileConfig:
+# wide tiles (two warp groups on 128 x 256) against 128 x 128: the products' rate per tile, measured over the
+# ResNet-50 and suite forwards that fill the same number of waves either way (docs/decisions.md#tma-wide)
+WIDE_TILE_GAIN = 1.15
+
+
+def tma_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
     """128 rows, columns as wide as K up to 128 (a wider tile than K doubles the products for nothing), 128
     bytes of channels a step where C allows (64 of 16-bit, 32 of f32), 4 stages and 4 warps
-    (docs/decisions.md#tma-forward, #tf32-flat)."""
+    (docs/decisions.md#tma-forward, #tf32-flat).  16-bit with K >= 256: 128 x 256 tiles of two warp groups (3
+    stages to fit) where the waves they take, each WIDE_TILE_GAIN faster per product, beat 128 x 128's: they
+    lose where the wide tiles leave SMs idle (ResNet-50's 512-channel 7x7 layers: 50 tiles on 132 SMs)
+    (docs/decisions.md#tma-wide)."""
     steps = (32, 16, 8) if p.dtype == "f32" else (64, 32, 16)
     block_k = next((b for b in steps if p.in_channels % b == 0), steps[-1])
-    return TileConfig(128, 64 if p.out_channels <= 64 else 128, block_k, warps=4, stages=4)
+    narrow = TileConfig(128, 64 if p.out_channels <= 64 else 128, block_k, warps=4, stages=4)
+    if p.dtype == "f32" or p.out_channels < 256 or (p.groups > 1 and p.out_channels % 256):
+        return narrow
+    rows = -(-p.batch * math.prod(p.output) // 128) * p.groups
+    sms = target.gpu.sm_count
+
+    def waves(columns: int) -> int:
+        return -(-rows * -(-p.out_channels // columns) // sms)
+
+    if waves(256) * 2 / WIDE_TILE_GAIN < waves(128):
+        return replace(narrow, block_n=256, warps=8, stages=3)
+    return narrow
 
 
 def grad_input_as_forward(p: ConvProblem) -> Optional[ConvProblem]:
@@ -410,6 +429,34 @@ def grad_input_as_forward(p: ConvProblem) -> Optional[ConvProblem]:
         return None
     return p.with_(op="forward", in_channels=p.out_channels, out_channels=p.in_channels, input=p.output, pad_lo=lo,
                    pad_hi=hi, weight_layout=FAST_WEIGHT_LAYOUT)
+
+
+# space-to-depth: the regrouped channels, most (a few-channel strided forward; the stem's 3 x 2 x 2 = 12)
+SPACE_TO_DEPTH_MOST_CHANNELS = 16
+
+
+def space_to_depth_forward(p: ConvProblem) -> Optional[ConvProblem]:
+    """A few-channel strided forward (an RGB stem) as a stride-1 forward over X and W regrouped space-to-depth,
+    or None where p is not one.
+
+    With stride s per dimension, input position i = o*s + t - lo (dilation 1) splits as t = t'*s + r with
+    0 <= r < s: i = (o + t')*s + r - lo.  So X'[n, j, (r, c)] = X[n, j*s + r - lo, c] (0 outside X) and
+    W'[k, t', (r, c)] = W[k, t'*s + r, c] (0 for taps past F) give Y[n, o, k] = sum over t', (r, c) of
+    X'[n, o + t', (r, c)] * W'[k, t', (r, c)]: a stride-1 convolution with C*s channels, ceil(F/s) taps and
+    no padding over an input of O + ceil(F/s) - 1 positions.  ResNet-50's stem (C = 3, 7x7 stride 2) becomes
+    12 channels and 4x4 taps, whose reduction steps read 12 contiguous channels a tap instead of 3
+    (docs/decisions.md#stem-space-to-depth).  The regrouping is two copies on the stream path
+    (kernels/launch.space_to_depth_launch)."""
+    if (p.op != "forward" or p.groups != 1 or all(s == 1 for s in p.stride) or any(d != 1 for d in p.dilation)
+            or p.in_channels * math.prod(p.stride) > SPACE_TO_DEPTH_MOST_CHANNELS or p.layout != "NHWGC"
+            or p.dynamic_batch or p.dtype not in ("f16", "bf16") or p.compute is not None
+            or p.epilogue.kind != "none"
+            or min(p.pad_lo) < 0 or min(p.pad_hi) < 0 or max(p.batch, p.out_channels) > 65535):
+        return None
+    taps = tuple(-(-f // s) for f, s in zip(p.filter, p.stride))
+    return p.with_(in_channels=p.in_channels * math.prod(p.stride), filter=taps,
+                   input=tuple(o + t - 1 for o, t in zip(p.output, taps)), stride=(1,) * p.dims,
+                   pad_lo=(0,) * p.dims, pad_hi=(0,) * p.dims, weight_layout=FAST_WEIGHT_LAYOUT)
 
 
 class TmaPlan(NamedTuple):
@@ -435,12 +482,12 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
         return None
     base = re.sub(r"\W", "_", p.name)
     if tma_forward_reason(p, target) is None:
-        tiles = tma_forward_tiles(p)
+        tiles = tma_forward_tiles(p, target)
         return TmaPlan(*forward_tma_launch(p, tiles, base), False, (), tiles)
     q = grad_input_as_forward(p)
     # f32 keeps its cp.async grad_input: the flipped weight tiles are N-major, which TF32 wgmma cannot read
     if q is not None and _weight_rows(p) and p.dtype != "f32" and tma_forward_reason(q, target) is None:
-        tiles = tma_forward_tiles(q)
+        tiles = tma_forward_tiles(q, target)
         return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True), True, (), tiles)
     if tma_grad_weight_reason(p, target) is None:
         tiles = tma_grad_weight_tiles(p)

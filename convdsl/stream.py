@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Union
 from . import cache, policy
 from .backends.iree import iree_version
 from .kernels.launch import (Binary, Launch, TmaMap, compile_launch, compile_tma_launch, round_fp8_launch,
-                             sum_partials_launch, transpose_launch, triton_version)
+                             space_to_depth_launch, sum_partials_launch, transpose_launch, triton_version)
 from .problem import ConvProblem, problem_from_spec, problem_to_spec, weight_axes_name
 from .targets import Target
 from .tuning import db
@@ -46,8 +46,9 @@ class StreamLaunch:
 @dataclass(frozen=True)
 class StreamKernel:
     """One kernel's launches and what surrounds them.  `planned` is the problem the launches were planned for:
-    `problem` itself, or its NHWGC twin where the arguments named in `copied` are copied to NHWGC first (and
-    the result, if it is an activation, copied back)."""
+    `problem` itself, its NHWGC twin where the arguments named in `copied` are copied to NHWGC first (and
+    the result, if it is an activation, copied back), or the stride-1 forward its staging copies regroup its
+    operands for (policy.space_to_depth_forward)."""
 
     problem: ConvProblem
     arch: str
@@ -72,8 +73,8 @@ class StreamKernel:
     tma_params: tuple[str, ...] = ()
     # grad_input as forward on the TMA kernel (policy.grad_input_as_forward), its weight read with the taps reversed
     tma_flipped_weight: bool = False
-    # the operands' staging copies, in operand order, and their shapes (f32): the TMA kernel reads these instead
-    # (the flat-plane TF32 grad_weight, policy.tma_flat_grad_weight_reason)
+    # the operands' staging copies, in operand order, and their shapes: the kernel reads these instead (the
+    # flat-plane grad_weight's, policy.tma_flat_grad_weight_reason; space-to-depth's, space_to_depth_forward)
     staging: tuple[StreamLaunch, ...] = ()
     staged_shapes: tuple[tuple[int, ...], ...] = ()
 
@@ -95,6 +96,10 @@ class StreamKernel:
             return (f"stream path: Gluon kernel {names} (TMA im2col copies and wgmma; tiles {self.tiles}, "
                     f"{self.arch}){how}; knobs from the {self.knobs_source}")
         copies = f"; {', '.join(self.copied)} copied to NHWGC" if self.copied else ""
+        if self.staging:
+            p = self.planned
+            copies += (f"; x and w regrouped space-to-depth, stride 1 over {p.in_channels} channels and "
+                       f"{'x'.join(map(str, p.filter))} taps")
         copies += f"; w copied to {weight_axes_name(self.problem, self.weight_axes)}" if self.weight_axes else ""
         return (f"stream path: Triton kernels {names} (tiles {self.tiles}, {self.arch}){copies}; "
                 f"knobs from the {self.knobs_source}")
@@ -148,7 +153,9 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
                             summed, tma_maps=maps, tma_params=kinds, tma_flipped_weight=flipped,
                             staging=tuple(compiled_plain(la) for la, _ in staging),
                             staged_shapes=tuple(shape for _, shape in staging))
-    ext = policy.extern_launches(p, target, knobs)
+    # a few-channel strided forward runs stride 1 over its operands regrouped space-to-depth (two copies first)
+    regrouped = policy.space_to_depth_forward(p)
+    ext = policy.extern_launches(regrouped or p, target, knobs)
     if ext is None:
         raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {unsupported_reason(p, target)}")
 
@@ -157,6 +164,7 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
         return StreamLaunch(la, binary)
 
     base = ext.launches[0].name
+    staging = tuple(space_to_depth_launch(p, regrouped, name, base) for name in p.arg_names) if regrouped else ()
     summed = compiled(sum_partials_launch(p, ext.partials_shape, base)) if p.op == "grad_weight" else None
     rounds = ()
     if p.fp8_compute:
@@ -165,7 +173,9 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
     copy_in, copy_out = _layout_copies(p, ext.copied_channels_last, base, p.op != "grad_weight")
     return StreamKernel(p, target.arch, ext.problem, ext.copied_channels_last, tuple(map(compiled, ext.launches)),
                         ext.partials_shape, ext.tiles.label(), source, summed, rounds, ext.weight_axes,
-                        tuple(map(compiled, copy_in)), compiled(copy_out) if copy_out else None)
+                        tuple(map(compiled, copy_in)), compiled(copy_out) if copy_out else None,
+                        staging=tuple(compiled(la) for la, _ in staging),
+                        staged_shapes=tuple(shape for _, shape in staging))
 
 
 def _layout_copies(p: ConvProblem, copied: tuple[str, ...], base: str, result_copied: bool

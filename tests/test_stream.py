@@ -68,7 +68,15 @@ CASES = [
     (BASE.with_(op="transposed", dtype="f32", compute="tf32", weight_layout="GKCYX", layout="NGCHW"), SMALL),
     (BASE.with_(dtype="f32", compute="tf32", stride=(2, 1)), SMALL + "k2"),
     (BASE.with_(op="forward", dtype="f32", compute="tf32", stride=(1, 2)), SMALL),
+    # a few-channel strided forward (an RGB stem) over X and W regrouped space-to-depth: 2D with a 7x7 filter
+    # (taps past it zero), the weight read from GKCYX; 3D with unequal strides and asymmetric padding
+    (BASE.with_(op="forward", in_channels=3, out_channels=8, input=(13, 12), filter=(7, 7), stride=(2, 2),
+                pad_lo=(3, 3), pad_hi=(3, 2), weight_layout="GKCYX", groups=1), SMALL),
+    (BASE.with_(op="forward", dims=3, in_channels=2, out_channels=5, input=(5, 6, 7), filter=(3, 2, 3),
+                stride=(2, 1, 2), dilation=(1, 1, 1), pad_lo=(1, 0, 1), pad_hi=(0, 1, 1), groups=1), SMALL),
 ]
+# the space-to-depth cases: their stream kernels regroup the operands, the IREE module's kernel does not
+SPACE_TO_DEPTH = (len(CASES) - 2, len(CASES) - 1)
 
 
 # in the 64-bit offset form too: split-K partials and their sum, the fp8 roundings, strided grad_input's copies
@@ -152,10 +160,13 @@ def test_stream_launches_are_the_modules_launches():
     # the stream kernel's GEMM core is the launch the IREE module embeds: same plan, same tiles, same split
     from convdsl.passes.plan import plan_kernel
 
-    for p, tiles in CASES:
+    for i, (p, tiles) in enumerate(CASES):
         knobs = Knobs(tiles=tiles) if tiles else Knobs()
         kernel = stream.plan_stream_kernel(p, HOPPER, knobs)
         plan = plan_kernel(p, HOPPER, knobs)
+        if i in SPACE_TO_DEPTH:  # the module's kernel is the regrouped problem's, planned alike
+            plan = plan_kernel(stream.policy.space_to_depth_forward(p), HOPPER, knobs)
+            assert [sl.launch.kernel for sl in kernel.staging] == ["space_to_depth"] * 2
         assert tuple(sl.launch for sl in kernel.launches) == plan.extern.launches
         assert (kernel.sum is not None) == (p.op == "grad_weight")
         assert len(kernel.rounds) == (2 if p.fp8_compute else 0)

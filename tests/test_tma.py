@@ -59,7 +59,7 @@ def _im2col_tile(x: np.ndarray, coord: tuple[int, ...], offsets: tuple[int, ...]
 def _emulated_forward(p: ConvProblem, x: np.ndarray, w: np.ndarray, flipped: bool = False) -> np.ndarray:
     """forward_tma's tiles, copies and stores, in float64, through _im2col_tile.  flipped: p is a grad_input as
     forward and w grad_input's own weight, read as the kernel's FLIPPED form reads it."""
-    tiles = policy.tma_forward_tiles(p)
+    tiles = policy.tma_forward_tiles(p, HOPPER)
     launch, maps = forward_tma_launch(p, tiles, "k", flipped)
     consts = dict(launch.constants)
     x_map, w_map, y_map = maps
@@ -137,9 +137,9 @@ def test_tf32_forward_maps_round_their_operands_and_f32_gradients_keep_their_ker
     # forward's X and W copies are TFLOAT32 maps (rounded by TMA); f32 grad_input keeps cp.async (its flipped
     # weight tiles are N-major, which TF32 wgmma cannot read) and f32 grad_weight the flat-plane kernel
     p = BASE.with_(dtype="f32", compute="tf32", in_channels=64, out_channels=128)
-    _, maps = forward_tma_launch(p, policy.tma_forward_tiles(p), "k")
+    _, maps = forward_tma_launch(p, policy.tma_forward_tiles(p, HOPPER), "k")
     assert [m.round_tf32 for m in maps] == [True, True, False]
-    assert policy.tma_forward_tiles(p).block_k == 32
+    assert policy.tma_forward_tiles(p, HOPPER).block_k == 32
     assert "exact products, or f32 in one-pass TF32" in policy.tma_forward_reason(p.with_(compute=None), HOPPER)
     if gluon_tma_im2col():
         assert policy.tma_stream_launch(p, HOPPER, Knobs()).launch.kernel == "forward_tma"
@@ -192,10 +192,28 @@ def test_which_forwards_take_the_tma_kernel():
     assert not takes(deep), "3D padding past the five-dimensional map's corner range"
     # tiles in the knobs are a cp.async kernel's: the TMA kernel keeps its own; extern = false keeps the cp.async
     # kernel, and so does the IREE module (extern_launches)
-    tiles = policy.tma_forward_tiles(BASE).label()
+    tiles = policy.tma_forward_tiles(BASE, HOPPER).label()
     assert policy.tma_stream_launch(BASE, HOPPER, Knobs(tiles="t64x64x32w4s3"))[0].warps == 4 and "w4s4" in tiles
     assert policy.tma_stream_launch(BASE, HOPPER, Knobs(extern=False)) is None
     assert policy.extern_launches(BASE, HOPPER, Knobs()).launches[0].kernel == "grad_input_phases"
+
+
+@pytest.mark.parametrize("channels, size, stride, wide", [
+    (256, 14, 1, True),  # 98 wide tiles in one wave, against 196 narrow ones in two
+    (512, 7, 1, False),  # 50 wide tiles leave most SMs idle where 100 narrow ones fill one wave
+    (256, 65, 1, True),
+    (128, 56, 1, False),  # K < 256: a 256-column tile is half zeros
+])
+def test_wide_forward_tiles_where_they_take_fewer_waves(channels, size, stride, wide):
+    p = BASE.with_(batch=64, in_channels=channels, out_channels=channels, input=(size, size), stride=(stride,) * 2,
+                   filter=(3, 3), pad_lo=(1, 1), pad_hi=(1, 1))
+    tiles = policy.tma_forward_tiles(p, HOPPER)
+    assert (tiles.block_n, tiles.warps) == ((256, 8) if wide else (128 if channels >= 128 else 64, 4))
+    # 128 x 256 x 64 of 16-bit in 3 stages, and its f16 output tile, fit an SM's shared memory
+    assert not wide or tiles.stages * (128 + 256) * 64 * 2 + 128 * 256 * 2 <= HOPPER.gpu.shared_per_sm
+    assert policy.tma_forward_tiles(p.with_(dtype="f32", compute="tf32"), HOPPER).block_n == 128
+    # with groups, a wide column tile must not cross into the next group
+    assert policy.tma_forward_tiles(p.with_(groups=2, out_channels=384, in_channels=384), HOPPER).block_n == 128
 
 
 DGRAD = BASE.with_(op="grad_input", out_channels=48)  # its forward reduces over K = 48: three 16-channel steps

@@ -25,7 +25,10 @@ MODULES = [
     ("ConvTranspose2d", dict(in_channels=64, out_channels=32, kernel_size=4, stride=2, padding=1), (4, 64, 14, 14)),
     ("Conv3d", dict(in_channels=32, out_channels=32, kernel_size=3, padding=1), (2, 32, 8, 12, 12)),
     ("Conv1d", dict(in_channels=64, out_channels=64, kernel_size=3, stride=2), (8, 64, 101)),
-    # 128 channels: f32 grad_weight in TF32 on the flat-plane kernel on Hopper
+    # an RGB stem: 16-bit channels-last forward over X and W regrouped space-to-depth
+    ("Conv2d", dict(in_channels=3, out_channels=64, kernel_size=7, stride=2, padding=3), (4, 3, 64, 64)),
+    # 128 channels (last: test_f32_in_tf32_takes_the_flat_planes_and_the_tma_forward): f32 grad_weight in TF32
+    # on the flat-plane kernel on Hopper
     ("Conv2d", dict(in_channels=128, out_channels=128, kernel_size=3, padding=1), (4, 128, 14, 14)),
 ]
 # (dtype, TF32 allowed): tolerance of the relative L2 error against float64
@@ -105,6 +108,17 @@ def test_autocast_steps_against_cudnn_and_float64():
             mine_err = _rel(outs["convdsl"][i], outs["exact"][i])
             cudnn_err = _rel(outs["cudnn"][i], outs["exact"][i])
             assert mine_err <= max(1e-2, 2 * cudnn_err), f"step {step} {what}: {mine_err:.2e} (cuDNN {cudnn_err:.2e})"
+
+
+def test_an_rgb_stem_runs_regrouped_space_to_depth():
+    # its results are checked in test_against_cudnn_and_float64 (the stem module, both memory formats)
+    name, kwargs, shape = MODULES[-2]
+    conv = getattr(ct, name)(**kwargs).cuda().half().to(memory_format=torch.channels_last)
+    conv(torch.randn(shape, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last))
+    (runner,) = [r for (p, _), r in runtime._runners.items()
+                 if p.op == "forward" and p.in_channels == 3 and p.batch == shape[0] and p.dtype == "f16"
+                 and p.layout == "NHWGC"]
+    assert "space-to-depth, stride 1 over 12 channels and 4x4 taps" in runner.kernel.describe()
 
 
 def test_the_stream_path_is_taken():

@@ -41,8 +41,9 @@ def _compile(job):
     p, label = job
     if label == "rule":
         from convdsl import policy
+        from convdsl.targets import Target
 
-        label = policy.tma_forward_tiles(p).label()
+        label = policy.tma_forward_tiles(p, Target("cuda", "sm_90")).label()
     if label == "cp.async":
         from convdsl.stream import plan_stream_kernel
         from convdsl.targets import Target
@@ -68,7 +69,8 @@ def _wide_problems(bundle: Path | None) -> list:
     for k in stream.load_bundle(bundle) if bundle else ():
         q = policy.grad_input_as_forward(k.problem) if k.problem.op == "grad_input" else k.problem
         if q is not None and q.op == "forward":
-            found.append(q.with_(name=f"{k.problem.name}"))
+            found.append(q.with_(name=f"r50_{k.problem.op}_c{q.in_channels}_k{q.out_channels}_"
+                                      f"{'x'.join(map(str, q.input))}_s{q.stride[0]}"))
     out, seen = [], set()
     for p in found:
         key = repr(p.with_(name="").record())

@@ -52,8 +52,8 @@ def _compile(job):
         reason = common(q, target)
         return None if reason is not None and reason.startswith("one tap") and q.op != "grad_weight" else reason
 
-    def tiles(q):
-        t = rule_tiles(q)
+    def tiles(q, target):
+        t = rule_tiles(q, target)
         t = replace(t, stages=2) if "s2" in variant else t
         return replace(t, warps=8) if "w8" in variant else t
 

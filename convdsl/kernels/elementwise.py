@@ -19,6 +19,11 @@ stream path, convdsl/stream.py): inside an IREE module the same steps are linalg
                  (launch.flat_planes); x is read through its strides (any layout), the spatial sizes and strides
                  in the planes' order.  round: to TF32 (f32 kept), or with FP8 to the fp8 grid as round_fp8,
                  saturated at the type's largest finite value, and stored in y's fp8 type.
+  space_to_depth: y[b, j0, j1, j2, (r0, r1, r2, c)] = x[b, j0 * R0 + r0 - LO0, j1 * R1 + r1 - LO1,
+                 j2 * R2 + r2 - LO2, c] (0 outside x): a few-channel strided forward's X (b = n) and weight
+                 (b = k, LO = 0, taps past the filter 0) regrouped R0 x R1 x R2 into the channels, so that the
+                 convolution runs with stride 1 (policy.space_to_depth_forward has the algebra); x is read
+                 through its strides, y written contiguous with the channels innermost.
 """
 from __future__ import annotations
 
@@ -118,3 +123,28 @@ def pad_planes(x, y, CH: tl.constexpr, G: tl.constexpr, SN: tl.constexpr, SG: tl
             v = tf32_round(v)
         tl.store(y + (z * ROWS + r)[:, None] * L + f[None, :], v.to(y.dtype.element_ty),
                  mask=rows[:, None] & (f < L)[None, :])
+
+
+@triton.jit
+def space_to_depth(x, y, CH: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
+                   S2: tl.constexpr, I0: tl.constexpr, I1: tl.constexpr, I2: tl.constexpr, R0: tl.constexpr,
+                   R1: tl.constexpr, R2: tl.constexpr, LO0: tl.constexpr, LO1: tl.constexpr, LO2: tl.constexpr,
+                   J0: tl.constexpr, J1: tl.constexpr, J2: tl.constexpr, BLOCK_J: tl.constexpr,
+                   BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
+    # BLOCK_J positions j of image (or output channel) b = program_id(1), all R0*R1*R2*CH channels of each
+    CHANNELS: tl.constexpr = R0 * R1 * R2 * CH
+    J: tl.constexpr = J0 * J1 * J2
+    j = wide_index(tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J), WIDE)
+    b = wide_index(tl.program_id(1), WIDE)
+    cc = tl.arange(0, BLOCK_C)
+    c = cc % CH
+    r2 = (cc // CH) % R2
+    r1 = (cc // (CH * R2)) % R1
+    r0 = cc // (CH * R2 * R1)
+    i0 = ((j // (J1 * J2)) * R0)[:, None] + r0[None, :] - LO0
+    i1 = (((j // J2) % J1) * R1)[:, None] + r1[None, :] - LO1
+    i2 = ((j % J2) * R2)[:, None] + r2[None, :] - LO2
+    written = (j < J)[:, None] & (cc < CHANNELS)[None, :]
+    inside = written & (i0 >= 0) & (i0 < I0) & (i1 >= 0) & (i1 < I1) & (i2 >= 0) & (i2 < I2)
+    v = tl.load(x + b * SB + (c * SC)[None, :] + i0 * S0 + i1 * S1 + i2 * S2, mask=inside, other=0.0)
+    tl.store(y + (b * J + j)[:, None] * CHANNELS + cc[None, :], v, mask=written)

@@ -793,7 +793,7 @@ def compile_launch(launch: Launch, arch: str) -> Binary:
 
 # --- the steps around the GEMM cores, for runtimes that launch the kernels themselves (kernels/elementwise.py)
 
-ELEMENTWISE_KERNELS = ("sum_partials", "round_fp8", "transpose_planes", "pad_planes")
+ELEMENTWISE_KERNELS = ("sum_partials", "round_fp8", "transpose_planes", "pad_planes", "space_to_depth")
 ELEMENTWISE_BLOCK = 1024
 # sum_partials: programs to aim for (two per SM of the largest GPUs)
 SUM_PROGRAMS = 264
@@ -839,3 +839,30 @@ def transpose_launch(images: int, rows: int, cols: int, dtype: str, base: str) -
     consts = dict(ROWS=rows, COLS=cols, BLOCK=TRANSPOSE_BLOCK, WIDE=images * rows * cols >= WIDE_ELEMENTS)
     return Launch("transpose_planes", f"{base}_transpose", (ELEMENT[dtype], ELEMENT[dtype]), tuple(consts.items()),
                   grid, 4, 1)
+
+
+SPACE_TO_DEPTH_POSITIONS = 64
+
+
+def space_to_depth_launch(p: ConvProblem, q: ConvProblem, operand: str, base: str
+                          ) -> tuple[Launch, tuple[int, ...]]:
+    """The copy of p's `operand` ("x" or "w") regrouped space-to-depth into q's (policy.space_to_depth_forward):
+    the launch and the copy's shape (q's X or GKYXC weight)."""
+    x = operand == "x"
+    if x:
+        sb, _, sc, *spatial_strides = activation_strides(p, p.input, p.in_channels)
+        sizes, lo, blocks, shape = pad3(p.input, 1), pad3(p.pad_lo, 0), p.batch, q.x_shape
+        regrouped = pad3(q.input, 1)
+    else:
+        _, sb, sc, *spatial_strides = weight_strides(p)
+        sizes, lo, blocks, shape = pad3(p.filter, 1), (0, 0, 0), p.out_channels, q.w_shape
+        regrouped = pad3(q.filter, 1)
+    r = pad3(p.stride, 1)
+    consts = dict(CH=p.in_channels, SB=sb, SC=sc, S0=spatial_strides[0], S1=spatial_strides[1],
+                  S2=spatial_strides[2], I0=sizes[0], I1=sizes[1], I2=sizes[2], R0=r[0], R1=r[1], R2=r[2],
+                  LO0=lo[0], LO1=lo[1], LO2=lo[2], J0=regrouped[0], J1=regrouped[1], J2=regrouped[2],
+                  BLOCK_J=SPACE_TO_DEPTH_POSITIONS, BLOCK_C=matrix_block(q.in_channels),
+                  WIDE=needs_wide(p, math.prod(shape)))
+    grid = check_grid(f"{base}_{operand}", (-(-math.prod(regrouped) // SPACE_TO_DEPTH_POSITIONS), blocks, 1))
+    return Launch("space_to_depth", f"{base}_{operand}_space_to_depth", (ELEMENT[p.dtype], ELEMENT[p.dtype]),
+                  tuple(consts.items()), grid, 4, 1), shape

@@ -128,7 +128,7 @@ class StreamRunner:
             if kernel.tma_maps:
                 raise ValueError(f"kernel {kernel.problem.name}: a TMA kernel runs on the GPU only, not through "
                                  "another launcher")
-            self.staging = []
+            self.staging = [launcher(sl) for sl in kernel.staging]
             (self.core,) = [launcher(sl) for sl in kernel.launches]
             self.sum = launcher(kernel.sum) if kernel.sum else None
             self.rounds = [launcher(sl) for sl in kernel.rounds]
@@ -158,10 +158,10 @@ class StreamRunner:
         problem's arguments and result (PyTorch's channels-last tensors for NHWGC, say), 16-byte aligned; no
         view is made, the kernels read and write through their data pointers."""
         stream = self._stream()
+        a, b = self._staged(stream, (a, b))
         if self.sum is None:
             self.core(stream, a, b, out)
             return out
-        a, b = self._staged(stream, (a, b))
         partials = torch.empty(self.kernel.partials_shape, dtype=torch.float32, device=self.device)
         self.core(stream, a, b, partials)
         self.sum(stream, partials, out)
