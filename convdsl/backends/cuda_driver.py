@@ -111,37 +111,51 @@ TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
 
 
 class TensorMaps:
-    """Room for `count` CUtensorMaps (each 64-byte aligned, as the driver requires), filled in place."""
+    """Room for `count` CUtensorMaps (each 64-byte aligned, as the driver requires), filled in place.  Each map is
+    described once (prepare_tiled, prepare_im2col: its arguments converted to C then) and encoded over a new
+    tensor address per call (encode): only the address changes between a training step's calls."""
 
     def __init__(self, count: int) -> None:
         self._raw = ctypes.create_string_buffer(TENSOR_MAP_BYTES * count + 64)
         base = ctypes.addressof(self._raw)
         self.addresses = [base + (-base) % 64 + i * TENSOR_MAP_BYTES for i in range(count)]
+        self._pointers = [ctypes.c_void_p(0) for _ in range(count)]
+        self._encoders: list[Optional[Callable[[], int]]] = [None] * count
+        self._what = [""] * count
 
-    def encode_tiled(self, index: int, element: str, pointer: int, shape: Sequence[int], element_bytes: int,
-                     box: Sequence[int], swizzle: int) -> None:
-        """Map `index`: the contiguous tensor at `pointer` viewed as `shape` (outermost first), `box` per copy."""
+    def prepare_tiled(self, index: int, element: str, shape: Sequence[int], element_bytes: int,
+                      box: Sequence[int], swizzle: int) -> None:
+        """Map `index`: a contiguous tensor viewed as `shape` (outermost first), `box` per copy."""
         rank = len(shape)
         strides = _contiguous_byte_strides(shape, element_bytes)
-        status = _driver().cuTensorMapEncodeTiled(
-            ctypes.c_void_p(self.addresses[index]), TENSOR_MAP_TYPES[element], rank, ctypes.c_void_p(pointer),
-            _array(ctypes.c_uint64, shape[::-1]), _array(ctypes.c_uint64, strides[:-1][::-1]),
-            _array(ctypes.c_uint32, box[::-1]), _array(ctypes.c_uint32, [1] * rank), _INTERLEAVE, swizzle,
-            _L2_PROMOTION, _OOB_FILL)
-        _check(_driver(), status, f"cuTensorMapEncodeTiled(shape {list(shape)}, box {list(box)})")
+        args = (ctypes.c_void_p(self.addresses[index]), TENSOR_MAP_TYPES[element], rank, self._pointers[index],
+                _array(ctypes.c_uint64, shape[::-1]), _array(ctypes.c_uint64, strides[:-1][::-1]),
+                _array(ctypes.c_uint32, box[::-1]), _array(ctypes.c_uint32, [1] * rank), _INTERLEAVE, swizzle,
+                _L2_PROMOTION, _OOB_FILL)
+        encode = _driver().cuTensorMapEncodeTiled
+        self._encoders[index] = lambda: encode(*args)
+        self._what[index] = f"cuTensorMapEncodeTiled(shape {list(shape)}, box {list(box)})"
 
-    def encode_im2col(self, index: int, element: str, pointer: int, shape: Sequence[int], element_bytes: int,
-                      lower: Sequence[int], upper: Sequence[int], element_strides: Sequence[int], pixels: int,
-                      channels: int, swizzle: int) -> None:
-        """Map `index`: an im2col view of the channels-last tensor at `pointer` of `shape` (N, *spatial, C):
-        copies of `pixels` x `channels` within the pixel box [lower, spatial + upper) per spatial dimension."""
+    def prepare_im2col(self, index: int, element: str, shape: Sequence[int], element_bytes: int,
+                       lower: Sequence[int], upper: Sequence[int], element_strides: Sequence[int], pixels: int,
+                       channels: int, swizzle: int) -> None:
+        """Map `index`: an im2col view of a channels-last tensor of `shape` (N, *spatial, C): copies of `pixels` x
+        `channels` within the pixel box [lower, spatial + upper) per spatial dimension."""
         strides = _contiguous_byte_strides(shape, element_bytes)
-        status = _driver().cuTensorMapEncodeIm2col(
-            ctypes.c_void_p(self.addresses[index]), TENSOR_MAP_TYPES[element], len(shape), ctypes.c_void_p(pointer),
-            _array(ctypes.c_uint64, shape[::-1]), _array(ctypes.c_uint64, strides[:-1][::-1]),
-            _array(ctypes.c_int, lower[::-1]), _array(ctypes.c_int, upper[::-1]), channels, pixels,
-            _array(ctypes.c_uint32, element_strides[::-1]), _INTERLEAVE, swizzle, _L2_PROMOTION, _OOB_FILL)
-        _check(_driver(), status, f"cuTensorMapEncodeIm2col(shape {list(shape)}, box {list(lower)}..{list(upper)})")
+        args = (ctypes.c_void_p(self.addresses[index]), TENSOR_MAP_TYPES[element], len(shape), self._pointers[index],
+                _array(ctypes.c_uint64, shape[::-1]), _array(ctypes.c_uint64, strides[:-1][::-1]),
+                _array(ctypes.c_int, lower[::-1]), _array(ctypes.c_int, upper[::-1]), channels, pixels,
+                _array(ctypes.c_uint32, element_strides[::-1]), _INTERLEAVE, swizzle, _L2_PROMOTION, _OOB_FILL)
+        encode = _driver().cuTensorMapEncodeIm2col
+        self._encoders[index] = lambda: encode(*args)
+        self._what[index] = f"cuTensorMapEncodeIm2col(shape {list(shape)}, box {list(lower)}..{list(upper)})"
+
+    def encode(self, index: int, pointer: int) -> None:
+        """Map `index` as prepared, over the tensor at `pointer`."""
+        self._pointers[index].value = pointer
+        status = self._encoders[index]()
+        if status != 0:
+            _check(_driver(), status, self._what[index])
 
 
 def _contiguous_byte_strides(shape: Sequence[int], element_bytes: int) -> list[int]:
@@ -155,12 +169,18 @@ def _array(ctype, values: Sequence[int]):
     return (ctype * len(values))(*values)
 
 
-def launch_raw(function: "LoadedFunction", grid: tuple[int, int, int], stream: int, parameters) -> None:
-    """Queue `function` with a prepared parameter array (pointers to each parameter's bytes)."""
-    status = _driver().cuLaunchKernel(function.handle, *grid, function.threads, 1, 1, function.shared_bytes, stream,
-                                      parameters, None)
-    if status != 0:
-        _check(_driver(), status, f"cuLaunchKernel({function.name})")
+def bind_raw(function: "LoadedFunction", grid: tuple[int, int, int], parameters) -> Callable[[int], None]:
+    """launch(stream) queueing `function` on `grid` with a prepared parameter array (pointers to each
+    parameter's bytes, which the caller fills in place), its arguments converted to C once."""
+    fixed = (function.handle, *(ctypes.c_uint(v) for v in (*grid, function.threads, 1, 1, function.shared_bytes)))
+    driver_launch, name = _driver().cuLaunchKernel, function.name
+
+    def launch(stream: int) -> None:
+        status = driver_launch(*fixed, stream, parameters, None)
+        if status != 0:
+            _check(_driver(), status, f"cuLaunchKernel({name})")
+
+    return launch
 
 
 def load_function(image: bytes, kind: str, name: str, threads: int, shared_bytes: int, params: int,

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..backends.cuda_driver import LoadedFunction, TensorMaps, launch_raw, load_function
+from ..backends.cuda_driver import LoadedFunction, TensorMaps, bind_raw, load_function
 from ..kernels.launch import TmaMap
 from ..problem import activation_axes, weight_axes
 from ..stream import StreamKernel, StreamLaunch
@@ -63,8 +63,9 @@ class DriverLaunch:
 class TmaDriverLaunch:
     """A TMA launch (kernels/tma.py) loaded through the CUDA driver.  Its descriptors are made over the tensors
     of each call (operands, then the result) in a parameter block kept by the launch, each re-made only when its
-    tensor's address changed (a training loop's tensors mostly come back at the same addresses); the driver
-    copies the block at every launch, so a CUDA graph keeps the descriptors of its capture."""
+    tensor's address changed (a training loop's tensors mostly come back at the same addresses; each map's
+    shape, strides and box are converted to C once); the driver copies the block at every launch, so a CUDA
+    graph keeps the descriptors of its capture."""
 
     _ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4, "fp8e4nv": 1, "fp8e5": 1}
 
@@ -74,8 +75,16 @@ class TmaDriverLaunch:
         self.function: LoadedFunction = load_function(b.data, b.kind, b.name, b.threads, b.shared_bytes, b.params,
                                                       device)
         self.maps = tuple(maps)
-        self.elements = [sl.launch.pointer_types[m.operand] for m in self.maps]
         self.tensor_maps = TensorMaps(len(self.maps))
+        for i, m in enumerate(self.maps):
+            element = "tf32" if m.round_tf32 else sl.launch.pointer_types[m.operand]
+            size = self._ELEMENT_BYTES[element]
+            if m.im2col:
+                self.tensor_maps.prepare_im2col(i, element, m.shape, size, m.lower, m.upper, m.element_strides,
+                                                m.box[0], m.box[1], m.swizzle)
+            else:
+                self.tensor_maps.prepare_tiled(i, element, m.shape, size, m.box, m.swizzle)
+        self._operands = [m.operand for m in self.maps]
         self._addresses: list[Optional[int]] = [None] * len(self.maps)
         # the maps' bytes in place; every other parameter (a map's shape and strides, which the kernel does not
         # read, and Triton's scratch pointers, size 0) passed as zero
@@ -84,20 +93,16 @@ class TmaDriverLaunch:
         for kind, zero in zip(kinds, self._zeros):
             slots.append(next(it) if kind == "map" else ctypes.addressof(zero))
         self._params = (ctypes.c_void_p * len(slots))(*slots)
+        self._launch = bind_raw(self.function, self.grid, self._params)
 
     def __call__(self, stream: int, *tensors: torch.Tensor) -> None:
-        for i, m in enumerate(self.maps):
-            address = tensors[m.operand].data_ptr()
-            if address != self._addresses[i]:
-                element = "tf32" if m.round_tf32 else self.elements[i]
-                size = self._ELEMENT_BYTES[element]
-                if m.im2col:
-                    self.tensor_maps.encode_im2col(i, element, address, m.shape, size, m.lower, m.upper,
-                                                   m.element_strides, m.box[0], m.box[1], m.swizzle)
-                else:
-                    self.tensor_maps.encode_tiled(i, element, address, m.shape, size, m.box, m.swizzle)
-                self._addresses[i] = address
-        launch_raw(self.function, self.grid, stream, self._params)
+        addresses = self._addresses
+        for i, operand in enumerate(self._operands):
+            address = tensors[operand].data_ptr()
+            if address != addresses[i]:
+                self.tensor_maps.encode(i, address)
+                addresses[i] = address
+        self._launch(stream)
 
 
 class StreamRunner:
