@@ -18,8 +18,8 @@ from .kernels.launch import (ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST_STRIDE, 
                              forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, grad_input_direct_launch,
                              grad_input_launch, grad_weight_depthwise_launch, grad_weight_flat_tma_launch,
                              grad_weight_launch, grad_weight_tma_launch, im2col_box, output_tiles, pad3, packable,
-                             packed_sizes, pad_planes_launch, reduction_steps, split_chunks, tiles_within_images,
-                             triton_version)
+                             packed_sizes, pad_planes_launch, reduction_steps, round_fp8_launch, split_chunks,
+                             tiles_within_images, triton_version)
 from .kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
 from .problem import ConvProblem, weight_axes
 from .targets import Target
@@ -222,8 +222,11 @@ def _tma_common_reason(p: ConvProblem, target: Target) -> Optional[str]:
     im2col box in range, and Gluon's TMA im2col in the installed Triton."""
     if target.backend != "cuda" or arch_number(target.arch) != 90:
         return f"TMA im2col with wgmma is Hopper's (sm_90); target is {target.arch}"
-    if not (p.dtype in ("f16", "bf16") and p.compute is None) and not (p.dtype == "f32" and p.tf32):
-        return "the TMA kernels compute in f16/bf16 with exact products, or f32 in one-pass TF32"
+    fp8_forward = p.op == "forward" and p.dtype in ("f16", "bf16") and p.fp8_compute
+    if not (p.dtype in ("f16", "bf16") and p.compute is None) and not (p.dtype == "f32" and p.tf32) \
+            and not fp8_forward:
+        return ("the TMA kernels compute in f16/bf16 with exact products, f32 in one-pass TF32, or forward in fp8 "
+                "compute")
     if p.layout != "NHWGC" or p.dynamic_batch:
         return "the TMA kernels read NHWGC activations of a fixed batch"
     if math.prod(p.filter) == 1:
@@ -397,7 +400,8 @@ def tma_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
     stages to fit) where the waves they take, each WIDE_TILE_GAIN faster per product, beat 128 x 128's: they
     lose where the wide tiles leave SMs idle (ResNet-50's 512-channel 7x7 layers: 50 tiles on 132 SMs)
     (docs/decisions.md#tma-wide)."""
-    steps = (32, 16, 8) if p.dtype == "f32" else (64, 32, 16)
+    # 128 bytes of channels a step where C allows; fp8 wgmma takes at least 32 bytes a product
+    steps = (32, 16, 8) if p.dtype == "f32" else (128, 64, 32) if p.fp8_compute else (64, 32, 16)
     block_k = next((b for b in steps if p.in_channels % b == 0), steps[-1])
     narrow = TileConfig(128, 64 if p.out_channels <= 64 else 128, block_k, warps=4, stages=4)
     if p.dtype == "f32" or p.out_channels < 256 or (p.groups > 1 and p.out_channels % 256):
@@ -483,10 +487,16 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
     base = re.sub(r"\W", "_", p.name)
     if tma_forward_reason(p, target) is None:
         tiles = tma_forward_tiles(p, target)
-        return TmaPlan(*forward_tma_launch(p, tiles, base), False, (), tiles)
+        # fp8 compute: X and W rounded into fp8 copies first, which the kernel reads with fp8 wgmma
+        staging = tuple((round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}", as_fp8=True), shape)
+                        for i, (shape, dtype, kind) in enumerate(zip(p.arg_shapes, p.arg_dtypes, p.compute))
+                        ) if p.fp8_compute else ()
+        return TmaPlan(*forward_tma_launch(p, tiles, base), False, (), tiles, staging)
     q = grad_input_as_forward(p)
-    # f32 keeps its cp.async grad_input: the flipped weight tiles are N-major, which TF32 wgmma cannot read
-    if q is not None and _weight_rows(p) and p.dtype != "f32" and tma_forward_reason(q, target) is None:
+    # f32 and fp8 keep their cp.async grad_input: the flipped weight tiles are N-major, which TF32 and fp8 wgmma
+    # cannot read
+    if q is not None and _weight_rows(p) and p.dtype != "f32" and not p.fp8_compute \
+            and tma_forward_reason(q, target) is None:
         tiles = tma_forward_tiles(q, target)
         return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True), True, (), tiles)
     if tma_grad_weight_reason(p, target) is None:

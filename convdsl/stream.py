@@ -88,12 +88,14 @@ class StreamKernel:
         if self.tma_maps:
             how = "; grad_input as the forward convolution of dY with the flipped weight" \
                 if self.tma_flipped_weight else ""
-            if self.staging:
+            if names == "grad_weight_flat_tma":
                 products = ("fp8 wgmma (f32 sums)" if self.problem.fp8_compute else "one-pass TF32 wgmma")
                 return (f"stream path: Gluon kernel {names} ({products} on TMA copies of X and dY laid "
                         f"channel-first on flat planes; tiles {self.tiles}, {self.arch}); knobs from the "
                         f"{self.knobs_source}")
-            return (f"stream path: Gluon kernel {names} (TMA im2col copies and wgmma; tiles {self.tiles}, "
+            products = "fp8 wgmma (f32 sums) over X and W rounded into fp8 copies" if self.problem.fp8_compute \
+                else "wgmma"
+            return (f"stream path: Gluon kernel {names} (TMA im2col copies and {products}; tiles {self.tiles}, "
                     f"{self.arch}){how}; knobs from the {self.knobs_source}")
         copies = f"; {', '.join(self.copied)} copied to NHWGC" if self.copied else ""
         if self.staging:

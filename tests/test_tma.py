@@ -123,6 +123,10 @@ def _problem(dims: int, size: int, stride: int, dilation: int, pad: tuple[int, i
     # f32 in one-pass TF32: 32 channels a step (the copies' TF32 rounding is left out, as the products' is)
     BASE.with_(dtype="f32", compute="tf32", in_channels=64, stride=(2, 1)),
     BASE.with_(dtype="f32", compute="tf32", in_channels=40, groups=2, out_channels=64),  # 8 channels a step
+    # fp8 compute: 128 channels (128 bytes) a step, and 32 (wgmma's fewest) where C allows no more (the copies'
+    # fp8 rounding is left out)
+    BASE.with_(compute=("bf8", "fp8"), in_channels=256, stride=(2, 1)),
+    BASE.with_(dtype="bf16", compute=("fp8", "bf8"), in_channels=96, groups=2, out_channels=128),
 ])
 def test_emulated_tma_forward_matches_the_reference(p):
     assert policy.tma_forward_reason(p, HOPPER) in (None, "the installed Triton has no Gluon TMA im2col copies "
@@ -140,7 +144,7 @@ def test_tf32_forward_maps_round_their_operands_and_f32_gradients_keep_their_ker
     _, maps = forward_tma_launch(p, policy.tma_forward_tiles(p, HOPPER), "k")
     assert [m.round_tf32 for m in maps] == [True, True, False]
     assert policy.tma_forward_tiles(p, HOPPER).block_k == 32
-    assert "exact products, or f32 in one-pass TF32" in policy.tma_forward_reason(p.with_(compute=None), HOPPER)
+    assert "exact products, f32 in one-pass TF32" in policy.tma_forward_reason(p.with_(compute=None), HOPPER)
     if gluon_tma_im2col():
         assert policy.tma_stream_launch(p, HOPPER, Knobs()).launch.kernel == "forward_tma"
         dgrad = p.with_(op="grad_input", in_channels=128, out_channels=128)
@@ -585,3 +589,58 @@ def test_fp8_flat_planes_align_to_16_elements():
         assert [la.pointer_types for la, _ in plan.staging] == [("fp16", "fp8e5"), ("fp16", "fp8e4nv")]
     # without fp8 wgmma (before Hopper) the f16 kernel over operands rounded first
     assert "sm_90" in policy.tma_flat_grad_weight_reason(p, AMPERE)
+
+
+def test_fp8_forward_reads_fp8_copies_on_fp8_wgmma():
+    # X and W rounded into fp8 copies (saturated), then the TMA forward kernel with fp8 wgmma, each step's
+    # products added in f32; grad_input as forward keeps cp.async (its flipped weight tiles are N-major)
+    p = BASE.with_(compute=("bf8", "fp8"), in_channels=256, out_channels=128)
+    assert policy.tma_forward_tiles(p, HOPPER).block_k == 128
+    if gluon_tma_im2col():
+        plan = policy.tma_stream_launch(p, HOPPER, Knobs())
+        assert plan.launch.kernel == "forward_tma" and plan.launch.pointer_types == ("fp8e5", "fp8e4nv", "fp16")
+        assert dict(plan.launch.constants)["PROMOTE"] == 128
+        assert [(la.kernel, la.pointer_types, shape) for la, shape in plan.staging] == [
+            ("round_fp8", ("fp16", "fp8e5"), p.x_shape), ("round_fp8", ("fp16", "fp8e4nv"), p.w_shape)]
+        assert all(dict(la.constants)["FP8_MAX"] > 0 for la, _ in plan.staging)
+        assert policy.tma_stream_launch(p.with_(op="grad_input"), HOPPER, Knobs()) is None
+    # the 16-bit forward has no copies and no promotion
+    assert dict(forward_tma_launch(BASE, policy.tma_forward_tiles(BASE, HOPPER), "k")[0].constants)["PROMOTE"] == 0
+
+
+def test_round_fp8_into_fp8_saturates():
+    # the fp8 copies' rounding in Triton's interpreter (a subprocess: TRITON_INTERPRET is read at import): the
+    # nearest value, ties to even, saturated at the largest finite one, against ml_dtypes
+    import subprocess
+    import sys
+
+    import ml_dtypes
+
+    script = r'''
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import numpy as np, torch
+from convdsl.kernels import elementwise
+from convdsl.kernels.launch import round_fp8_launch
+values = torch.tensor(json.loads(sys.stdin.read()), dtype=torch.float16)
+out = []
+for kind, dtype in (("fp8", torch.float8_e4m3fn), ("bf8", torch.float8_e5m2)):
+    la = round_fp8_launch(values.numel(), "f16", kind, "k", as_fp8=True)
+    y = torch.empty(values.shape, dtype=dtype)
+    elementwise.round_fp8[la.grid](values, y, **dict(la.constants))
+    out.append(y.float().tolist())
+print(json.dumps(out))
+'''
+    from convdsl.kernels.launch import FP8_MAX
+
+    rng = np.random.default_rng(3)
+    values = np.concatenate([rng.uniform(-2, 2, 200), rng.uniform(-600, 600, 200), [0.0, 1e-5, -3e-3, 465.0,
+                             -500.0, 60000.0]]).astype(np.float16)
+    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(values.astype(float).tolist()),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    for kind, dtype, result in zip(("fp8", "bf8"), (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2), got):
+        wide = values.astype(np.float64)
+        want = np.clip(wide, -FP8_MAX[kind], FP8_MAX[kind]).astype(dtype).astype(np.float64)
+        assert np.array_equal(np.asarray(result), want), kind

@@ -156,43 +156,57 @@ def test_f32_in_tf32_takes_the_flat_planes_and_the_tma_forward(monkeypatch):
         assert tma == (torch.cuda.get_device_capability() == (9, 0) and layout == "NHWGC"), forward.kernel.describe()
 
 
-# grad_weight with fp8 compute ([A, B] rounded as CK 11's [bf8, fp8]; from the JIT API or a .conv module, PyTorch
-# has no such convolution): on Hopper the flat-plane kernel with fp8 wgmma, elsewhere the f16 kernel on rounded
-# operands.  (dims, groups, batch, channels, spatial, dtype, compute)
-FP8_WGRAD = [(2, 1, 4, 128, (12, 12), "f16", ("bf8", "fp8")), (3, 2, 2, 128, (4, 5, 6), "bf16", ("fp8", "bf8"))]
+# fp8 compute ([A, B] rounded as CK 11's [bf8, fp8]; from the JIT API or a .conv module, PyTorch has no such
+# convolution).  On Hopper grad_weight runs the flat-plane kernel and forward the TMA kernel, both on fp8 wgmma;
+# elsewhere the 16-bit kernels over operands rounded first.  (op, dims, groups, batch, channels, spatial, dtype,
+# compute)
+FP8_PROBLEMS = [("grad_weight", 2, 1, 4, 128, (12, 12), "f16", ("bf8", "fp8")),
+                ("grad_weight", 3, 2, 2, 128, (4, 5, 6), "bf16", ("fp8", "bf8")),
+                ("forward", 2, 1, 4, 256, (12, 12), "f16", ("bf8", "fp8")),
+                ("forward", 3, 2, 2, 128, (4, 5, 6), "bf16", ("fp8", "bf8"))]
 FP8_TORCH = {"fp8": torch.float8_e4m3fn, "bf8": torch.float8_e5m2}
 
 
 def fp8_problems() -> list:
     from convdsl.problem import ConvProblem
 
-    return [ConvProblem(op="grad_weight", dims=dims, groups=groups, batch=batch, in_channels=channels,
+    return [ConvProblem(op=op, dims=dims, groups=groups, batch=batch, in_channels=channels,
                         out_channels=channels, input=spatial, filter=(3,) * dims, stride=(1,) * dims,
                         dilation=(1,) * dims, pad_lo=(1,) * dims, pad_hi=(1,) * dims, layout="NHWGC",
-                        weight_layout="GKYXC", dtype=dtype, compute=compute, name=f"fp8_wgrad_{dims}d")
-            for dims, groups, batch, channels, spatial, dtype, compute in FP8_WGRAD]
+                        weight_layout="GKYXC", dtype=dtype, compute=compute, name=f"fp8_{op}_{dims}d")
+            for op, dims, groups, batch, channels, spatial, dtype, compute in FP8_PROBLEMS]
 
 
-def test_fp8_compute_grad_weight_against_float64():
+def _channel_first(a: torch.Tensor) -> torch.Tensor:
+    # NHWGC (N, *S, G, C) -> PyTorch's (N, G*C, *S); GKYXC (G, K, *taps, C) -> (G*K, C, *taps)
+    return a.movedim(-2, 1).movedim(-1, 2).flatten(1, 2) if a.dim() > 3 else a
+
+
+def test_fp8_compute_against_float64():
     from convdsl import stream
     from convdsl.torch.stream import StreamRunner
 
     runtime._register_bundles()
     target = runtime._cuda_target(torch.device("cuda"))
+    hopper = torch.cuda.get_device_capability() == (9, 0)
     for p in fp8_problems():
         kernel = stream.stream_kernel(p, target)
-        flat = "flat planes" in kernel.describe()
-        assert flat == (torch.cuda.get_device_capability() == (9, 0)), kernel.describe()
+        fp8_wgmma = ("flat planes" if p.op == "grad_weight" else "fp8 wgmma") in kernel.describe()
+        assert fp8_wgmma == hopper, kernel.describe()
         torch.manual_seed(3)
-        x, dy = (torch.randn(shape, device="cuda").to(DTYPES[p.dtype]) for shape in p.arg_shapes)
-        got = StreamRunner(kernel, torch.device("cuda"))(x, dy)
-        # float64 on the operands rounded to their compute types, in PyTorch's NC... layouts (NHWGC: (N, *S, G, C))
-        channel_first = [a.to(FP8_TORCH[kind]).double().movedim(-2, 1).movedim(-1, 2).flatten(1, 2)
-                         for a, kind in zip((x, dy), p.compute)]
-        want = getattr(torch.nn.grad, f"conv{p.dims}d_weight")(
-            channel_first[0], (p.groups * p.out_channels, p.in_channels, *p.filter), channel_first[1],
-            padding=p.pad_lo, groups=p.groups)
-        want = want.unflatten(0, (p.groups, p.out_channels)).movedim(2, -1)  # GKYXC
+        a, b = (torch.randn(shape, device="cuda").to(DTYPES[p.dtype]) for shape in p.arg_shapes)
+        got = StreamRunner(kernel, torch.device("cuda"))(a, b)
+        # float64 on the operands rounded to their compute types, in PyTorch's layouts
+        ra, rb = (t.to(FP8_TORCH[kind]).double() for t, kind in zip((a, b), p.compute))
+        conv = dict(padding=p.pad_lo, groups=p.groups)
+        if p.op == "grad_weight":
+            want = getattr(torch.nn.grad, f"conv{p.dims}d_weight")(
+                _channel_first(ra), (p.groups * p.out_channels, p.in_channels, *p.filter), _channel_first(rb), **conv)
+            want = want.unflatten(0, (p.groups, p.out_channels)).movedim(2, -1)  # GKYXC
+        else:
+            w = rb.flatten(0, 1).movedim(-1, 1)  # (G*K, C, *taps)
+            want = getattr(torch.nn.functional, f"conv{p.dims}d")(_channel_first(ra), w, **conv)
+            want = want.unflatten(1, (p.groups, p.out_channels)).movedim(1, -1).movedim(1, -1)  # (N, *S, G, K)
         # products summed in f32 (wgmma's own fp8 accumulator, kept for a whole chunk, measured 20x the error):
         # what is left is the 16-bit result's rounding, within 4 units of it
         err = _rel(got, want)

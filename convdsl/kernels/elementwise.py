@@ -9,10 +9,10 @@ stream path, convdsl/stream.py): inside an IREE module the same steps are linalg
   transpose_planes: y[b, c, r] = x[b, r, c] per image b: the NGCHW <-> NHWGC copies around the kernels
                  (an image's [G*C, positions] plane and its transpose), tiled so that both sides are coalesced.
   round_fp8:     each value rounded to the nearest fp8 (e4m3) or bf8 (e5m2) value, ties to even, stored in
-                 f16 (exact): v -> rint(v * 2^-q) * 2^q, q = max(e, emin) - m, e the f32 exponent; both
+                 f16 (exact), or in the fp8 type itself, saturated at its largest finite value: v -> rint(v * 2^-q) * 2^q, q = max(e, emin) - m, e the f32 exponent; both
                  scalings are exact.  rint(w) for |w| < 2^22 is (w + 1.5 * 2^23) - 1.5 * 2^23 in f32: the
-                 addition rounds to an integer, ties to even (here |w| < 2^(m+1)).  Values beyond the fp8 range
-                 are not saturated (as the linalg pass).
+                 addition rounds to an integer, ties to even (here |w| < 2^(m+1)).  Stored in f16, values beyond
+                 the fp8 range are not saturated (as the linalg pass).
   pad_planes:    y[z, r, f] = round(x[n, g, c, i0, j1 - LO1, j2 - LO2]) for rows r = (n, g, c) and flat positions
                  f + SIGN * z = i0 * P1 * P2 + j1 * P2 + j2 of a P1 x P2 plane, zero outside x: X and dY (LO = 0,
                  I1 x I2 = O1 x O2) channel-first for the flat grad_weight, copy z shifted by z positions
@@ -72,12 +72,14 @@ def fp8_grid(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
 
 
 @triton.jit
-def round_fp8(x, y, N: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BLOCK: tl.constexpr,
-              WIDE: tl.constexpr):
+def round_fp8(x, y, N: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, FP8_MAX: tl.constexpr,
+              BLOCK: tl.constexpr, WIDE: tl.constexpr):
     i = wide_index(tl.program_id(0), WIDE) * BLOCK + tl.arange(0, BLOCK)
     inside = i < N
-    v = tl.load(x + i, mask=inside, other=0.0).to(tl.float32)
-    tl.store(y + i, fp8_grid(v, MBITS, EMIN).to(tl.float16), mask=inside)
+    v = fp8_grid(tl.load(x + i, mask=inside, other=0.0).to(tl.float32), MBITS, EMIN)
+    if FP8_MAX > 0:  # stored as fp8: saturated at the type's largest finite value (exact in it)
+        v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+    tl.store(y + i, v.to(y.dtype.element_ty), mask=inside)
 
 
 @triton.jit

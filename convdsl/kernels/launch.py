@@ -487,12 +487,17 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
         TmaMap(1, (g * k, math.prod(p.filter) * c), (tiles.block_n, tiles.block_k), round_tf32=tf32),
         TmaMap(2, (rows, g * k), (tiles.block_m, tiles.block_n)),
     )
+    # fp8 compute: X and W come as fp8 copies (policy.tma_stream_launch stages them), each step's products
+    # added to the f32 accumulator (wgmma's fp8 one keeps fewer bits; #fp8-flat)
+    promote = tiles.block_k if p.fp8_compute else 0
     consts = dict(O=pad3(p.output, 1), F=pad3(p.filter, 1), S=pad3(p.stride, 1), D=pad3(p.dilation, 1),
-                  LO=pad3(p.pad_lo, 0), C=c, K=k, DIMS=p.dims, STAGES=tiles.stages, FLIPPED=flipped)
+                  LO=pad3(p.pad_lo, 0), C=c, K=k, DIMS=p.dims, STAGES=tiles.stages, FLIPPED=flipped,
+                  PROMOTE=promote)
     grid = check_grid(base, (-(-rows // tiles.block_m), -(-k // tiles.block_n), g))
     elem = ELEMENT[p.dtype]
-    return Launch("forward_tma", f"{base}_forward_tma", (elem, elem, elem), tuple(consts.items()), grid, tiles.warps,
-                  tiles.stages), maps
+    x_elem, w_elem = (FP8_ELEMENT[p.compute[0]], FP8_ELEMENT[p.compute[1]]) if p.fp8_compute else (elem, elem)
+    return Launch("forward_tma", f"{base}_forward_tma", (x_elem, w_elem, elem), tuple(consts.items()), grid,
+                  tiles.warps, tiles.stages), maps
 
 
 def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int
@@ -816,12 +821,14 @@ def sum_partials_launch(p: ConvProblem, partials_shape: tuple[int, ...], base: s
                   (-(-elements // block_e), 1, 1), 4, 1)
 
 
-def round_fp8_launch(elements: int, dtype: str, kind: str, base: str) -> Launch:
-    """`elements` values of `dtype` rounded to the fp8 type `kind` (fp8 = e4m3, bf8 = e5m2), stored in f16."""
+def round_fp8_launch(elements: int, dtype: str, kind: str, base: str, as_fp8: bool = False) -> Launch:
+    """`elements` values of `dtype` rounded to the fp8 type `kind` (fp8 = e4m3, bf8 = e5m2), stored in f16, or
+    with as_fp8 in that type (saturated)."""
     mbits, emin = FP8_FORMATS[kind]
-    consts = dict(N=elements, MBITS=mbits, EMIN=emin, BLOCK=ELEMENTWISE_BLOCK, WIDE=elements >= WIDE_ELEMENTS)
-    return Launch("round_fp8", f"{base}_round_{kind}", (ELEMENT[dtype], "fp16"), tuple(consts.items()),
-                  (-(-elements // ELEMENTWISE_BLOCK), 1, 1), 4, 1)
+    consts = dict(N=elements, MBITS=mbits, EMIN=emin, FP8_MAX=FP8_MAX[kind] if as_fp8 else 0.0,
+                  BLOCK=ELEMENTWISE_BLOCK, WIDE=elements >= WIDE_ELEMENTS)
+    return Launch("round_fp8", f"{base}_round_{kind}", (ELEMENT[dtype], FP8_ELEMENT[kind] if as_fp8 else "fp16"),
+                  tuple(consts.items()), (-(-elements // ELEMENTWISE_BLOCK), 1, 1), 4, 1)
 
 
 

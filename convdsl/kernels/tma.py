@@ -107,7 +107,7 @@ def forward_tma(x_desc, w_desc, y_desc,
                 # output pixels, filter, stride, dilation, low padding per spatial dimension (3 each; 2D: first 1)
                 O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
                 C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr, STAGES: gl.constexpr,
-                FLIPPED: gl.constexpr, num_warps: gl.constexpr):
+                FLIPPED: gl.constexpr, PROMOTE: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -127,10 +127,11 @@ def forward_tma(x_desc, w_desc, y_desc,
     c2 = o2 * S[2] - LO[2]
 
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    # fp8 compute: X and W in their own fp8 types (wgmma takes e4m3 x e5m2)
     if FLIPPED:
-        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
+        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
     else:
-        b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     bars = _barriers(STAGES)
 
     acc = _zero_accumulator(BLOCK_M, BLOCK_N, 256 // dtype.primitive_bitwidth, num_warps)
@@ -145,6 +146,9 @@ def forward_tma(x_desc, w_desc, y_desc,
         mbarrier.wait(bars.index(s), (step // STAGES) & 1)
         if FLIPPED:  # the tile is [BLOCK_K, BLOCK_N] already, stored N-major (wgmma reads 16-bit B either way)
             acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+        elif PROMOTE > 0:  # fp8: each step's products summed in wgmma's own accumulator, then added in f32
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc,
+                                max_num_imprecise_acc=PROMOTE, is_async=True)
         else:
             acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
         # the previous step's product is done: its stage takes the copies of step + STAGES - 1
