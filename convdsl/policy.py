@@ -245,9 +245,15 @@ def _tma_common_reason(p: ConvProblem, target: Target) -> Optional[str]:
 
 
 def tma_grad_weight_tiles(p: ConvProblem) -> TileConfig:
-    """128 x 128 where K and C allow, else 64; 64 pixels a step, 4 stages, 4 warps (docs/decisions.md#tma-forward)."""
-    return TileConfig(128 if p.out_channels % 128 == 0 else 64, 128 if p.in_channels % 128 == 0 else 64, 64,
-                      warps=4, stages=4)
+    """128 x 128 where K and C allow, else 64; 64 pixels a step, 4 stages, 4 warps (docs/decisions.md#tma-forward).
+    64 x 64 tiles take 128 pixels a step in 3 stages, and 3D 128 x 128 tiles two warp groups in 3 stages: their
+    long reductions (27 taps' chunks) gained 15-30%, where 2D 128 x 128 lost up to 29% (#tma-wgrad-3d)."""
+    block_m, block_n = (128 if p.out_channels % 128 == 0 else 64), (128 if p.in_channels % 128 == 0 else 64)
+    if block_m == block_n == 64:
+        return TileConfig(64, 64, 128, warps=4, stages=3)
+    if block_m == block_n == 128 and p.dims == 3:
+        return TileConfig(128, 128, 64, warps=8, stages=3)
+    return TileConfig(block_m, block_n, 64, warps=4, stages=4)
 
 
 def tma_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
@@ -354,10 +360,6 @@ def tma_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]:
         return "f32 in one-pass TF32: the flat-plane kernel's, or the cp.async kernel's"
     if p.in_channels % 64 or p.out_channels % 64:
         return "the TMA grad_weight's tiles take K and C in whole 64-channel blocks"
-    if p.dims == 3:
-        # measured slower in 3D: CK 11's grouped 3D grad_weight 0.73x -> 0.63x cuDNN, U-Net's 0.95x -> 0.90x
-        # (docs/decisions.md#tma-forward)
-        return "3D: the cp.async grad_weight kernel measured faster"
     return None
 
 

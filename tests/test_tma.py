@@ -319,10 +319,24 @@ def test_emulated_tma_grad_weight_matches_the_reference(p):
     assert not np.isnan(got).any(), "some partials were never stored"
     assert relative_error(got, reference(p, x, dy)) < 1e-12
     if gluon_tma_im2col():
-        assert (policy.tma_grad_weight_reason(p, HOPPER) is None) == (p.dims < 3)  # 3D keeps the cp.async kernel
+        assert policy.tma_grad_weight_reason(p, HOPPER) is None
         assert policy.tma_grad_weight_reason(p.with_(in_channels=32), HOPPER) is not None  # not whole 64-blocks
         assert policy.tma_grad_weight_reason(p.with_(filter=(1,) * p.dims, pad_lo=(0,) * p.dims,
                                                      pad_hi=(0,) * p.dims), HOPPER) is not None  # 1x1
+
+
+def test_tma_grad_weight_tiles():
+    # 64 x 64 tiles take 128 positions a step; 3D 128 x 128 tiles two warp groups in 3 stages; 2D ones as before
+    wgrad = BASE.with_(op="grad_weight", in_channels=64, out_channels=64)
+    assert policy.tma_grad_weight_tiles(wgrad).label() == "t64x64x128w4s3"
+    assert policy.tma_grad_weight_tiles(wgrad.with_(in_channels=128, out_channels=128)).label() == "t128x128x64w4s4"
+    assert policy.tma_grad_weight_tiles(wgrad.with_(in_channels=64, out_channels=128)).label() == "t128x64x64w4s4"
+    deep = wgrad.with_(dims=3, input=(4, 5, 6), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
+                       pad_lo=(1, 1, 1), pad_hi=(1, 1, 1), in_channels=128, out_channels=128)
+    assert policy.tma_grad_weight_tiles(deep).label() == "t128x128x64w8s3"
+    for t in (policy.tma_grad_weight_tiles(q) for q in (wgrad, deep)):  # the ring and the f32 tile's store fit
+        assert t.stages * (t.block_m + t.block_n) * t.block_k * 2 + t.block_m * t.block_n * 4 <= \
+            HOPPER.gpu.shared_per_sm - HOPPER.gpu.shared_reserved_per_block
 
 
 RESNET_WGRAD = ConvProblem(op="grad_weight", dims=2, groups=1, batch=64, in_channels=512, out_channels=512,

@@ -24,6 +24,8 @@ MODULES = [
     ("Conv2d", dict(in_channels=64, out_channels=256, kernel_size=1), (8, 64, 14, 14)),
     ("ConvTranspose2d", dict(in_channels=64, out_channels=32, kernel_size=4, stride=2, padding=1), (4, 64, 14, 14)),
     ("Conv3d", dict(in_channels=32, out_channels=32, kernel_size=3, padding=1), (2, 32, 8, 12, 12)),
+    # 64 channels: 16-bit 3D grad_weight on the TMA kernel on Hopper (64 x 64 tiles, 128 positions a step)
+    ("Conv3d", dict(in_channels=64, out_channels=64, kernel_size=3, padding=1), (2, 64, 6, 8, 8)),
     ("Conv1d", dict(in_channels=64, out_channels=64, kernel_size=3, stride=2), (8, 64, 101)),
     # an RGB stem: 16-bit channels-last forward over X and W regrouped space-to-depth
     ("Conv2d", dict(in_channels=3, out_channels=64, kernel_size=7, stride=2, padding=3), (4, 3, 64, 64)),
