@@ -123,6 +123,20 @@ def test_an_rgb_stem_runs_regrouped_space_to_depth():
     assert "space-to-depth, stride 1 over 12 channels and 4x4 taps" in runner.kernel.describe()
 
 
+def test_a_3d_grad_weight_takes_the_tma_kernel():
+    # its results are checked in test_against_cudnn_and_float64 (the 64-channel Conv3d module)
+    (name, kwargs, shape), = [m for m in MODULES if m[0] == "Conv3d" and m[1]["in_channels"] == 64]
+    conv = getattr(ct, name)(**kwargs).cuda().half().to(memory_format=torch.channels_last_3d)
+    y = conv(torch.randn(shape, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last_3d)
+             .requires_grad_())
+    y.backward(torch.randn_like(y))
+    (runner,) = [r for (p, _), r in runtime._runners.items()
+                 if p.op == "grad_weight" and p.dims == 3 and p.in_channels == 64 and p.dtype == "f16"
+                 and p.layout == "NHWGC" and p.batch == shape[0]]
+    tma = "grad_weight_tma" in runner.kernel.describe()
+    assert tma == (torch.cuda.get_device_capability() == (9, 0)), runner.kernel.describe()
+
+
 def test_the_stream_path_is_taken():
     conv = ct.Conv2d(64, 64, 3, padding=1).cuda().half().to(memory_format=torch.channels_last)
     x = torch.randn(4, 64, 16, 16, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
