@@ -308,10 +308,10 @@ def tma_flat_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target
                                                          2.0 / element_bytes)
 
 
-def tma_flat_promote(p: ConvProblem, tiles: TileConfig) -> int:
-    """fp8: the positions whose products wgmma sums in its own accumulator, which keeps fewer bits than f32,
-    before they join the f32 sum (0: all of them).  One step's: CK 11's fp8 grad_weight 4.2e-3 -> 2.2e-4 relative
-    error (the f16 kernel's), for 1-6% more time (docs/decisions.md#fp8-flat)."""
+def tma_fp8_promote(p: ConvProblem, tiles: TileConfig) -> int:
+    """fp8 on the TMA kernels: the reduction elements whose products wgmma sums in its own accumulator, which
+    keeps fewer bits than f32, before they join the f32 sum (0: all of them).  One step's: CK 11's fp8
+    grad_weight 4.2e-3 -> 2.2e-4 relative error (the f16 kernel's), for 1-6% more time (docs/decisions.md#fp8-flat)."""
     return tiles.block_k if p.fp8_compute else 0
 
 
@@ -390,8 +390,8 @@ def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
     return None
 
 
-# wide tiles (two warp groups on 128 x 256) against 128 x 128: the products' rate per tile, measured over the
-# ResNet-50 and suite forwards that fill the same number of waves either way (docs/decisions.md#tma-wide)
+# a wide tile's (two warp groups on 128 x 256) rate of products against 128 x 128's: 1.07 to 1.18 measured (ResNet-50's
+# 512-channel 7x7 forward, one wave either way; CK 17's forward, 10 waves against 20; docs/decisions.md#tma-wide)
 WIDE_TILE_GAIN = 1.15
 
 
@@ -493,7 +493,8 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
         staging = tuple((round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}", as_fp8=True), shape)
                         for i, (shape, dtype, kind) in enumerate(zip(p.arg_shapes, p.arg_dtypes, p.compute))
                         ) if p.fp8_compute else ()
-        return TmaPlan(*forward_tma_launch(p, tiles, base), False, (), tiles, staging)
+        return TmaPlan(*forward_tma_launch(p, tiles, base, promote=tma_fp8_promote(p, tiles)), False, (), tiles,
+                       staging)
     q = grad_input_as_forward(p)
     # f32 and fp8 keep their cp.async grad_input: the flipped weight tiles are N-major, which TF32 and fp8 wgmma
     # cannot read
@@ -509,7 +510,7 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
         tiles = tma_flat_grad_weight_tiles(p)
         launch, maps, partials, planes = grad_weight_flat_tma_launch(p, tiles, base,
                                                                      tma_flat_grad_weight_parts(p, tiles, target),
-                                                                     tma_flat_promote(p, tiles))
+                                                                     tma_fp8_promote(p, tiles))
         return TmaPlan(launch, maps, False, partials, tiles,
                        tuple(pad_planes_launch(p, planes, name, base) for name in ("x", "dy")))
     return None

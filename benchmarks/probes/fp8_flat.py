@@ -8,7 +8,7 @@ rounded to the fp8 grid, and cuDNN's f16 convolution.
 Problems: the suite's CK 11 3D grad_weight with fp8 compute, and shapes outside the suite with the same compute
 types: U-Net's 3D grad_weight, ResNet-50's 3x3 stride-1 grad_weights with 128 and 256 channels, DeepLab's
 dilated shape (f16, NHWGC).  Variants: "cp.async" (the f16 kernel, operands rounded first), "flat" (the rule:
-policy.tma_flat_grad_weight_tiles, _parts and tma_flat_promote), "flat-p128" (products summed in f32 every 128
+policy.tma_flat_grad_weight_tiles, _parts and tma_fp8_promote), "flat-p128" (products summed in f32 every 128
 positions, one step), "flat-p0" (all summed in wgmma's accumulator), "copy-BxF" (the rule with copy tiles of B
 source bytes of channels x F positions; the rule's are 128 x 128).  Earlier runs also had "flat-s3" (3 stages)
 and "flat-r64" (64 positions a step), both slower (docs/decisions.md#fp8-flat).  `run` checks each against the float64 reference on the rounded operands and times it
@@ -61,7 +61,7 @@ def _compile(job):
 
     p, variant = job
     target = Target("cuda", "sm_90")
-    rule_tiles, rule_promote = policy.tma_flat_grad_weight_tiles, policy.tma_flat_promote
+    rule_tiles, rule_promote = policy.tma_flat_grad_weight_tiles, policy.tma_fp8_promote
 
     def tiles(q):
         t = rule_tiles(q)
@@ -77,7 +77,7 @@ def _compile(job):
             patches.enter_context(mock.patch.object(launch, "PAD_PLANES_ROW_BYTES", row_bytes))
             patches.enter_context(mock.patch.object(launch, "PAD_PLANES_POSITIONS", positions))
         patches.enter_context(mock.patch.object(policy, "tma_flat_grad_weight_tiles", tiles))
-        patches.enter_context(mock.patch.object(policy, "tma_flat_promote", promote))
+        patches.enter_context(mock.patch.object(policy, "tma_fp8_promote", promote))
         if variant != "cp.async" and policy.tma_flat_grad_weight_reason(p, target) is not None:
             return None
         return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), target, Knobs(), compile=True,

@@ -470,12 +470,14 @@ def im2col_box(p: ConvProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return lower, upper
 
 
-def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bool = False
+def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bool = False, promote: int = 0
                        ) -> tuple[Launch, tuple[TmaMap, ...]]:
     """Forward (NHWGC, GKYXC) on kernels/tma.forward_tma: X through an im2col map over (N, *spatial, G*C), W as a
     [G*K, taps*C] matrix, Y as [N*O, G*K]; one program per (row tile, column tile, group).  flipped: p is a
     stride-1 grad_input as forward (policy.grad_input_as_forward), whose weight the kernel reads as grad_input's
-    own GKYXC weight, [G*C, taps*K] in p's terms, in [BLOCK_K, BLOCK_N] tiles."""
+    own GKYXC weight, [G*C, taps*K] in p's terms, in [BLOCK_K, BLOCK_N] tiles.  fp8 compute: X and W come as fp8
+    copies (policy.tma_stream_launch stages them); promote: the channels whose products wgmma sums in its own
+    accumulator before adding them to the f32 one (0: all; policy.tma_fp8_promote)."""
     c, k, g = p.in_channels, p.out_channels, p.groups
     rows = p.batch * math.prod(p.output)
     lower, upper = im2col_box(p)
@@ -487,9 +489,6 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
         TmaMap(1, (g * k, math.prod(p.filter) * c), (tiles.block_n, tiles.block_k), round_tf32=tf32),
         TmaMap(2, (rows, g * k), (tiles.block_m, tiles.block_n)),
     )
-    # fp8 compute: X and W come as fp8 copies (policy.tma_stream_launch stages them), each step's products
-    # added to the f32 accumulator (wgmma's fp8 one keeps fewer bits; #fp8-flat)
-    promote = tiles.block_k if p.fp8_compute else 0
     consts = dict(O=pad3(p.output, 1), F=pad3(p.filter, 1), S=pad3(p.stride, 1), D=pad3(p.dilation, 1),
                   LO=pad3(p.pad_lo, 0), C=c, K=k, DIMS=p.dims, STAGES=tiles.stages, FLIPPED=flipped,
                   PROMOTE=promote)
