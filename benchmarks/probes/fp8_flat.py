@@ -20,7 +20,6 @@ import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
-from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
@@ -61,12 +60,7 @@ def _compile(job):
 
     p, variant = job
     target = Target("cuda", "sm_90")
-    rule_tiles, rule_promote = policy.tma_flat_grad_weight_tiles, policy.tma_fp8_promote
-
-    def tiles(q):
-        t = rule_tiles(q)
-        t = replace(t, block_k=64) if variant == "flat-r64" else t
-        return replace(t, stages=3) if variant == "flat-s3" else t
+    rule_promote = policy.tma_fp8_promote
 
     def promote(q, t):
         return int(variant[6:]) if variant.startswith("flat-p") else rule_promote(q, t)
@@ -76,7 +70,6 @@ def _compile(job):
             row_bytes, positions = (int(v) for v in variant[5:].split("x"))
             patches.enter_context(mock.patch.object(launch, "PAD_PLANES_ROW_BYTES", row_bytes))
             patches.enter_context(mock.patch.object(launch, "PAD_PLANES_POSITIONS", positions))
-        patches.enter_context(mock.patch.object(policy, "tma_flat_grad_weight_tiles", tiles))
         patches.enter_context(mock.patch.object(policy, "tma_fp8_promote", promote))
         if variant != "cp.async" and policy.tma_flat_grad_weight_reason(p, target) is not None:
             return None
