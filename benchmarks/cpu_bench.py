@@ -60,7 +60,7 @@ import torch  # noqa: E402
 # and ml_dtypes; the compiler is imported where a kernel is compiled.
 import convdsl  # noqa: E402
 from benchmarks.suite import load_suite  # noqa: E402
-from convdsl import peak  # noqa: E402
+from convdsl import peak, policy  # noqa: E402
 from convdsl.backends.iree import LoadedModule, iree_version  # noqa: E402
 from convdsl.problem import ConvProblem, problem_from_spec  # noqa: E402
 from convdsl.targets import Target  # noqa: E402
@@ -467,7 +467,8 @@ def build(argv: list[str]) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "target": target.backend,
         "arch": target.arch,
-        "flags": target.compile_flags(),
+        "flags": {p.name: target.compile_flags(policy.cpu_data_tiling([p], target))
+                  for p in bench_problems(args.batch, args.dtype, args.cases)},  # per case: policy decides
         "machine": machine(),
         "versions": {"convdsl": convdsl.__version__, "convdsl_commit": git_commit(), "iree_compiler": iree_version()},
         "settings": {"batch": args.batch, "dtype": args.dtype, "cases": args.cases},

@@ -12,7 +12,7 @@ from typing import Iterator, Optional, Sequence, TextIO
 
 import numpy as np
 
-from . import __version__, peak, stream, tune
+from . import __version__, peak, policy, stream, tune
 from .backends.iree import CompileError
 from .compiler import compile as compile_module
 from .compiler import iree_config_notes, knobs_by_kernel, load_problems, tuned_knobs
@@ -221,7 +221,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     sources = {p.name: tuned_knobs(p, target)[1] for p in problems}
     with _status_line() as status:
         run_pipeline(problems, target, observe, knobs, progress=status.step if status.enabled else None)
-    print(f"// compile with: iree-compile kernel.mlir {' '.join(target.compile_flags())} -o kernel.vmfb")
+    flags = target.compile_flags(policy.cpu_data_tiling(problems, target))
+    if target.backend == "cpu":
+        print(f"// data tiling and matmul microkernels: {'on' if '--iree-opt-data-tiling' in flags else 'off'} "
+              "(policy.cpu_data_tiling)")
+    print(f"// compile with: iree-compile kernel.mlir {' '.join(flags)} -o kernel.vmfb")
     return 0
 
 

@@ -103,7 +103,7 @@ def key_material(problems: Sequence[ConvProblem], target: Target, knobs: dict[st
         "problems": [p.record() for p in problems],
         "backend": target.backend,
         "arch": target.arch,
-        "flags": [*target.compile_flags(), *extra_flags],
+        "flags": [*target.compile_flags(policy.cpu_data_tiling(problems, target)), *extra_flags],
         "convdsl_version": convdsl.__version__,  # read at call time: a monkeypatched version is seen
         "convdsl_source": source_digest(),
         "iree_version": iree_version(),
@@ -141,7 +141,8 @@ def compile_vmfb(problems: Sequence[ConvProblem], target: Target, extra_flags: S
     if progress is not None:
         progress(CompileStep("backend", len(problems), len(problems), "iree-compile"))
     if target.backend == "cpu" or all(k.config_default for k in knobs.values()):
-        vmfb = _iree.compile_mlir(mlir, target, extra_flags)  # through the module: a patched compile_mlir is seen
+        # through the module: a patched compile_mlir is seen
+        vmfb = _iree.compile_mlir(mlir, target, extra_flags, policy.cpu_data_tiling(problems, target))
     else:
         vmfb, results = compile_with_knobs_reported(mlir, target, knobs, extra_flags)
         # recorded with the entry: a cache hit compiles nothing, yet explain and the manifest can still say it

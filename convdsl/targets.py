@@ -158,13 +158,15 @@ class Target:
             return {"fp8": "f8E4M3FNUZ", "bf8": "f8E5M2FNUZ"}[kind]
         return {"fp8": "f8E4M3FN", "bf8": "f8E5M2"}[kind]
 
-    def compile_flags(self) -> list[str]:
+    def compile_flags(self, data_tiling: bool = True) -> list[str]:
+        """iree-compile's flags for this target.  `data_tiling` (CPU only; policy.cpu_data_tiling decides it per
+        module) adds data tiling (packed matmul operands) and the matmul microkernels: IREE's fast path for the
+        named matmuls of the im2col form (docs/decisions.md#cpu-im2col)."""
         if self.backend == "cpu":
-            # data tiling (packed matmul operands) and the matmul microkernels: IREE's fast path for the
-            # named matmuls of the im2col form (docs/decisions.md#cpu-im2col)
-            return ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
-                    f"--iree-llvmcpu-target-cpu={self.arch}", "--iree-opt-data-tiling",
-                    "--iree-llvmcpu-enable-ukernels=all"]
+            device = ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
+                      f"--iree-llvmcpu-target-cpu={self.arch}"]
+            return [*device, "--iree-opt-data-tiling", "--iree-llvmcpu-enable-ukernels=all"] if data_tiling \
+                else device
         # IREE's own split reduction for the reductions convdsl leaves whole (docs/decisions.md#iree-split-reduction)
         gpu = ["--iree-dispatch-creation-enable-split-reduction"]
         if self.device_targets_attr() is not None:

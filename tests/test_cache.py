@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import convdsl
-from convdsl import api, cache, compiler
+from convdsl import api, cache, compiler, policy
 from convdsl.backends.iree import LoadedModule
 from convdsl.problem import ConvProblem, Epilogue
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
@@ -89,7 +89,15 @@ def test_key_changes_with_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert compiler.cache_key([P], CPU, ["--iree-opt-level=O3"]) != before
     # The flags come from Target.compile_flags(), not from a table of backends in the cache.
     flags = CPU.compile_flags()
-    monkeypatch.setattr(Target, "compile_flags", lambda self: [*flags, "--iree-llvmcpu-enable-ukernels=all"])
+    monkeypatch.setattr(Target, "compile_flags",
+                        lambda self, data_tiling=True: [*flags, "--iree-llvmcpu-enable-ukernels=all"])
+    assert compiler.cache_key([P], CPU) != before
+
+
+def test_key_changes_with_the_data_tiling_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = compiler.cache_key([P], CPU)
+    monkeypatch.setattr(compiler.policy, "cpu_data_tiling",
+                        lambda problems, target, choice=policy.cpu_data_tiling: not choice(problems, target))
     assert compiler.cache_key([P], CPU) != before
 
 

@@ -37,7 +37,7 @@ def test_build_here_then_run_without_the_compiler(tmp_path):
     build, results = tmp_path / "build", tmp_path / "results"
     assert cpu_bench.main(["build", str(build), "--arch", "host", "--cases", "mbv2_dw_dgrad", "--batch", "1"]) == 0
     built = json.loads((build / "cases.json").read_text())
-    assert built["arch"] == "host" and "--iree-llvmcpu-target-cpu=host" in built["flags"]
+    assert built["arch"] == "host" and "--iree-llvmcpu-target-cpu=host" in built["flags"]["mbv2_dw_dgrad"]
     assert built["versions"]["iree_compiler"] not in ("", "not installed")
     [entry] = built["cases"]
     assert entry["function"] == "mbv2_dw_dgrad" and entry["compile_s"] > 0

@@ -293,3 +293,90 @@ def test_im2col_grad_weight_split(changes):
     p = split_wgrad(**changes)
     assert plan_kernel(p, CPU).row_chunks > 1, p.describe()
     check(p)
+
+
+# --- the window gather as one slice copy per tap (passes/gemm.gather_tap_slices) -----------------------------
+
+def _gather_module(shape, strides, dilations, taps, outputs, split: int, slices: bool) -> tuple[str, list[int]]:
+    """A function gathering X[n, o*s + t*d, c] (2D, NHWC) into [n, (h, r) | o0, o1, t0, t1, c], through the slice
+    form or the generic one."""
+    from iree.compiler import ir
+    from iree.compiler.dialects import func
+
+    from convdsl.passes import gemm
+    from convdsl.passes.ir import tensor_type
+
+    with ir.Context(), ir.Location.unknown():
+        module = ir.Module.create()
+        f32 = ir.F32Type.get()
+        rows = outputs[0] // split
+        positions = (["h", "r"] if split > 1 else ["o0"]) + ["o1"]
+        names = ["n", *positions, "t0", "t1", "c"]
+        sizes = [shape[0], *([split, rows] if split > 1 else [outputs[0]]), outputs[1], *taps, shape[3]]
+        space = gemm.parallel_space(names)
+        row = space["h"] * rows + space["r"] if split > 1 else space["o0"]
+        exprs = {"n": space["n"], "c": space["c"],
+                 "sp0": row * strides[0] + space["t0"] * dilations[0],
+                 "sp1": space["o1"] * strides[1] + space["t1"] * dilations[1]}
+        with ir.InsertionPoint(module.body):
+            @func.FuncOp.from_py_func(tensor_type(shape, f32), name="g")
+            def g(x):
+                taps_arg = ["t0", "t1"] if slices else ()
+                return gemm.gather(x, ["n", "sp0", "sp1", "c"], exprs, space, sizes, taps=taps_arg)
+        return str(module), sizes
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_tap_slices_gather_the_window_the_generic_gathers(data):
+    """For fixed taps (t0, t1) the gather reads X[n, o0*s0 + t0*d0, o1*s1 + t1*d1, c]: a strided slice from
+    (t0*d0, t1*d1) with strides (s0, s1).  The slice form must copy exactly what that index map reads, with the
+    first output axis whole or split as h*R + r."""
+    strides = [data.draw(st.integers(1, 3)) for _ in range(2)]
+    dilations = [data.draw(st.integers(1, 2)) for _ in range(2)]
+    taps = [data.draw(st.integers(1, 3)) for _ in range(2)]
+    split = data.draw(st.sampled_from([1, 2, 3]))
+    outputs = [split * data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))]
+    shape = [data.draw(st.integers(1, 2)), *[(o - 1) * s + (t - 1) * d + 1 + data.draw(st.integers(0, 2))
+                                            for o, s, t, d in zip(outputs, strides, taps, dilations)],
+             data.draw(st.integers(1, 5))]
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    want = np.empty([shape[0], *outputs, *taps, shape[3]], np.float32)
+    for t0 in range(taps[0]):
+        for t1 in range(taps[1]):
+            rows = slice(t0 * dilations[0], t0 * dilations[0] + (outputs[0] - 1) * strides[0] + 1, strides[0])
+            cols = slice(t1 * dilations[1], t1 * dilations[1] + (outputs[1] - 1) * strides[1] + 1, strides[1])
+            want[:, :, :, t0, t1, :] = x[:, rows, cols, :]
+    text, sizes = _gather_module(shape, strides, dilations, taps, outputs, split, slices=True)
+    assert "linalg.generic" not in text and text.count("tensor.insert_slice") == taps[0] * taps[1]
+    got = LoadedModule(compile_mlir(text, CPU), CPU).call("g", x)
+    np.testing.assert_array_equal(got.reshape(want.shape), want)
+
+
+@pytest.mark.parametrize("op", ["grad_input", "grad_weight"])
+def test_tap_slices_leave_transposing_gathers_to_the_generic(op):
+    # one slice per tap of the 3x3 filter where the window's axes come in the gather's order
+    assert function_text(lower_to_mlir([conv(op)], CPU), "k").count("tensor.extract_slice") >= 9
+    # channels before the spatial axes (NGCHW), or groups after them while the GEMM wants them first (grouped
+    # NHWGC): the window reaches the gather's order only by a transpose, which the generic does
+    for p in (conv(op, layout="NGCHW", weight_layout="GKYXC"), conv(op, groups=3)):
+        text = function_text(lower_to_mlir([p], CPU), "k")
+        assert text.count("tensor.extract_slice") < 9 and "linalg.generic" in text, p.describe()
+
+
+def test_tap_slices_take_at_most_their_limit():
+    from convdsl.passes import gemm
+    many = conv("grad_weight", filter=(9, 9), pad_lo=(4, 4), pad_hi=(4, 4), input=(12, 12))
+    assert 81 > gemm.MOST_TAP_SLICES
+    text = function_text(lower_to_mlir([many], CPU), "k")
+    assert text.count("tensor.extract_slice") < 81
+
+
+def test_data_tiling_is_off_only_for_modules_of_window_gathered_grad_inputs():
+    on = "--iree-opt-data-tiling"
+    assert policy.cpu_data_tiling([conv("grad_weight")], CPU)
+    assert policy.cpu_data_tiling([conv("grad_input", filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0))], CPU)  # a matmul
+    assert policy.cpu_data_tiling([conv("grad_input"), conv("grad_weight", name="w")], CPU)  # one module, one flag
+    assert not policy.cpu_data_tiling([conv("grad_input"), conv("transposed", name="t", stride=(2, 2))], CPU)
+    assert not policy.cpu_data_tiling([conv("grad_input")], Target("cuda", "sm_80"))
+    assert on in CPU.compile_flags() and on not in CPU.compile_flags(data_tiling=False)

@@ -57,13 +57,14 @@ def with_device_targets(mlir: str, target: Target) -> str:
         return str(module)
 
 
-def compile_mlir(mlir: str, target: Target, extra_flags: Sequence[str] = ()) -> bytes:
-    """MLIR text -> .vmfb bytes.  On failure the input is saved and the error says how to reproduce it."""
+def compile_mlir(mlir: str, target: Target, extra_flags: Sequence[str] = (), data_tiling: bool = True) -> bytes:
+    """MLIR text -> .vmfb bytes (`data_tiling`: Target.compile_flags').  On failure the input is saved and the
+    error says how to reproduce it."""
     import iree.compiler as ireec
     from iree.compiler.tools import CompilerToolError
 
     mlir = with_device_targets(mlir, target)
-    flags = [*target.compile_flags(), *extra_flags]
+    flags = [*target.compile_flags(data_tiling), *extra_flags]
     if "tensor.pad" in mlir:
         flags.append(FUSE_PAD_FLAG)
     try:

@@ -693,7 +693,7 @@ def _grad_input_phase_im2col(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Va
         dy_map[f"sp{i}"] = space[q[i]] + space[j[i]] * ph.dims[i].o_step
     batch = sizes_of(dy)[p.batch_axis("y")]
     col = gemm.gather(win, dy_axes, dy_map, space,
-                      [p.groups, batch, *[d.Q for d in ph.dims], *ph.taps, p.out_channels])
+                      [p.groups, batch, *[d.Q for d in ph.dims], *ph.taps, p.out_channels], taps=j)
     a = gemm.as_matrices(col, 1 + p.dims, grouped)
     b = gemm.as_matrices(_phase_weight(plan, ph, w), p.dims + 1, grouped)  # [G, (j', k), C]
     out = gemm.matmul(a, b)
@@ -736,7 +736,8 @@ def _grad_weight_im2col(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optio
         out_i = output_row(space) if i == 0 else space[o[i]]
         x_map[f"sp{i}"] = out_i * p.stride[i] + space[f"t{i}"] * p.dilation[i]
     position_sizes = [rows, *p.output[1:]] if split else list(p.output)
-    col = gemm.gather(x, x_axes, x_map, space, [*lead_sizes, *position_sizes, *[size[a] for a in inner]])
+    col = gemm.gather(x, x_axes, x_map, space, [*lead_sizes, *position_sizes, *[size[a] for a in inner]],
+                      taps=[f"t{i}" for i in range(p.dims)])
     # dYt's rows k right after the batch of its GEMMs: (n, h, g) split, g otherwise (then n leads the columns)
     dy_lead, dy_sizes = (lead, lead_sizes) if split else (["g"], [p.groups])
     dy_cols, dy_col_sizes = (positions, position_sizes) if split else (["n", *o], [batch, *p.output])
