@@ -329,6 +329,8 @@ def _gather_module(shape, strides, dilations, taps, outputs, split: int, slices:
 @settings(max_examples=6, deadline=None)
 @given(data=st.data())
 def test_tap_slices_gather_the_window_the_generic_gathers(data):
+    from convdsl.passes import gemm
+
     """For fixed taps (t0, t1) the gather reads X[n, o0*s0 + t0*d0, o1*s1 + t1*d1, c]: a strided slice from
     (t0*d0, t1*d1) with strides (s0, s1).  The slice form must copy exactly what that index map reads, with the
     first output axis whole or split as h*R + r."""
@@ -339,7 +341,7 @@ def test_tap_slices_gather_the_window_the_generic_gathers(data):
     outputs = [split * data.draw(st.integers(1, 3)), data.draw(st.integers(1, 4))]
     shape = [data.draw(st.integers(1, 2)), *[(o - 1) * s + (t - 1) * d + 1 + data.draw(st.integers(0, 2))
                                             for o, s, t, d in zip(outputs, strides, taps, dilations)],
-             data.draw(st.integers(1, 5))]
+             data.draw(st.integers(gemm.LEAST_SLICE_RUN, gemm.LEAST_SLICE_RUN + 3))]
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     want = np.empty([shape[0], *outputs, *taps, shape[3]], np.float32)
     for t0 in range(taps[0]):
@@ -353,13 +355,40 @@ def test_tap_slices_gather_the_window_the_generic_gathers(data):
     np.testing.assert_array_equal(got.reshape(want.shape), want)
 
 
+# channels enough for the slice form on both sides (gemm.LEAST_SLICE_RUN)
+WIDE = dict(in_channels=16, out_channels=16)
+
+
+SLICED = [
+    {}, dict(stride=(2, 2)), dict(dilation=(2, 1), pad_lo=(2, 1), pad_hi=(1, 0), stride=(1, 2)),
+    dict(weight_layout="GKCYX"), dict(layout="GNHWC", groups=2),
+    dict(dims=1, input=(11,), filter=(3,), stride=(2,), dilation=(1,), pad_lo=(1,), pad_hi=(0,)),
+    dict(dims=3, input=(5, 6, 4), filter=(3, 3, 2), stride=(1, 2, 2), dilation=(1, 1, 1), pad_lo=(1, 1, 0),
+         pad_hi=(1, 1, 1)),
+    dict(input=(64, 32)),  # grad_weight split into row chunks
+]
+
+
+# grad_weight's GKCYX columns end in a tap, so its gather is the generic's (the test below)
+@pytest.mark.parametrize("op, changes", [(op, c) for op in ("grad_input", "grad_weight", "transposed") for c in SLICED
+                                         if not (op == "grad_weight" and c.get("weight_layout") == "GKCYX")])
+def test_im2col_tap_slices(op, changes):
+    p = conv(op, **{**WIDE, **changes})
+    assert function_text(lower_to_mlir([p], CPU), "k").count("tensor.extract_slice") >= 2, p.describe()
+    check(p)
+
+
 @pytest.mark.parametrize("op", ["grad_input", "grad_weight"])
 def test_tap_slices_leave_transposing_gathers_to_the_generic(op):
     # one slice per tap of the 3x3 filter where the window's axes come in the gather's order
-    assert function_text(lower_to_mlir([conv(op)], CPU), "k").count("tensor.extract_slice") >= 9
+    assert function_text(lower_to_mlir([conv(op, **WIDE)], CPU), "k").count("tensor.extract_slice") >= 9
     # channels before the spatial axes (NGCHW), or groups after them while the GEMM wants them first (grouped
-    # NHWGC): the window reaches the gather's order only by a transpose, which the generic does
-    for p in (conv(op, layout="NGCHW", weight_layout="GKYXC"), conv(op, groups=3)):
+    # NHWGC): the window reaches the gather's order only by a transpose, which the generic does; so do channel
+    # runs shorter than LEAST_SLICE_RUN
+    others = [conv(op, layout="NGCHW", weight_layout="GKYXC", **WIDE), conv(op, groups=3, **WIDE), conv(op)]
+    if op == "grad_weight":  # columns (c, taps): the innermost loop is a tap
+        others.append(conv(op, weight_layout="GKCYX", **WIDE))
+    for p in others:
         text = function_text(lower_to_mlir([p], CPU), "k")
         assert text.count("tensor.extract_slice") < 9 and "linalg.generic" in text, p.describe()
 
