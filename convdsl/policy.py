@@ -82,18 +82,23 @@ def cpu_im2col(p: ConvProblem, target: Target) -> bool:
             and not gather_applies(p) and not p.fp8_compute and not p.bf16x3 and not p.dynamic_batch)
 
 
+# im2col grad_input on the CPU: the most columns (C per group) its matmul runs unpacked (cpu_data_tiling)
+CPU_UNPACKED_MOST_COLUMNS = 128
+
+
 def cpu_data_tiling(problems: Sequence[ConvProblem], target: Target) -> bool:
     """Whether a CPU module is compiled with IREE's data tiling and matmul microkernels (Target.compile_flags).
 
     Data tiling packs both matmul operands into tiles first: a copy of each.  Where the large operand is a window
-    gather (im2col grad_input with more than one tap, A = dYcol of N x O x taps x K values against a weight of
-    taps x K x C), that copy costs as much as the gather, and IREE's unpacked matmul, reading the gather as it
-    lies, ran 1.0-2.2x faster over the suite's grad_inputs; a long reduction (grad_weight) or a plain matmul
-    (1x1) ran up to 2x slower without it (docs/decisions.md#cpu-tap-slices).  Flags are per module, so one
-    kernel of another kind keeps data tiling on."""
+    gather against a narrow weight (im2col grad_input with more than one tap and at most
+    CPU_UNPACKED_MOST_COLUMNS channels C: dYcol of N x O x taps x K values times a taps x K x C weight), that
+    copy costs about what the GEMM saves, and IREE's unpacked matmul, reading the gather as it lies, ran 1.2-1.9x
+    faster on 16 Xeon cores and up to 2x on 2 AMD cores; with 256 channels and more, and for a long reduction
+    (grad_weight) or a plain matmul (1x1), data tiling was up to 2x faster (docs/decisions.md#cpu-tap-slices).
+    Flags are per module, so one kernel of another kind keeps data tiling on."""
     return target.backend == "cpu" and not (problems and all(
         cpu_im2col(p, target) and p.op in ("grad_input", "transposed") and math.prod(p.filter) > 1
-        for p in problems))
+        and p.in_channels <= CPU_UNPACKED_MOST_COLUMNS for p in problems))
 
 
 # im2col grad_weight on the CPU: positions per split-K chunk at least, and chunks at most

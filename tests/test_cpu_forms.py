@@ -407,5 +407,7 @@ def test_data_tiling_is_off_only_for_modules_of_window_gathered_grad_inputs():
     assert policy.cpu_data_tiling([conv("grad_input", filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0))], CPU)  # a matmul
     assert policy.cpu_data_tiling([conv("grad_input"), conv("grad_weight", name="w")], CPU)  # one module, one flag
     assert not policy.cpu_data_tiling([conv("grad_input"), conv("transposed", name="t", stride=(2, 2))], CPU)
+    wide = policy.CPU_UNPACKED_MOST_COLUMNS + 1  # a wide weight's GEMM gains more from packing than it costs
+    assert policy.cpu_data_tiling([conv("grad_input", in_channels=wide)], CPU)
     assert not policy.cpu_data_tiling([conv("grad_input")], Target("cuda", "sm_80"))
     assert on in CPU.compile_flags() and on not in CPU.compile_flags(data_tiling=False)
