@@ -736,8 +736,10 @@ def _grad_weight_im2col(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optio
         out_i = output_row(space) if i == 0 else space[o[i]]
         x_map[f"sp{i}"] = out_i * p.stride[i] + space[f"t{i}"] * p.dilation[i]
     position_sizes = [rows, *p.output[1:]] if split else list(p.output)
+    # tap slices unsplit only: split into row chunks, U-Net's 3D grad_weight ran 1.1-1.2x slower with them than
+    # with the generic, whose gather IREE fuses into the packing copy (docs/decisions.md#cpu-tap-slices)
     col = gemm.gather(x, x_axes, x_map, space, [*lead_sizes, *position_sizes, *[size[a] for a in inner]],
-                      taps=[f"t{i}" for i in range(p.dims)])
+                      taps=() if split else [f"t{i}" for i in range(p.dims)])
     # dYt's rows k right after the batch of its GEMMs: (n, h, g) split, g otherwise (then n leads the columns)
     dy_lead, dy_sizes = (lead, lead_sizes) if split else (["g"], [p.groups])
     dy_cols, dy_col_sizes = (positions, position_sizes) if split else (["n", *o], [batch, *p.output])
