@@ -92,10 +92,9 @@ def cpu_data_tiling(problems: Sequence[ConvProblem], target: Target) -> bool:
     Data tiling packs both matmul operands into tiles first: a copy of each.  Where the large operand is a window
     gather against a narrow weight (im2col grad_input with more than one tap and at most
     CPU_UNPACKED_MOST_COLUMNS channels C: dYcol of N x O x taps x K values times a taps x K x C weight), that
-    copy costs about what the GEMM saves, and IREE's unpacked matmul, reading the gather as it lies, ran 1.2-1.9x
-    faster on 16 Xeon cores and up to 2x on 2 AMD cores; with 256 channels and more, and for a long reduction
-    (grad_weight) or a plain matmul (1x1), data tiling was up to 2x faster (docs/decisions.md#cpu-tap-slices).
-    Flags are per module, so one kernel of another kind keeps data tiling on."""
+    copy costs more than the packed GEMM saves, and IREE's unpacked matmul, reading the gather as it lies, is
+    faster; with more channels, for a long reduction (grad_weight) and for a plain matmul (1x1), data tiling is
+    (docs/decisions.md#cpu-tap-slices).  Flags are per module, so one kernel of another kind keeps it on."""
     return target.backend == "cpu" and not (problems and all(
         cpu_im2col(p, target) and p.op in ("grad_input", "transposed") and math.prod(p.filter) > 1
         and p.in_channels <= CPU_UNPACKED_MOST_COLUMNS for p in problems))

@@ -1,5 +1,6 @@
-"""The explicit-GEMM pieces of the CPU form "im2col": a window gather into a (M, K) matrix per group, then a
-named `linalg.matmul` (one group) or `linalg.batch_matmul` (groups as the batch).
+"""The explicit-GEMM pieces of the CPU form "im2col": a window gather into a (M, K) matrix per group (one strided
+slice copy per tap where the window needs no transpose), then a named `linalg.matmul` (one group) or
+`linalg.batch_matmul` (groups as the batch).
 
 Why: IREE's llvm-cpu backend sends named matmuls through data tiling (packed operands) and its matmul
 microkernels, which reach the CPU's FMA peak; the implicit-GEMM generics with strided window maps are not
@@ -20,8 +21,8 @@ from .ir import PARALLEL, Size, Space, collapse, elem_of, empty, expand, generic
 
 # the most taps a window gather copies as slices: past it (a 7x7x7 filter) the copies' count outweighs their speed
 MOST_TAP_SLICES = 64
-# the fewest contiguous elements a slice copy moves at a time (its innermost run, the channels): the ResNet stem's
-# 3 channels made 49 copies of 12-byte runs, slower than the generic and 4x slower to compile
+# the fewest contiguous elements a slice copy moves at a time (its innermost run, the channels): shorter runs (the
+# ResNet stem's 3 channels) copy slower than the generic gathers them (docs/decisions.md#cpu-tap-slices)
 LEAST_SLICE_RUN = 16
 
 
@@ -31,8 +32,8 @@ def gather(source: ir.Value, source_axes: Sequence[str], exprs: Mapping[str, ir.
 
     With `taps` (the loops of the filter taps) a window gather is one strided slice copy per tap where the
     indexing allows it (gather_tap_slices); otherwise, and for transposes, one elementwise generic whose input
-    map does the indexing.  IREE's llvm-cpu backend copies slices 2-3x faster than it runs the generic
-    (docs/decisions.md#cpu-tap-slices)."""
+    map does the indexing.  IREE's llvm-cpu backend copies slices as plain memcpy dispatches, faster than it runs
+    the generic (docs/decisions.md#cpu-tap-slices)."""
     if taps:
         sliced = gather_tap_slices(source, exprs, space, sizes, source_axes, taps)
         if sliced is not None:
@@ -107,24 +108,23 @@ def gather_tap_slices(source: ir.Value, exprs: Mapping[str, ir.AffineExpr], spac
     innermost = len(space.names) - 1
     if last_loops != [innermost] or last_stride != 1 or extent[innermost] < LEAST_SLICE_RUN:
         return None
+    # the same for every tap: each slice's sizes and strides, and how its kept axes split into out's loops
+    spans = [math.prod(extent[loop] for loop in loops) for _, _, _, loops in axis_terms]
+    strides = [stride if loops else 1 for _, _, stride, loops in axis_terms]
+    kept = [span for span, (_, _, _, loops) in zip(spans, axis_terms) if loops]
+    split = [[extent[loop] for loop in loops] for _, _, _, loops in axis_terms if loops]
+    starts = list(itertools.accumulate((len(s) for s in split), initial=0))
+    groups = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+    out_sizes = [1 if i in tap_loops else extent[i] for i in range(len(space.names))]
     elem = elem_of(source)
     out = empty([int(n) for n in sizes], elem)
     for tap in itertools.product(*(range(extent[t]) for t in tap_loops)):
         at = dict(zip(tap_loops, tap))
         offsets = [const + sum(u * at[t] for t, u in tap_terms.items()) for tap_terms, const, _, _ in axis_terms]
-        spans = [math.prod(extent[loop] for loop in loops) for _, _, _, loops in axis_terms]
-        strides = [stride if loops else 1 for _, _, stride, loops in axis_terms]
-        kept = [span for span, (_, _, _, loops) in zip(spans, axis_terms) if loops]
         piece = tensor.extract_slice(tensor_type(kept, elem), source, [], [], [], offsets, spans, strides)
-        split = [[extent[loop] for loop in loops] for _, _, _, loops in axis_terms if loops]
         if any(len(s) > 1 for s in split):
-            groups, start = [], 0
-            for s in split:
-                groups.append(list(range(start, start + len(s))))
-                start += len(s)
             piece = expand(piece, groups, [n for s in split for n in s])
         out_offsets = [at.get(i, 0) for i in range(len(space.names))]
-        out_sizes = [1 if i in at else extent[i] for i in range(len(space.names))]
         out = tensor.insert_slice(piece, out, [], [], [], out_offsets, out_sizes, [1] * len(out_sizes))
     return out
 

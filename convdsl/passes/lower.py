@@ -736,8 +736,8 @@ def _grad_weight_im2col(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optio
         out_i = output_row(space) if i == 0 else space[o[i]]
         x_map[f"sp{i}"] = out_i * p.stride[i] + space[f"t{i}"] * p.dilation[i]
     position_sizes = [rows, *p.output[1:]] if split else list(p.output)
-    # tap slices unsplit only: split into row chunks, U-Net's 3D grad_weight ran 1.1-1.2x slower with them than
-    # with the generic, whose gather IREE fuses into the packing copy (docs/decisions.md#cpu-tap-slices)
+    # tap slices unsplit only: split into row chunks the generic is faster, IREE fusing it into data tiling's
+    # packing copy (docs/decisions.md#cpu-tap-slices)
     col = gemm.gather(x, x_axes, x_map, space, [*lead_sizes, *position_sizes, *[size[a] for a in inner]],
                       taps=() if split else [f"t{i}" for i in range(p.dims)])
     # dYt's rows k right after the batch of its GEMMs: (n, h, g) split, g otherwise (then n leads the columns)
