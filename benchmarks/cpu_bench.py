@@ -444,8 +444,9 @@ def build(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     target = Target.parse("cpu", args.arch)
     args.dir.mkdir(parents=True, exist_ok=True)
-    entries = []
+    entries, flags = [], {}
     for p in bench_problems(args.batch, args.dtype, args.cases):
+        flags[p.name] = target.compile_flags(policy.cpu_data_tiling([p], target))  # per case: policy decides
         try:
             with empty_cache():
                 t0 = time.perf_counter()
@@ -467,8 +468,7 @@ def build(argv: list[str]) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "target": target.backend,
         "arch": target.arch,
-        "flags": {p.name: target.compile_flags(policy.cpu_data_tiling([p], target))
-                  for p in bench_problems(args.batch, args.dtype, args.cases)},  # per case: policy decides
+        "flags": flags,
         "machine": machine(),
         "versions": {"convdsl": convdsl.__version__, "convdsl_commit": git_commit(), "iree_compiler": iree_version()},
         "settings": {"batch": args.batch, "dtype": args.dtype, "cases": args.cases},

@@ -221,11 +221,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     sources = {p.name: tuned_knobs(p, target)[1] for p in problems}
     with _status_line() as status:
         run_pipeline(problems, target, observe, knobs, progress=status.step if status.enabled else None)
-    flags = target.compile_flags(policy.cpu_data_tiling(problems, target))
+    data_tiling = policy.cpu_data_tiling(problems, target)
     if target.backend == "cpu":
-        print(f"// data tiling and matmul microkernels: {'on' if '--iree-opt-data-tiling' in flags else 'off'} "
-              "(policy.cpu_data_tiling)")
-    print(f"// compile with: iree-compile kernel.mlir {' '.join(flags)} -o kernel.vmfb")
+        print(f"// data tiling and matmul microkernels: {'on' if data_tiling else 'off'} (policy.cpu_data_tiling)")
+    print(f"// compile with: iree-compile kernel.mlir {' '.join(target.compile_flags(data_tiling))} -o kernel.vmfb")
     return 0
 
 

@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from iree.compiler import ir
+from iree.compiler.dialects import func
 
 from convdsl import policy
 from convdsl.backends.iree import LoadedModule, compile_mlir
-from convdsl.passes import lower_to_mlir
+from convdsl.passes import gemm, lower_to_mlir
+from convdsl.passes.ir import tensor_type
 from convdsl.passes.plan import plan_kernel
 from convdsl.problem import ConvProblem, Epilogue
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
@@ -300,12 +303,6 @@ def test_im2col_grad_weight_split(changes):
 def _gather_module(shape, strides, dilations, taps, outputs, split: int, slices: bool) -> tuple[str, list[int]]:
     """A function gathering X[n, o*s + t*d, c] (2D, NHWC) into [n, (h, r) | o0, o1, t0, t1, c], through the slice
     form or the generic one."""
-    from iree.compiler import ir
-    from iree.compiler.dialects import func
-
-    from convdsl.passes import gemm
-    from convdsl.passes.ir import tensor_type
-
     with ir.Context(), ir.Location.unknown():
         module = ir.Module.create()
         f32 = ir.F32Type.get()
@@ -329,7 +326,6 @@ def _gather_module(shape, strides, dilations, taps, outputs, split: int, slices:
 @settings(max_examples=6, deadline=None)
 @given(data=st.data())
 def test_tap_slices_gather_the_window_the_generic_gathers(data):
-    from convdsl.passes import gemm
 
     """For fixed taps (t0, t1) the gather reads X[n, o0*s0 + t0*d0, o1*s1 + t1*d1, c]: a strided slice from
     (t0*d0, t1*d1) with strides (s0, s1).  The slice form must copy exactly what that index map reads, with the
@@ -349,10 +345,16 @@ def test_tap_slices_gather_the_window_the_generic_gathers(data):
             rows = slice(t0 * dilations[0], t0 * dilations[0] + (outputs[0] - 1) * strides[0] + 1, strides[0])
             cols = slice(t1 * dilations[1], t1 * dilations[1] + (outputs[1] - 1) * strides[1] + 1, strides[1])
             want[:, :, :, t0, t1, :] = x[:, rows, cols, :]
-    text, sizes = _gather_module(shape, strides, dilations, taps, outputs, split, slices=True)
+    text, _ = _gather_module(shape, strides, dilations, taps, outputs, split, slices=True)
     assert "linalg.generic" not in text and text.count("tensor.insert_slice") == taps[0] * taps[1]
-    got = LoadedModule(compile_mlir(text, CPU), CPU).call("g", x)
-    np.testing.assert_array_equal(got.reshape(want.shape), want)
+    # the generic reads exactly the window (linalg verifies its input against the loops), as the lowering's does
+    window = [(o - 1) * s + (t - 1) * d + 1 for o, s, t, d in zip(outputs, strides, taps, dilations)]
+    generic_text, _ = _gather_module([shape[0], *window, shape[3]], strides, dilations, taps, outputs, split,
+                                     slices=False)
+    assert "linalg.generic" in generic_text and "tensor.insert_slice" not in generic_text
+    for module_text, source in ((text, x), (generic_text, np.ascontiguousarray(x[:, :window[0], :window[1]]))):
+        got = LoadedModule(compile_mlir(module_text, CPU), CPU).call("g", source)
+        np.testing.assert_array_equal(got.reshape(want.shape), want)
 
 
 # channels enough for the slice form on both sides (gemm.LEAST_SLICE_RUN)
@@ -400,7 +402,6 @@ def test_tap_slices_leave_transposing_gathers_to_the_generic(op):
 
 
 def test_tap_slices_take_at_most_their_limit():
-    from convdsl.passes import gemm
     many = conv("grad_weight", filter=(9, 9), pad_lo=(4, 4), pad_hi=(4, 4), input=(12, 12))
     assert 81 > gemm.MOST_TAP_SLICES
     text = function_text(lower_to_mlir([many], CPU), "k")
