@@ -6,19 +6,26 @@ input i = o*s + y*d - lo for taps y in [0, R), and reads outside [0, I) are zero
 
 Internally every tensor is permuted to one canonical axis order:
     x, dx: (N, G, C, spatial...)    y, dy: (N, G, K, spatial...)    w, dw: (G, K, C, taps...)
-Each op is a loop over the filter taps (prod(R) iterations, small) of one batched matrix product per group
-over a strided slice of an explicitly zero-padded activation; the padding makes every slice in range, so no
-index is clipped by hand.  The batch is taken in chunks small enough to stay in cache across the taps.
+Every tap reads a strided slice of an explicitly zero-padded activation; the padding makes every slice in range,
+so no index is clipped by hand.  forward and grad_weight stack the taps' slices and contract over (tap, channel)
+in one batched matrix product per group; grad_input scatter-adds one product per tap.  The batch is taken in
+chunks small enough to stay in cache, the chunks spread over the machine's cores.
 """
 from __future__ import annotations
 
 import itertools
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence, TypeVar
 
 import ml_dtypes
 import numpy as np
 
 from .problem import ConvProblem
+
+A = TypeVar("A")
+T = TypeVar("T")
 
 NUMPY_DTYPES: dict[str, type] = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 
@@ -40,6 +47,8 @@ TF32_TOLERANCE = 5e-3
 _CHUNK_ELEMENTS = 1 << 18
 # values per chunk of relative_error's sums of squares
 _NORM_CHUNK = 1 << 20
+# values per independently drawn block of random_inputs
+_DRAW_BLOCK = 1 << 20
 
 
 # --- dtype helpers -------------------------------------------------------------------------------
@@ -86,19 +95,31 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def random_inputs(problem: ConvProblem, seed: int = 0) -> list[np.ndarray]:
-    """The kernel's arguments (kernel order, shapes `arg_shapes`) drawn uniformly from [-1, 1) in their dtypes."""
-    rng = np.random.default_rng(seed)
+    """The kernel's arguments (kernel order, shapes `arg_shapes`) drawn uniformly from [-1, 1) in their dtypes.
+
+    Each argument is drawn in blocks of _DRAW_BLOCK values, each block from its own generator spawned from
+    `seed`: the values depend on the seed and the shapes only, and the blocks are drawn on all cores."""
     out: list[np.ndarray] = []
-    for shape, dtype_name in zip(problem.arg_shapes, problem.arg_dtypes):
+    for shape, dtype_name, arg_seed in zip(problem.arg_shapes, problem.arg_dtypes,
+                                           np.random.SeedSequence(seed).spawn(len(problem.arg_shapes))):
         dtype = NUMPY_DTYPES[dtype_name]
-        # drawn in float32 (half the memory traffic of float64 draws), then rounded to the argument's dtype
-        a = rng.random(size=shape, dtype=np.float32)
-        a *= 2
-        a -= 1
-        a = a.astype(dtype, copy=False)
-        # An exact zero (from the draw or from rounding a tiny draw) would let a kernel that skips that
-        # element pass unnoticed; replace the rare ones with a value every dtype holds exactly.
-        a[a == 0] = dtype(0.5)
+        a = np.empty(shape, dtype=dtype)
+        flat = a.reshape(-1)
+        blocks = [slice(i, min(i + _DRAW_BLOCK, flat.size)) for i in range(0, flat.size, _DRAW_BLOCK)]
+
+        def draw(block: slice, block_seed: np.random.SeedSequence, dtype: type = dtype,
+                 flat: np.ndarray = flat) -> None:
+            # drawn in float32 (half the memory traffic of float64 draws), then rounded to the argument's dtype
+            v = np.random.default_rng(block_seed).random(size=block.stop - block.start, dtype=np.float32)
+            v *= 2
+            v -= 1
+            rounded = v.astype(dtype, copy=False)
+            # An exact zero (from the draw or from rounding a tiny draw) would let a kernel that skips that
+            # element pass unnoticed; replace the rare ones with a value every dtype holds exactly.
+            rounded[rounded == 0] = dtype(0.5)
+            flat[block] = rounded
+
+        _per_chunk(lambda pair: draw(*pair), list(zip(blocks, arg_seed.spawn(len(blocks)))))
         out.append(a)
     return out
 
@@ -159,28 +180,55 @@ def _crop(p: ConvProblem) -> tuple[slice, ...]:
 
 
 def _batch_chunks(p: ConvProblem, per_image: int) -> list[slice]:
-    """Slices of the batch, each about _CHUNK_ELEMENTS activation values: a chunk's padded input and result stay
-    in cache across the filter taps (one pass over the whole batch per tap was memory-bound)."""
+    """Slices of the batch, each about _CHUNK_ELEMENTS values of `per_image` (the largest per-image array an op
+    builds): a chunk's arrays stay in cache across the filter taps (one pass over the whole batch per tap was
+    memory-bound)."""
     step = max(1, _CHUNK_ELEMENTS // max(per_image, 1))
     return [slice(n, min(n + step, p.batch)) for n in range(0, p.batch, step)]
 
 
-def _taps(p: ConvProblem):
-    return itertools.product(*(range(r) for r in p.filter))
+def _taps(p: ConvProblem) -> list[tuple[int, ...]]:
+    return list(itertools.product(*(range(r) for r in p.filter)))
+
+
+def _per_chunk(work: Callable[[A], T], chunks: Sequence[A]) -> list[T]:
+    """`work` on every chunk, on as many threads as the machine has cores, results in chunk order: NumPy's copies,
+    ufuncs and matrix products release the GIL, so the chunks run in parallel."""
+    if len(chunks) == 1:
+        return [work(chunks[0])]
+    with ThreadPoolExecutor(min(len(chunks), os.cpu_count() or 1)) as pool:
+        return list(pool.map(work, chunks))
+
+
+def _stacked_weight(p: ConvProblem, w: np.ndarray) -> np.ndarray:
+    """The canonical weight (G, K, C, taps...) as (G, K, taps*C), tap-major: the columns of _windows' rows."""
+    taps = _taps(p)
+    return np.ascontiguousarray(np.stack([w[(Ellipsis,) + t] for t in taps], axis=2)
+                                .reshape(p.groups, p.out_channels, len(taps) * p.in_channels))
+
+
+def _windows(p: ConvProblem, xp: np.ndarray) -> np.ndarray:
+    """cols[n, g, (tap, c), o] = xp[n, g, c, o*s + tap*d] of a zero-padded canonical chunk: every tap's strided
+    window stacked, so that one matrix product per (n, g) contracts over all taps and channels at once."""
+    taps = _taps(p)
+    cols = np.empty((xp.shape[0], p.groups, len(taps), p.in_channels, *p.output), dtype=np.float64)
+    for i, tap in enumerate(taps):
+        cols[:, :, i] = xp[(slice(None),) * 3 + _tap_slices(p, tap)]
+    return cols.reshape(xp.shape[0], p.groups, len(taps) * p.in_channels, math.prod(p.output))
 
 
 def _forward(p: ConvProblem, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
-    """y[n,g,k,o] = sum_{c,y} x[n,g,c,o*s+y*d-lo] * w[g,k,c,y]: per tap, w[..., y] (G, K, C) @ window (G, C, O).
-    x, y: canonical views (y is written); w: canonical float64."""
+    """y[n,g,k,o] = sum_{c,y} x[n,g,c,o*s+y*d-lo] * w[g,k,c,y]: w as (G, K, taps*C) @ the stacked windows
+    (G, taps*C, O).  x, y: canonical views (y is written); w: canonical float64."""
     pad = [(0, 0)] * 3 + list(zip(p.pad_lo, p.pad_hi))
-    g, k, c, positions = p.groups, p.out_channels, p.in_channels, math.prod(p.output)
-    for chunk in _batch_chunks(p, g * c * math.prod(_padded_spatial(p))):
+    wcat = _stacked_weight(p, w)
+    per_image = p.groups * p.in_channels * max(math.prod(_padded_spatial(p)), len(_taps(p)) * math.prod(p.output))
+
+    def chunk_result(chunk: slice) -> None:
         xp = np.pad(_chunk64(x, chunk), pad)  # zeros stand in for the out-of-range reads
-        yc = np.zeros((xp.shape[0], g, k, positions), dtype=np.float64)
-        for tap in _taps(p):
-            window = xp[(slice(None),) * 3 + _tap_slices(p, tap)].reshape(-1, g, c, positions)
-            yc += np.matmul(w[(Ellipsis,) + tap], window)
-        y[chunk] = yc.reshape(-1, g, k, *p.output)
+        y[chunk] = np.matmul(wcat, _windows(p, xp)).reshape(-1, p.groups, p.out_channels, *p.output)
+
+    _per_chunk(chunk_result, _batch_chunks(p, per_image))
 
 
 def _grad_input(p: ConvProblem, dy: np.ndarray, w: np.ndarray, dx: np.ndarray) -> None:
@@ -188,7 +236,8 @@ def _grad_input(p: ConvProblem, dy: np.ndarray, w: np.ndarray, dx: np.ndarray) -
     (G, K, O) scatter-added into a padded buffer, then cropped.  dy, dx: canonical views (dx is written)."""
     g, k, c = p.groups, p.out_channels, p.in_channels
     wt = [np.ascontiguousarray(np.swapaxes(w[(Ellipsis,) + tap], 1, 2)) for tap in _taps(p)]
-    for chunk in _batch_chunks(p, g * c * math.prod(_padded_spatial(p))):
+
+    def chunk_result(chunk: slice) -> None:
         dyc = _chunk64(dy, chunk).reshape(-1, g, k, math.prod(p.output))
         # The padded buffer holds every index o*s + y*d; those landing in the padding are the reads forward
         # would have zero-filled, so they are dropped by the crop.
@@ -198,20 +247,26 @@ def _grad_input(p: ConvProblem, dy: np.ndarray, w: np.ndarray, dx: np.ndarray) -
             dxp[(slice(None),) * 3 + _tap_slices(p, tap)] += np.matmul(wt_tap, dyc).reshape(-1, g, c, *p.output)
         dx[chunk] = dxp[(slice(None),) * 3 + _crop(p)]
 
+    _per_chunk(chunk_result, _batch_chunks(p, g * max(c, k) * math.prod(_padded_spatial(p))))
+
 
 def _grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray) -> np.ndarray:
-    """dw[g,k,c,y] = sum_{n,o} x[n,g,c,o*s+y*d-lo] * dy[n,g,k,o]: per tap, dy (G, K, O) @ window^T (G, O, C).
-    x, dy: canonical views; the result is canonical float64."""
+    """dw[g,k,c,y] = sum_{n,o} x[n,g,c,o*s+y*d-lo] * dy[n,g,k,o]: dy (G, K, O) @ the stacked windows transposed
+    (G, O, taps*C), summed over the batch (chunk partials added in batch order).  x, dy: canonical views; the
+    result is canonical float64."""
     pad = [(0, 0)] * 3 + list(zip(p.pad_lo, p.pad_hi))
     g, k, c, positions = p.groups, p.out_channels, p.in_channels, math.prod(p.output)
-    dw = np.zeros((p.groups, k, c, *p.filter), dtype=np.float64)
-    for chunk in _batch_chunks(p, g * c * math.prod(_padded_spatial(p))):
+    per_image = g * max(c * math.prod(_padded_spatial(p)), (len(_taps(p)) * c + k) * positions)
+
+    def chunk_partial(chunk: slice) -> np.ndarray:
         xp = np.pad(_chunk64(x, chunk), pad)
         dyc = _chunk64(dy, chunk).reshape(-1, g, k, positions)
-        for tap in _taps(p):
-            window = xp[(slice(None),) * 3 + _tap_slices(p, tap)].reshape(-1, g, c, positions)
-            dw[(Ellipsis,) + tap] += np.matmul(dyc, np.swapaxes(window, 2, 3)).sum(axis=0)
-    return dw
+        return np.matmul(dyc, np.swapaxes(_windows(p, xp), 2, 3)).sum(axis=0)  # (G, K, taps*C)
+
+    stacked = sum(_per_chunk(chunk_partial, _batch_chunks(p, per_image)))
+    # (G, K, (taps, C)) -> (G, K, C, taps...)
+    dw = stacked.reshape(g, k, *p.filter, c)
+    return np.ascontiguousarray(np.moveaxis(dw, -1, 2))
 
 
 # --- public entry point ----------------------------------------------------------------------------
