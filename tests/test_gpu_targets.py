@@ -85,3 +85,20 @@ def test_auto_compiles_for_the_cuda_device_present(monkeypatch):
     monkeypatch.setattr(module, "cuda_available", lambda: False)
     assert resolve_target("auto") == Target("cpu", "host")
     assert native_cuda_arch() in (None, "sm_80", "sm_89", "sm_90")  # here: the machine's own answer
+
+
+@pytest.mark.parametrize("in_channels, out_channels, crashes", [(8, 8, True), (8, 16, True), (16, 8, False)])
+def test_rocm_3d_f32_grad_input_compiles_past_the_buffer_fat_pointer_crash(in_channels, out_channels, crashes, caplog):
+    # IREE 3.13's gfx942 code generation crashes in LLVM's AMDGPU buffer fat pointer lowering on these shapes
+    # (benchmarks/iree-upstream.md); compile_mlir compiles such a module again with buffer instructions off and says so
+    import iree.runtime as rt
+    from convdsl.backends.iree import NO_BUFFER_INSTRUCTIONS_FLAG
+
+    p = BASE.with_(dims=3, groups=1, batch=2, in_channels=in_channels, out_channels=out_channels, input=(6, 6, 6),
+                   filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 1), pad_hi=(1, 1, 1),
+                   dtype="f32")
+    target = Target("rocm", "gfx942")
+    with caplog.at_level("WARNING", logger="convdsl.iree"):
+        vmfb = compile_mlir(lower_to_mlir([p], target), target)
+    assert "k" in rt.VmModule.copy_buffer(rt.VmInstance(), vmfb).function_names
+    assert any(NO_BUFFER_INSTRUCTIONS_FLAG in r.getMessage() for r in caplog.records) == crashes

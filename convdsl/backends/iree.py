@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from importlib.metadata import PackageNotFoundError, version
 import os
 import shlex
@@ -20,6 +21,9 @@ import numpy as np
 from ..abi import INTO_SUFFIX
 from ..targets import Target, TargetError
 from .into_call import IntoCall, allocate_result
+
+
+log = logging.getLogger("convdsl.iree")
 
 
 class CompileError(RuntimeError):
@@ -42,6 +46,12 @@ def failure_dir() -> Path:
 # convdsl emits tensor.pad only where it wants the zero border fused into the consuming contraction
 # (plan pad_form "fuse"); IREE fuses it only with this flag, and otherwise copies it with a slow kernel.
 FUSE_PAD_FLAG = "--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops"
+
+# LLVM's AMDGPU pass that lowers buffer fat pointers crashes on some dispatches (3D f32 grad_input with 8 channels
+# on gfx942 in IREE 3.13: benchmarks/iree-upstream.md); a ROCm module it crashes on is compiled again with IREE's
+# buffer instructions off, the one change that avoided it, and the fallback is logged as a warning
+NO_BUFFER_INSTRUCTIONS_FLAG = "--iree-rocdl-enable-buffer-instructions=false"
+BUFFER_FAT_POINTER_CRASH = "Lower buffer fat pointer operations"
 
 
 def with_device_targets(mlir: str, target: Target) -> str:
@@ -70,12 +80,17 @@ def compile_mlir(mlir: str, target: Target, extra_flags: Sequence[str] = (), dat
     try:
         return ireec.compile_str(mlir, extra_args=flags)
     except CompilerToolError as err:
+        stderr = getattr(err, "stderr_text", None) or str(err)
+        if (target.backend == "rocm" and BUFFER_FAT_POINTER_CRASH in str(stderr)
+                and NO_BUFFER_INSTRUCTIONS_FLAG not in flags):
+            log.warning("%s: iree-compile crashed in LLVM's AMDGPU buffer fat pointer lowering; compiled again with "
+                        "%s (plain global loads and stores)", target, NO_BUFFER_INSTRUCTIONS_FLAG)
+            return compile_mlir(mlir, target, [*extra_flags, NO_BUFFER_INSTRUCTIONS_FLAG], data_tiling)
         folder = failure_dir()
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{hashlib.sha256(mlir.encode()).hexdigest()[:16]}.mlir"
         path.write_text(mlir)
         command = shlex.join(["iree-compile", str(path), *flags, "-o", "/tmp/out.vmfb"])
-        stderr = getattr(err, "stderr_text", None) or str(err)
         lines = [ln[:300] for ln in str(stderr).splitlines() if "error" in ln][:8] or str(stderr).splitlines()[-8:]
         raise CompileError(
             f"iree-compile failed for target {target}:\n  " + "\n  ".join(lines)
