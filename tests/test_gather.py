@@ -38,7 +38,7 @@ def test_small_groups_take_the_gather_form(op):
     dict(in_channels=2, out_channels=8),  # 9 taps x K = 72 weight slices: above MAX_WEIGHT_SLICES
     dict(dynamic_batch=True),  # shapes must be static
     dict(dtype="f16", compute=("fp8", "fp8")),  # fp8 compute keeps the GEMM forms' rounding
-    dict(op="forward"),  # only gradients
+    dict(op="forward"),  # only gradients on GPUs (the CPU gathers forward too: test_cpu_forward_with_few_channels_takes_the_gather_form)
     dict(op="grad_weight", dims=3, input=(5, 4, 4), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
          pad_lo=(1, 1, 1), pad_hi=(1, 1, 1)),  # IREE fails to distribute 3D partial sums
 ])
@@ -80,3 +80,72 @@ def test_gather_forms_are_exact(layout, weight_layout, op, monkeypatch):
     check(p)
     check(p.with_(dims=1, input=(11,), filter=(4,), stride=(3,), dilation=(2,), pad_lo=(3,), pad_hi=(0,),
                   in_channels=1, out_channels=1))
+
+
+# --- forward with few channels per group: the gather form on the CPU (policy.cpu_gather_forward) -------------
+
+FEW = DW.with_(op="forward", in_channels=4, out_channels=4)
+
+
+def test_cpu_forward_with_few_channels_takes_the_gather_form():
+    assert plan_kernel(FEW, CPU).form == "gather"
+    assert plan_kernel(FEW.with_(in_channels=2, out_channels=8), CPU).form == "gather"
+    # elsewhere forward keeps its forms: GPUs, depthwise, more channels, one group, batch = ?, fp8 compute, and a
+    # window whose taps x C weight slices pass MAX_WEIGHT_SLICES
+    assert plan_kernel(FEW, CUDA, LINALG).form != "gather"
+    for change in (dict(in_channels=1, out_channels=1), dict(in_channels=4, out_channels=5),
+                   dict(groups=1), dict(dynamic_batch=True), dict(dtype="f16", compute=("fp8", "fp8")),
+                   dict(in_channels=8, out_channels=2)):
+        assert plan_kernel(FEW.with_(**change), CPU).form != "gather", change
+
+
+def test_gather_forward_is_one_parallel_generic_reading_x_by_extract():
+    text = function_text(lower_to_mlir([FEW], CPU), FEW.name)
+    assert "tensor.extract " in text and "tensor.pad" not in text and "insert_slice" not in text
+    generics = [ln for ln in text.splitlines() if "linalg.generic" in ln]
+    # the weight's [taps.., C, G, K] copy, then the gather; no reduction anywhere
+    assert len(generics) == 2 and not any('"reduction"' in g for g in generics)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("weight_layout", WEIGHT_LAYOUTS)
+def test_gather_forward_is_exact(layout, weight_layout):
+    p = FEW.with_(layout=layout, weight_layout=weight_layout, dtype="bf16", in_channels=2, out_channels=3,
+                  epilogue=Epilogue("bilinear", 0.5, -0.75))
+    assert plan_kernel(p, CPU).form == "gather"
+    check(p)
+    check(p.with_(dims=1, input=(11,), filter=(4,), stride=(3,), dilation=(2,), pad_lo=(3,), pad_hi=(0,),
+                  epilogue=Epilogue("scale", 2.0)))
+
+
+@pytest.mark.parametrize("changes", [
+    {}, dict(dtype="f16"), dict(dtype="f32", stride=(1, 1), dilation=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0)),
+    dict(batch=3, groups=32, in_channels=4, out_channels=4, input=(12, 12), stride=(2, 2), dilation=(1, 1),
+         pad_lo=(1, 1), pad_hi=(1, 1)),
+    dict(dims=3, input=(5, 6, 7), filter=(3, 3, 3), stride=(1, 2, 2), dilation=(1, 1, 1), pad_lo=(1, 1, 1),
+         pad_hi=(1, 0, 1), in_channels=2, out_channels=2),
+])
+def test_gather_forward_shapes_and_dtypes(changes):
+    p = FEW.with_(**changes)
+    assert plan_kernel(p, CPU).form == "gather"
+    check(p)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.data())
+def test_gather_forward_index_algebra(data):
+    # random 1D/2D windows (stride, dilation, borders on either side, cropped tails) against the float64 reference:
+    # the X position o*s + t*d - lo and its [0, I) mask
+    dims = data.draw(st.integers(1, 2))
+    f = [data.draw(st.integers(1, 3)) for _ in range(dims)]
+    s = [data.draw(st.integers(1, 3)) for _ in range(dims)]
+    d = [data.draw(st.integers(1, 2)) for _ in range(dims)]
+    lo = [data.draw(st.integers(0, (fi - 1) * di)) for fi, di in zip(f, d)]
+    hi = [data.draw(st.integers(0, (fi - 1) * di)) for fi, di in zip(f, d)]
+    size = [data.draw(st.integers(max(1, (fi - 1) * di + 1 - l - h), 9)) for fi, di, l, h in zip(f, d, lo, hi)]
+    p = FEW.with_(dims=dims, batch=data.draw(st.integers(1, 2)), groups=data.draw(st.integers(2, 5)),
+                  in_channels=data.draw(st.integers(1, 2)), out_channels=data.draw(st.integers(2, 4)),
+                  input=tuple(size), filter=tuple(f), stride=tuple(s), dilation=tuple(d), pad_lo=tuple(lo),
+                  pad_hi=tuple(hi))
+    assert plan_kernel(p, CPU).form == "gather"
+    check(p)

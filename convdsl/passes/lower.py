@@ -165,6 +165,8 @@ def _emit_op(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
         epilogue = lambda acc: _epilogue(p, acc, bias)  # noqa: E731
         if p.op == "grad_weight":
             return gather.grad_weight(p, args[0], args[1], plan.row_blocks, epilogue)
+        if p.op == "forward":
+            return gather.forward(p, args[0], args[1], epilogue)
         return gather.grad_input(p, args[0], args[1], epilogue)
     if p.op == "forward":
         return _forward(plan, args[0], args[1], bias)
@@ -766,8 +768,10 @@ def _grad_weight_im2col(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optio
 # --- the CPU form "depthwise-named": grad_input of a depthwise convolution as IREE's named depthwise op ----
 _DEPTHWISE_OPS = {1: linalg.depthwise_conv_1d_nwc_wc, 2: linalg.depthwise_conv_2d_nhwc_hwc,
                   3: linalg.depthwise_conv_3d_ndhwc_dhwc}
-# depthwise-named grad_weight: images per step of its loop over the batch (see _grad_weight_depthwise_named)
-IMAGES_PER_STEP = 4
+# depthwise-named grad_weight: images per step of its loop over the batch, and the most images it unrolls instead
+# (see _grad_weight_depthwise_named)
+IMAGES_PER_STEP = 1
+UNROLLED_MOST_IMAGES = 7
 
 
 def _grad_input_phase_depthwise_named(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value,
@@ -801,13 +805,20 @@ def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bi
     # dilations = s (the step between filter positions o); Img's extent (O-1)*s + (R-1)*d + 1 is x_window's.
     # The images' convolutions accumulate into one [1, R.., G*C] tensor per k in batch order (each takes the
     # last one's result as its init), so dW[g, k, t, c] = D_k[0, t, (g, c)] with no partials.  Batches of
-    # 2 x IMAGES_PER_STEP or more run as an scf.for over steps of IMAGES_PER_STEP images, the rest unrolled: one
-    # convolution per image unrolled took iree-compile 3.4 s at batch 64, and a loop of one image per step cost
-    # 10-15% at batch 4.  Each image's zero border is its own tensor.pad (plan.pad_form "fuse"), which IREE fuses
-    # into that image's convolution: a padded copy of X cost as much as the convolutions
-    # (docs/decisions.md#cpu-depthwise-wgrad); with K > 1 it feeds K convolutions, and IREE copies it once.  The batch stays out of the channels: folding it in (one
-    # convolution over N*G channels) needed transposed copies of X and dY and ran slower.
+    # more than UNROLLED_MOST_IMAGES run as an scf.for over steps of IMAGES_PER_STEP images, the rest unrolled:
+    # unrolling every image took iree-compile 3.4 s at batch 64, a loop cost 10-15% at batch 4, and at batch 32-64
+    # one image per step ran 1.25-2.3x faster than four (docs/decisions.md#cpu-few-channel-f16).  Each image's zero
+    # border is its own tensor.pad (plan.pad_form "fuse"), which IREE fuses into that image's convolution: a padded
+    # copy of X cost as much as the convolutions (docs/decisions.md#cpu-depthwise-wgrad); with K > 1 it feeds K
+    # convolutions, and IREE copies it once.  The batch stays out of the channels: folding it in (one convolution
+    # over N*G channels) needed transposed copies of X and dY and ran slower.
     p = plan.problem
+    f32 = ir.F32Type.get()
+    if elem_of(x) != f32 and not p.depthwise:
+        # few channels per group: 16-bit operands widened to f32 first, one pass each, ran 2-5x faster than IREE's
+        # CPU depthwise convolutions on them (docs/decisions.md#cpu-few-channel-f16); depthwise, IREE fuses the
+        # widening into the convolution and its CPU codegen then fails (vectors too large)
+        x, dy = (_elementwise([v], f32, lambda e, _: convert(e, f32)) for v in (x, dy))
     c_count, k_count = p.in_channels, p.out_channels
     axes = activation_axes(p, "ch")  # n, sp.., g, ch (NHWGC)
     sp = _spatial_positions(p, axes)
@@ -845,7 +856,7 @@ def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bi
                                        dilations=list(p.stride)) for k, acc in enumerate(accs)]
 
     step = IMAGES_PER_STEP
-    looped = p.batch - p.batch % step if p.batch >= 2 * step else 0
+    looped = p.batch - p.batch % step if p.batch > UNROLLED_MOST_IMAGES else 0
     accs = [zeros([1, *p.filter, padded], ir.F32Type.get()) for _ in range(k_count)]
     if looped:
         loop = scf.ForOp(const(0), const(looped), const(step), accs)

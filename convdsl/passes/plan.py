@@ -154,7 +154,7 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
     if policy.cpu_depthwise_named(problem, target):
         # CPU depthwise gradients: IREE's named depthwise convolution per phase (grad_input) or image (grad_weight)
         form = "depthwise-named"
-    if policy.gather_applies(problem) and form != "depthwise-named":
+    if (policy.gather_applies(problem) or policy.cpu_gather_forward(problem, target)) and form != "depthwise-named":
         # few channels per group: bound by memory, a gather per output beats any GEMM form
         return KernelPlan(problem, target, "gather",
                           row_blocks=policy.gather_row_blocks(problem) if problem.op == "grad_weight" else 0)
