@@ -7,9 +7,10 @@ input i = o*s + y*d - lo for taps y in [0, R), and reads outside [0, I) are zero
 Internally every tensor is permuted to one canonical axis order:
     x, dx: (N, G, C, spatial...)    y, dy: (N, G, K, spatial...)    w, dw: (G, K, C, taps...)
 Every tap reads a strided slice of an explicitly zero-padded activation; the padding makes every slice in range,
-so no index is clipped by hand.  forward and grad_weight stack the taps' slices and contract over (tap, channel)
-in one batched matrix product per group; grad_input scatter-adds one product per tap.  The batch is taken in
-chunks small enough to stay in cache, the chunks spread over the machine's cores.
+so no index is clipped by hand.  Each op stacks the taps' slices and contracts over (tap, channel) in one batched
+matrix product per group; grad_input first places dY at every s-th position of a zero buffer, which makes it a
+correlation like forward.  The batch is taken in chunks small enough to stay in cache, the chunks spread over the
+machine's cores.
 """
 from __future__ import annotations
 
@@ -79,18 +80,23 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     g, w = np.asarray(got), np.asarray(want)
     if g.shape != w.shape:
         raise ValueError(f"relative_error: shapes differ, got {g.shape} and want {w.shape}")
-    if not np.all(np.isfinite(g)):
+    # sums of squares a chunk at a time (no whole float64 copies of large results), the chunks on every core and
+    # added in order
+    g, w = g.reshape(-1), w.reshape(-1)
+
+    def sums(chunk: slice) -> tuple[float, float, bool]:
+        gc = g[chunk].astype(np.float64)
+        finite = bool(np.all(np.isfinite(gc)))
+        wc = w[chunk].astype(np.float64, copy=False)
+        gc -= wc
+        return float(np.dot(gc, gc)), float(np.dot(wc, wc)), finite
+
+    parts = _per_chunk(sums, [slice(i, i + _NORM_CHUNK) for i in range(0, g.size, _NORM_CHUNK)] or [slice(0, 0)])
+    if not all(finite for _, _, finite in parts):
         # nan would compare False against any tolerance anyway; inf makes the failure readable.
         return math.inf
-    # sums of squares a chunk at a time: no whole float64 copies of large results
-    g, w = g.reshape(-1), w.reshape(-1)
-    diff_sq = want_sq = 0.0
-    for start in range(0, g.size, _NORM_CHUNK):
-        gc = g[start:start + _NORM_CHUNK].astype(np.float64)
-        wc = w[start:start + _NORM_CHUNK].astype(np.float64, copy=False)
-        gc -= wc
-        diff_sq += float(np.dot(gc, gc))
-        want_sq += float(np.dot(wc, wc))
+    diff_sq = sum(d for d, _, _ in parts)
+    want_sq = sum(v for _, v, _ in parts)
     return math.sqrt(diff_sq) / max(math.sqrt(want_sq), float(np.finfo(np.float64).tiny))
 
 
@@ -175,10 +181,6 @@ def _padded_spatial(p: ConvProblem) -> tuple[int, ...]:
     return tuple(i + lo + hi for i, lo, hi in zip(p.input, p.pad_lo, p.pad_hi))
 
 
-def _crop(p: ConvProblem) -> tuple[slice, ...]:
-    return tuple(slice(lo, lo + i) for lo, i in zip(p.pad_lo, p.input))
-
-
 def _batch_chunks(p: ConvProblem, per_image: int) -> list[slice]:
     """Slices of the batch, each about _CHUNK_ELEMENTS values of `per_image` (the largest per-image array an op
     builds): a chunk's arrays stay in cache across the filter taps (one pass over the whole batch per tap was
@@ -232,22 +234,36 @@ def _forward(p: ConvProblem, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> Non
 
 
 def _grad_input(p: ConvProblem, dy: np.ndarray, w: np.ndarray, dx: np.ndarray) -> None:
-    """dx[i] = sum over (o, y) with o*s + y*d - lo = i of dy[o] * w[y]: per tap, w[..., y]^T (G, C, K) @ dy
-    (G, K, O) scatter-added into a padded buffer, then cropped.  dy, dx: canonical views (dx is written)."""
+    """dx[i] = sum over (o, y) with o*s + y*d - lo = i of dy[o] * w[y], as a correlation: dy placed at every s-th
+    position of a zero buffer from (R-1)*d on (dyp[(R-1)*d + o*s] = dy[o]), so that
+        dx[i] = sum_{y', k} dyp[i + lo + y'*d] * w[R-1-y']
+    i.e. the stacked windows of dyp (taps y' flipped) against w as (G, C, taps*K).  dy, dx: canonical views (dx is
+    written); w: canonical float64."""
     g, k, c = p.groups, p.out_channels, p.in_channels
-    wt = [np.ascontiguousarray(np.swapaxes(w[(Ellipsis,) + tap], 1, 2)) for tap in _taps(p)]
+    taps = _taps(p)
+    flipped = [tuple(r - 1 - y for r, y in zip(p.filter, tap)) for tap in taps]
+    wf = np.ascontiguousarray(np.stack([np.swapaxes(w[(Ellipsis,) + f], 1, 2) for f in flipped], axis=2)
+                              .reshape(g, c, len(taps) * k))
+    lead = [(r - 1) * d for r, d in zip(p.filter, p.dilation)]
+    # dyp spans every index a window reads, [0, I + lo + (R-1)*d); dy values past its end would land on dx indices
+    # past I (the high border's crop) and are left out
+    extent = [i + lo + ld for i, lo, ld in zip(p.input, p.pad_lo, lead)]
+    placed = tuple(slice(ld, min(ld + (o - 1) * s + 1, e), s) for ld, o, s, e in zip(lead, p.output, p.stride, extent))
+    kept = tuple(slice(0, len(range(*sl.indices(e)))) for sl, e in zip(placed, extent))
+    windows = [tuple(slice(lo + y * d, lo + y * d + i) for lo, y, d, i in zip(p.pad_lo, tap, p.dilation, p.input))
+               for tap in taps]
 
     def chunk_result(chunk: slice) -> None:
-        dyc = _chunk64(dy, chunk).reshape(-1, g, k, math.prod(p.output))
-        # The padded buffer holds every index o*s + y*d; those landing in the padding are the reads forward
-        # would have zero-filled, so they are dropped by the crop.
-        dxp = np.zeros((dyc.shape[0], g, c, *_padded_spatial(p)), dtype=np.float64)
-        for wt_tap, tap in zip(wt, _taps(p)):
-            # Within one tap the strided slice hits distinct indices, so += does not lose colliding updates.
-            dxp[(slice(None),) * 3 + _tap_slices(p, tap)] += np.matmul(wt_tap, dyc).reshape(-1, g, c, *p.output)
-        dx[chunk] = dxp[(slice(None),) * 3 + _crop(p)]
+        dyc = _chunk64(dy, chunk)
+        dyp = np.zeros((dyc.shape[0], g, k, *extent), dtype=np.float64)
+        dyp[(slice(None),) * 3 + placed] = dyc[(slice(None),) * 3 + kept]
+        cols = np.empty((dyc.shape[0], g, len(taps), k, *p.input), dtype=np.float64)
+        for j, window in enumerate(windows):
+            cols[:, :, j] = dyp[(slice(None),) * 3 + window]
+        dx[chunk] = np.matmul(wf, cols.reshape(dyc.shape[0], g, len(taps) * k, -1)).reshape(-1, g, c, *p.input)
 
-    _per_chunk(chunk_result, _batch_chunks(p, g * max(c, k) * math.prod(_padded_spatial(p))))
+    per_image = g * k * max(math.prod(extent), len(taps) * math.prod(p.input))
+    _per_chunk(chunk_result, _batch_chunks(p, per_image))
 
 
 def _grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray) -> np.ndarray:

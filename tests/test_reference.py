@@ -254,6 +254,22 @@ def test_random_inputs_dtypes(dtype: str) -> None:
     assert reference(p, *args).dtype == np.float64
 
 
+def test_random_inputs_depend_on_the_seed_and_the_arguments_only() -> None:
+    # `convdsl run` draws once for kernels in a row with the same arguments: that must be the draw each would get.
+    # A tensor of several draw blocks, so that the blocks' own generators are covered.
+    p = ConvProblem(op="grad_input", dims=2, groups=1, batch=3, in_channels=8, out_channels=8, input=(300, 300),
+                    filter=(3, 3), stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), dtype="f16")
+    assert math.prod(p.arg_shapes[0]) > 2 * (1 << 20)
+    same = [p.with_(op="transposed", name="up"), p.with_(op="forward", name="y")]
+    assert all(q.arg_shapes == p.arg_shapes and q.arg_dtypes == p.arg_dtypes for q in same)
+    drawn = random_inputs(p, seed=3)
+    for q in same:
+        assert all(np.array_equal(a, b) for a, b in zip(drawn, random_inputs(q, seed=3)))
+    # the blocks differ from each other (each its own generator, not one restarted)
+    first = drawn[0].reshape(-1)
+    assert not np.array_equal(first[:1000], first[1 << 20:(1 << 20) + 1000])
+
+
 def _representable(kind: str) -> np.ndarray:
     dt = {"fp8": ml_dtypes.float8_e4m3fn, "bf8": ml_dtypes.float8_e5m2}[kind]
     vals = np.arange(256, dtype=np.uint8).view(dt).astype(np.float64)
