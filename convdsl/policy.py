@@ -82,31 +82,40 @@ def dy_first(p: ConvProblem, target: Target) -> bool:
 
 
 def cpu_im2col(p: ConvProblem, target: Target) -> bool:
-    """CPU gradients with channels: the form "im2col" (a window gather, then a named linalg.matmul /
-    batch_matmul per group, passes/gemm.py), which IREE's llvm-cpu backend runs through data tiling and its
-    matmul microkernels; its implicit-GEMM generics ran 3 to 30x slower than PyTorch (docs/decisions.md#cpu-im2col).
+    """CPU convolutions with channels, forward and gradients: the form "im2col" (a window gather, then a named
+    linalg.matmul / batch_matmul per group, passes/gemm.py), which IREE's llvm-cpu backend runs through data tiling
+    and its matmul microkernels; its implicit-GEMM generics ran 3 to 30x slower than PyTorch
+    (docs/decisions.md#cpu-im2col, #cpu-forward-im2col).
     Depthwise kernels (no GEMM) and few-channel groups (the gather form) keep their forms; fp8 compute, bf16x3
     (whose split operands feed the implicit-GEMM form) and `batch = ?` keep the implicit-GEMM form."""
-    return (target.backend == "cpu" and p.op in ("grad_input", "transposed", "grad_weight") and not p.depthwise
-            and not gather_applies(p) and not p.fp8_compute and not p.bf16x3 and not p.dynamic_batch)
+    return (target.backend == "cpu" and not p.depthwise and not gather_applies(p) and not cpu_gather_forward(p, target)
+            and not p.fp8_compute and not p.bf16x3 and not p.dynamic_batch)
 
 
-# im2col grad_input on the CPU: the most columns (C per group) its matmul runs unpacked (cpu_data_tiling)
+# im2col forward and grad_input on the CPU: the most columns (K, C per group) their matmul runs unpacked
+# (cpu_data_tiling)
 CPU_UNPACKED_MOST_COLUMNS = 128
+
+
+def _unpacked_matmul(p: ConvProblem, target: Target) -> bool:
+    """An im2col kernel whose matmul multiplies a window gather by a narrow weight: forward (columns K) or
+    grad_input (columns C) with more than one tap and at most CPU_UNPACKED_MOST_COLUMNS columns."""
+    columns = p.out_channels if p.op == "forward" else p.in_channels
+    return (cpu_im2col(p, target) and p.op in ("forward", "grad_input", "transposed") and math.prod(p.filter) > 1
+            and columns <= CPU_UNPACKED_MOST_COLUMNS)
 
 
 def cpu_data_tiling(problems: Sequence[ConvProblem], target: Target) -> bool:
     """Whether a CPU module is compiled with IREE's data tiling and matmul microkernels (Target.compile_flags).
 
     Data tiling packs both matmul operands into tiles first: a copy of each.  Where the large operand is a window
-    gather against a narrow weight (im2col grad_input with more than one tap and at most
-    CPU_UNPACKED_MOST_COLUMNS channels C: dYcol of N x O x taps x K values times a taps x K x C weight), that
-    copy costs more than the packed GEMM saves, and IREE's unpacked matmul, reading the gather as it lies, is
-    faster; with more channels, for a long reduction (grad_weight) and for a plain matmul (1x1), data tiling is
-    (docs/decisions.md#cpu-tap-slices).  Flags are per module, so one kernel of another kind keeps it on."""
-    return target.backend == "cpu" and not (problems and all(
-        cpu_im2col(p, target) and p.op in ("grad_input", "transposed") and math.prod(p.filter) > 1
-        and p.in_channels <= CPU_UNPACKED_MOST_COLUMNS for p in problems))
+    gather against a narrow weight (_unpacked_matmul: im2col forward or grad_input with more than one tap and at
+    most CPU_UNPACKED_MOST_COLUMNS columns, e.g. grad_input's dYcol of N x O x taps x K values times a
+    taps x K x C weight), that copy costs more than the packed GEMM saves, and IREE's unpacked matmul, reading the
+    gather as it lies, is faster; with more channels, for a long reduction (grad_weight) and for a plain matmul
+    (1x1), data tiling is (docs/decisions.md#cpu-tap-slices, #cpu-forward-im2col).  Flags are per module, so one
+    kernel of another kind keeps it on."""
+    return target.backend == "cpu" and not (problems and all(_unpacked_matmul(p, target) for p in problems))
 
 
 # im2col grad_weight on the CPU: positions per split-K chunk at least, and chunks at most

@@ -51,8 +51,8 @@ def check(p: ConvProblem) -> None:
 
 # --- which form -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("op", ["grad_input", "grad_weight", "transposed"])
-def test_cpu_gradients_with_channels_take_im2col(op):
+@pytest.mark.parametrize("op", ["forward", "grad_input", "grad_weight", "transposed"])
+def test_cpu_kernels_with_channels_take_im2col(op):
     assert plan_kernel(conv(op), CPU).form == "im2col"
     assert plan_kernel(conv(op, groups=4), CPU).form == "im2col"
 
@@ -61,8 +61,10 @@ def test_im2col_is_cpu_only_and_leaves_other_kernels_alone():
     for target in (Target("cuda", "sm_80"), Target("rocm", "gfx942")):
         assert not policy.cpu_im2col(conv("grad_input"), target)
         assert not policy.cpu_depthwise_named(depthwise(), target)
-    assert plan_kernel(conv("forward"), CPU).form == "implicit-gemm"
-    assert plan_kernel(conv("grad_weight", dynamic_batch=True), CPU).form == "implicit-gemm"  # batch = ?
+    assert plan_kernel(conv("forward", dynamic_batch=True), CPU).form == "implicit-gemm"  # batch = ?
+    assert plan_kernel(conv("grad_weight", dynamic_batch=True), CPU).form == "implicit-gemm"
+    assert plan_kernel(conv("forward", groups=8, in_channels=2, out_channels=2), CPU).form == "gather"
+    assert plan_kernel(conv("forward"), CPU).row_chunks == 1  # row chunks split grad_weight's reduction only
     assert plan_kernel(conv("grad_input", groups=8, in_channels=2, out_channels=2), CPU).form == "gather"
     assert plan_kernel(depthwise("grad_weight"), CPU).form != "im2col"
 
@@ -75,6 +77,7 @@ def test_depthwise_grad_input_takes_the_named_op_in_nhwgc_only():
 # --- the IR ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op, groups, named", [
+    ("forward", 1, "linalg.matmul"), ("forward", 4, "linalg.batch_matmul"),
     ("grad_input", 1, "linalg.matmul"), ("grad_input", 4, "linalg.batch_matmul"),
     ("grad_weight", 1, "linalg.matmul"), ("grad_weight", 4, "linalg.batch_matmul"),
 ])
@@ -92,7 +95,7 @@ def test_depthwise_ir_is_the_named_depthwise_convolution():
 
 # --- results against the float64 reference ----------------------------------------------------------
 
-@pytest.mark.parametrize("op", ["grad_input", "grad_weight"])
+@pytest.mark.parametrize("op", ["forward", "grad_input", "grad_weight"])
 @pytest.mark.parametrize("layout, weight_layout, groups", [
     ("NHWGC", "GKYXC", 1), ("NHWGC", "GKCYX", 3), ("GNHWC", "GKYXC", 3), ("NGCHW", "GKCYX", 1), ("NGCHW", "GKYXC", 3),
 ])
@@ -101,7 +104,7 @@ def test_im2col_every_layout(op, layout, weight_layout, groups, stride):
     check(conv(op, layout=layout, weight_layout=weight_layout, groups=groups, stride=stride))
 
 
-@pytest.mark.parametrize("op", ["grad_input", "grad_weight", "transposed"])
+@pytest.mark.parametrize("op", ["forward", "grad_input", "grad_weight", "transposed"])
 @pytest.mark.parametrize("changes", [
     dict(dims=1, input=(11,), filter=(3,), stride=(2,), dilation=(1,), pad_lo=(0,), pad_hi=(1,)),
     dict(dims=3, input=(5, 6, 4), filter=(3, 3, 2), stride=(1, 2, 2), dilation=(1, 1, 1), pad_lo=(1, 1, 0),
@@ -116,7 +119,7 @@ def test_im2col_shapes_and_dtypes(op, changes):
     check(conv(op, **changes))
 
 
-@pytest.mark.parametrize("op", ["grad_input", "grad_weight"])
+@pytest.mark.parametrize("op", ["forward", "grad_input", "grad_weight"])
 @pytest.mark.parametrize("stride", [(1, 1), (2, 2)])
 def test_im2col_bilinear_epilogue(op, stride):
     check(conv(op, stride=stride, epilogue=Epilogue("bilinear", 0.5, -0.75)))
@@ -425,13 +428,18 @@ def test_tap_slices_take_at_most_their_limit():
     assert text.count("tensor.extract_slice") < 81
 
 
-def test_data_tiling_is_off_only_for_modules_of_window_gathered_grad_inputs():
+def test_data_tiling_is_off_only_for_modules_of_window_gathered_forwards_and_grad_inputs():
     on = "--iree-opt-data-tiling"
     assert policy.cpu_data_tiling([conv("grad_weight")], CPU)
     assert policy.cpu_data_tiling([conv("grad_input", filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0))], CPU)  # a matmul
     assert policy.cpu_data_tiling([conv("grad_input"), conv("grad_weight", name="w")], CPU)  # one module, one flag
     assert not policy.cpu_data_tiling([conv("grad_input"), conv("transposed", name="t", stride=(2, 2))], CPU)
+    assert not policy.cpu_data_tiling([conv("forward"), conv("grad_input", name="d")], CPU)
     wide = policy.CPU_UNPACKED_MOST_COLUMNS + 1  # a wide weight's GEMM gains more from packing than it costs
     assert policy.cpu_data_tiling([conv("grad_input", in_channels=wide)], CPU)
+    # forward's GEMM columns are its K output channels, grad_input's its C input channels
+    assert policy.cpu_data_tiling([conv("forward", out_channels=wide)], CPU)
+    assert not policy.cpu_data_tiling([conv("forward", in_channels=wide)], CPU)
+    assert policy.cpu_data_tiling([conv("forward", filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0))], CPU)
     assert not policy.cpu_data_tiling([conv("grad_input")], Target("cuda", "sm_80"))
     assert on in CPU.compile_flags() and on not in CPU.compile_flags(data_tiling=False)

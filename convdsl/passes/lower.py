@@ -339,6 +339,8 @@ def _contraction_space(
 # --- forward: Y[n, o, g, k] = sum_{t, c} X[n, o*s + t*d - lo, g, c] * W[g, k, t, c] -------------
 def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
     p = plan.problem
+    if plan.form == "im2col":
+        return _forward_im2col(plan, x, w, bias)
     x_axes, y_axes, w_axes = activation_axes(p, "ch"), activation_axes(p, "ch"), weight_axes(p)
     if p.fp8_compute:
         x, w = _round_operand(plan, x, 0), _round_operand(plan, w, 1)
@@ -701,6 +703,32 @@ def _grad_input_phase_im2col(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Va
     out = gemm.matmul(a, b)
     logical = [p.groups, batch, *[d.Q for d in ph.dims], p.in_channels]
     return _to_activation(p, gemm.from_matrices(out, logical, 1 + p.dims, grouped), dy_axes)
+
+
+def _forward_im2col(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+    # Y as one GEMM per group over the rows m = (n, o):
+    #   Xcol[g, (n, o), (t, c)] = Xpad[n, o*s + t*d, g, c]                  (window gather)
+    #   Wcol[g, (t, c), k] = W[g, k, t, c]                                   (a copy of the small weight)
+    #   Y[g, (n, o), k] = sum_{(t, c)} Xcol[g, (n, o), (t, c)] * Wcol[g, (t, c), k]   (matmul)
+    # then Y in the activation layout (a reshape where only a unit G moves).
+    p = plan.problem
+    x_axes = activation_axes(p, "ch")
+    grouped = p.groups > 1
+    x = _x_window(plan, x, _spatial_positions(p, x_axes))
+    o = [f"o{i}" for i in range(p.dims)]
+    t = [f"t{i}" for i in range(p.dims)]
+    batch = sizes_of(x)[x_axes.index("n")]
+    space = gemm.parallel_space(["g", "n", *o, *t, "c"])
+    x_map = {"n": space["n"], "g": space["g"], "ch": space["c"]}
+    for i in range(p.dims):
+        x_map[f"sp{i}"] = space[o[i]] * p.stride[i] + space[t[i]] * p.dilation[i]
+    col = gemm.gather(x, x_axes, x_map, space, [p.groups, batch, *p.output, *p.filter, p.in_channels], taps=t)
+    w_space = gemm.parallel_space(["g", *t, "c", "k"])
+    wcol = gemm.gather(w, weight_axes(p), {a: w_space[a] for a in ["g", "k", "c", *t]}, w_space,
+                       [p.groups, *p.filter, p.in_channels, p.out_channels])
+    out = gemm.matmul(gemm.as_matrices(col, 1 + p.dims, grouped), gemm.as_matrices(wcol, p.dims + 1, grouped))
+    logical = [p.groups, batch, *p.output, p.out_channels]
+    return _epilogue(p, _to_activation(p, gemm.from_matrices(out, logical, 1 + p.dims, grouped), x_axes), bias)
 
 
 def _grad_weight_im2col(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
