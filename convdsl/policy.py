@@ -53,7 +53,7 @@ def gather_applies(p: ConvProblem) -> bool:
 
 def cpu_gather_forward(p: ConvProblem, target: Target) -> bool:
     """CPU forward with few channels per group (not depthwise): the gather form, each output element reading its
-    taps' X values, as the gradients with few channels do; the implicit-GEMM generic ran 2 to 4x slower
+    taps' X values, as the gradients with few channels do; the implicit-GEMM generic was slower
     (docs/decisions.md#cpu-gather-forward).  GPUs keep their forward forms."""
     return (target.backend == "cpu" and p.op == "forward" and p.groups > 1 and not p.depthwise
             and p.in_channels * p.out_channels <= MAX_GROUP_MACS and not p.dynamic_batch and not p.fp8_compute

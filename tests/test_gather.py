@@ -38,7 +38,7 @@ def test_small_groups_take_the_gather_form(op):
     dict(in_channels=2, out_channels=8),  # 9 taps x K = 72 weight slices: above MAX_WEIGHT_SLICES
     dict(dynamic_batch=True),  # shapes must be static
     dict(dtype="f16", compute=("fp8", "fp8")),  # fp8 compute keeps the GEMM forms' rounding
-    dict(op="forward"),  # only gradients on GPUs (the CPU gathers forward too: test_cpu_forward_with_few_channels_takes_the_gather_form)
+    dict(op="forward"),  # gradients only on GPUs (the CPU gathers forward too: see below)
     dict(op="grad_weight", dims=3, input=(5, 4, 4), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
          pad_lo=(1, 1, 1), pad_hi=(1, 1, 1)),  # IREE fails to distribute 3D partial sums
 ])

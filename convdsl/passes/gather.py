@@ -124,7 +124,8 @@ def forward(p: ConvProblem, x: ir.Value, w: ir.Value, epilogue: Callable[[ir.Val
     y_axes = x_axes = activation_axes(p, "ch")  # Y and X share the layout
     taps = _taps(p)
     # one [G, K] weight operand per (tap, c), read through plain (g, k) maps, which IREE vectorises; cut from a
-    # [taps.., C, G, K] copy of W, where each is contiguous (strided slices of W itself ran 12x slower)
+    # [taps.., C, G, K] copy of W, where each is contiguous (strided slices of W itself ran far slower:
+    # docs/decisions.md#cpu-gather-forward)
     w_axes, t_axes = weight_axes(p), [f"t{i}" for i in range(p.dims)]
     wt_axes = [*t_axes, "c", "g", "k"]
     w_space = Space([(a, PARALLEL) for a in wt_axes])

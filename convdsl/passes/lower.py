@@ -834,8 +834,8 @@ def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bi
     # The images' convolutions accumulate into one [1, R.., G*C] tensor per k in batch order (each takes the
     # last one's result as its init), so dW[g, k, t, c] = D_k[0, t, (g, c)] with no partials.  Batches of
     # more than UNROLLED_MOST_IMAGES run as an scf.for over steps of IMAGES_PER_STEP images, the rest unrolled:
-    # unrolling every image took iree-compile 3.4 s at batch 64, a loop cost 10-15% at batch 4, and at batch 32-64
-    # one image per step ran 1.25-2.3x faster than four (docs/decisions.md#cpu-few-channel-f16).  Each image's zero
+    # unrolling every image is slow to compile, a loop costs a little at small batches, and one image per step ran
+    # faster than four at large ones (docs/decisions.md#cpu-few-channel-f16).  Each image's zero
     # border is its own tensor.pad (plan.pad_form "fuse"), which IREE fuses into that image's convolution: a padded
     # copy of X cost as much as the convolutions (docs/decisions.md#cpu-depthwise-wgrad); with K > 1 it feeds K
     # convolutions, and IREE copies it once.  The batch stays out of the channels: folding it in (one convolution
@@ -843,8 +843,8 @@ def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bi
     p = plan.problem
     f32 = ir.F32Type.get()
     if elem_of(x) != f32 and not p.depthwise:
-        # few channels per group: 16-bit operands widened to f32 first, one pass each, ran 2-5x faster than IREE's
-        # CPU depthwise convolutions on them (docs/decisions.md#cpu-few-channel-f16); depthwise, IREE fuses the
+        # few channels per group: 16-bit operands widened to f32 first, one pass each: IREE's CPU depthwise
+        # convolution is much slower on them (docs/decisions.md#cpu-few-channel-f16); depthwise, IREE fuses the
         # widening into the convolution and its CPU codegen then fails (vectors too large)
         x, dy = (_elementwise([v], f32, lambda e, _: convert(e, f32)) for v in (x, dy))
     c_count, k_count = p.in_channels, p.out_channels

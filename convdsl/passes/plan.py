@@ -174,4 +174,5 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
     return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split,
                       dy_first=policy.dy_first(problem, target), pad_form=policy.default_pad_form(problem, target),
                       depthwise_channels=channels if form == "depthwise-named" else 0,
-                      row_chunks=policy.cpu_im2col_row_chunks(problem) if form == "im2col" and problem.op == "grad_weight" else 1)
+                      row_chunks=policy.cpu_im2col_row_chunks(problem)
+                      if form == "im2col" and problem.op == "grad_weight" else 1)
