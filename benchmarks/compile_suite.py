@@ -60,6 +60,9 @@ IMPL_FILES = {
     "convdsl-sk1+sr": "convdsl-sk1-sr",
     # f32 cases computed as three bf16 products per product on the matrix units (compute = "bf16x3")
     "convdsl+bf16x3": "convdsl-bf16x3",
+    # the linalg form under the knob rules a target without the Triton kernels gets (ROCm): IREE's own code
+    # generation of convdsl's IR, as it would run there
+    "convdsl+linalg-rules": "convdsl-linalg-rules",
 }
 # experiments: convdsl's IR under IREE's default configuration with other codegen paths of IREE 3.13
 # (variant "convdsl+flag:<name>"; compare with "convdsl@default", the same without the flags)
@@ -126,6 +129,16 @@ def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH
                 mlir = lower_to_mlir([q], target)
                 mlir_path.write_text(mlir)
                 vmfb = convdsl.compile([q], target=target).vmfb
+            elif impl == "convdsl+linalg-rules":
+                from dataclasses import replace
+
+                from convdsl import policy
+                from convdsl.backends.iree_config import compile_with_knobs
+
+                knobs = replace(policy.knobs_for(p, target, None), extern=False)
+                mlir = lower_to_mlir([p], target, knobs={p.name: knobs})
+                mlir_path.write_text(mlir)
+                vmfb = compile_with_knobs(mlir, target, {p.name: knobs})
             elif impl.startswith("convdsl@"):
                 # a tuning candidate: IREE's configuration scaled by knobs (convdsl/tuning/knobs.py)
                 from convdsl.backends.iree_config import compile_with_knobs
