@@ -75,13 +75,8 @@ def _and(a: Optional[ir.Value], b: Optional[ir.Value]) -> Optional[ir.Value]:
 def grad_input(p: ConvProblem, dy: ir.Value, w: ir.Value, epilogue: Callable[[ir.Value], ir.Value]) -> ir.Value:
     """dX by one all-parallel generic: each output element gathers its taps' dY values."""
     x_axes = dy_axes = activation_axes(p, "ch")  # dX and dY share the layout
-    taps = _taps(p)
-    # one [G, C] weight operand per (tap, k): read through plain (g, c) maps, which IREE vectorises
-    slices, keys = [], []
-    for t in taps:
-        for k in range(p.out_channels):
-            slices.append(_weight_slice(p, w, t, k))
-            keys.append((t, k))
+    # one [G, C] weight operand per (tap, k), read through plain (g, c) maps, which IREE vectorises
+    slices, keys = _weight_slices(p, w, "k")
     space = Space([(a, PARALLEL) for a in x_axes])
     w_map = space.access(["g", "c"], {"g": space["g"], "c": space["ch"]})
     out_map = space.access(x_axes, {a: space[a] for a in x_axes})
@@ -122,24 +117,8 @@ def grad_input(p: ConvProblem, dy: ir.Value, w: ir.Value, epilogue: Callable[[ir
 def forward(p: ConvProblem, x: ir.Value, w: ir.Value, epilogue: Callable[[ir.Value], ir.Value]) -> ir.Value:
     """Y by one all-parallel generic: each output element gathers its taps' X values (zero outside [0, I))."""
     y_axes = x_axes = activation_axes(p, "ch")  # Y and X share the layout
-    taps = _taps(p)
-    # one [G, K] weight operand per (tap, c), read through plain (g, k) maps, which IREE vectorises; cut from a
-    # [taps.., C, G, K] copy of W, where each is contiguous (strided slices of W itself ran far slower:
-    # docs/decisions.md#cpu-gather-forward)
-    w_axes, t_axes = weight_axes(p), [f"t{i}" for i in range(p.dims)]
-    wt_axes = [*t_axes, "c", "g", "k"]
-    w_space = Space([(a, PARALLEL) for a in wt_axes])
-    w_sizes = dict(zip(w_axes, p.w_shape))
-    ident = {a: w_space[a] for a in wt_axes}
-    wt = generic(w_space, [w], empty([w_sizes[a] for a in wt_axes], elem_of(w)),
-                 [w_space.access(w_axes, ident), w_space.access(wt_axes, ident)], lambda v, _: v)
-    slices, keys = [], []
-    for t in taps:
-        for c in range(p.in_channels):
-            slices.append(tensor.extract_slice(
-                tensor_type([p.groups, p.out_channels], elem_of(w)), wt, [], [], [], [*t, c, 0, 0],
-                [1] * (p.dims + 1) + [p.groups, p.out_channels], [1] * len(wt_axes)))
-            keys.append((t, c))
+    # one [G, K] weight operand per (tap, c), read through plain (g, k) maps, which IREE vectorises
+    slices, keys = _weight_slices(p, w, "c")
     space = Space([(a, PARALLEL) for a in y_axes])
     w_map = space.access(["g", "k"], {"g": space["g"], "k": space["ch"]})
     out_map = space.access(y_axes, {a: space[a] for a in y_axes})
@@ -173,15 +152,29 @@ def _taps(p: ConvProblem) -> list[tuple[int, ...]]:
     return list(itertools.product(*(range(r) for r in p.filter)))
 
 
-def _weight_slice(p: ConvProblem, w: ir.Value, tap: tuple[int, ...], k: int) -> ir.Value:
-    """W[:, k, tap, :] as a [G, C] tensor (a rank-reducing tensor.extract_slice)."""
-    axes = weight_axes(p)
-    at = {"g": 0, "k": k, "c": 0, **{f"t{i}": ti for i, ti in enumerate(tap)}}
-    sizes = {"g": p.groups, "c": p.in_channels}
-    offsets = [at[a] for a in axes]
-    size_list = [sizes.get(a, 1) for a in axes]
-    result = tensor_type([p.groups, p.in_channels], elem_of(w))
-    return tensor.extract_slice(result, w, [], [], [], offsets, size_list, [1] * len(axes))
+def _weight_slices(p: ConvProblem, w: ir.Value, fixed: str) -> tuple[list[ir.Value], list[tuple]]:
+    """W cut into one [G, n] slice per (tap, index of the `fixed` channel axis): fixed = "k" gives W[:, k, tap, :]
+    as [G, C] (grad_input), fixed = "c" W[:, :, tap, c] as [G, K] (forward); with the keys (tap, index).
+
+    The slices are cut from a copy of W as [taps.., fixed, G, other], where each is contiguous: slices of W itself
+    are strided wherever the other channel axis is not innermost (C in GKYXC for forward, every GKCYX slice), and
+    ran several times slower (docs/decisions.md#cpu-gather-forward)."""
+    other = "c" if fixed == "k" else "k"
+    taps = [f"t{i}" for i in range(p.dims)]
+    w_axes, copy_axes = weight_axes(p), [*taps, fixed, "g", other]
+    space = Space([(a, PARALLEL) for a in copy_axes])
+    size = dict(zip(w_axes, p.w_shape))
+    ident = {a: space[a] for a in copy_axes}
+    copy = generic(space, [w], empty([size[a] for a in copy_axes], elem_of(w)),
+                   [space.access(w_axes, ident), space.access(copy_axes, ident)], lambda v, _: v)
+    slices, keys = [], []
+    for tap in _taps(p):
+        for index in range(size[fixed]):
+            slices.append(tensor.extract_slice(
+                tensor_type([p.groups, size[other]], elem_of(w)), copy, [], [], [], [*tap, index, 0, 0],
+                [1] * (p.dims + 1) + [p.groups, size[other]], [1] * len(copy_axes)))
+            keys.append((tap, index))
+    return slices, keys
 
 
 # --- grad_weight ---------------------------------------------------------------------------------
