@@ -19,6 +19,8 @@ from convdsl.problem import ConvProblem, Epilogue
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
 from convdsl.targets import Target
 
+from test_lowering_cpu import draw_window
+
 CPU = Target("cpu", "host")
 
 
@@ -214,16 +216,8 @@ def test_depthwise_named_grad_weight(changes):
 def test_depthwise_named_grad_weight_index_algebra(data):
     # random 1D/2D depthwise grad_weights (stride, dilation, borders on either side, cropped tails) against the
     # float64 reference: the named op's strides = dilation, dilations = stride and the images' borders
-    dims = data.draw(st.integers(1, 2))
-    f = [data.draw(st.integers(1, 4)) for _ in range(dims)]
-    s = [data.draw(st.integers(1, 3)) for _ in range(dims)]
-    d = [data.draw(st.integers(1, 2)) for _ in range(dims)]
-    lo = [data.draw(st.integers(0, (fi - 1) * di)) for fi, di in zip(f, d)]
-    hi = [data.draw(st.integers(0, (fi - 1) * di)) for fi, di in zip(f, d)]
-    size = [data.draw(st.integers(max(1, (fi - 1) * di + 1 - l - h), 9)) for fi, di, l, h in zip(f, d, lo, hi)]
-    p = depthwise("grad_weight", dims=dims, batch=data.draw(st.integers(1, 3)), groups=data.draw(st.integers(2, 20)),
-                  input=tuple(size), filter=tuple(f), stride=tuple(s), dilation=tuple(d), pad_lo=tuple(lo),
-                  pad_hi=tuple(hi))
+    p = depthwise("grad_weight", batch=data.draw(st.integers(1, 3)), groups=data.draw(st.integers(2, 20)),
+                  **draw_window(data, most_taps=4))
     assert plan_kernel(p, CPU).form == "depthwise-named"
     check(p)
 

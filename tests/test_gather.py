@@ -14,7 +14,7 @@ from convdsl.problem import LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue
 from convdsl.targets import Target
 from convdsl.tuning.knobs import Knobs
 
-from test_lowering_cpu import CPU, check, function_text
+from test_lowering_cpu import CPU, check, draw_window, function_text
 
 CUDA = Target.parse("cuda", "sm_80")
 # these tests are about the linalg forms; on CUDA the depthwise kernels get Triton kernels by default
@@ -149,16 +149,8 @@ def test_gather_forward_shapes_and_dtypes(changes):
 def test_gather_forward_index_algebra(data):
     # random 1D/2D windows (stride, dilation, borders on either side, cropped tails) against the float64 reference:
     # the X position o*s + t*d - lo and its [0, I) mask
-    dims = data.draw(st.integers(1, 2))
-    f = [data.draw(st.integers(1, 3)) for _ in range(dims)]
-    s = [data.draw(st.integers(1, 3)) for _ in range(dims)]
-    d = [data.draw(st.integers(1, 2)) for _ in range(dims)]
-    lo = [data.draw(st.integers(0, (fi - 1) * di)) for fi, di in zip(f, d)]
-    hi = [data.draw(st.integers(0, (fi - 1) * di)) for fi, di in zip(f, d)]
-    size = [data.draw(st.integers(max(1, (fi - 1) * di + 1 - l - h), 9)) for fi, di, l, h in zip(f, d, lo, hi)]
-    p = FEW.with_(dims=dims, batch=data.draw(st.integers(1, 2)), groups=data.draw(st.integers(2, 5)),
+    p = FEW.with_(batch=data.draw(st.integers(1, 2)), groups=data.draw(st.integers(2, 5)),
                   in_channels=data.draw(st.integers(1, 2)), out_channels=data.draw(st.integers(2, 4)),
-                  input=tuple(size), filter=tuple(f), stride=tuple(s), dilation=tuple(d), pad_lo=tuple(lo),
-                  pad_hi=tuple(hi))
+                  **draw_window(data, most_taps=3))
     assert plan_kernel(p, CPU).form == "gather"
     check(p)

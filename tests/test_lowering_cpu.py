@@ -46,6 +46,20 @@ def function_text(mlir: str, name: str) -> str:
     return mlir[start:] if end < 0 else mlir[start:end]
 
 
+def draw_window(data: st.DataObject, most_taps: int) -> dict:
+    """A random 1D/2D window for ConvProblem: filter (1..most_taps per dim), stride 1-3, dilation 1-2, borders on
+    either side up to the filter's reach, and an input just large enough for one output or up to 9."""
+    dims = data.draw(st.integers(1, 2))
+    f = [data.draw(st.integers(1, most_taps)) for _ in range(dims)]
+    s = [data.draw(st.integers(1, 3)) for _ in range(dims)]
+    d = [data.draw(st.integers(1, 2)) for _ in range(dims)]
+    lo = [data.draw(st.integers(0, (fi - 1) * di)) for fi, di in zip(f, d)]
+    hi = [data.draw(st.integers(0, (fi - 1) * di)) for fi, di in zip(f, d)]
+    size = [data.draw(st.integers(max(1, (fi - 1) * di + 1 - a - b), 9)) for fi, di, a, b in zip(f, d, lo, hi)]
+    return dict(dims=dims, input=tuple(size), filter=tuple(f), stride=tuple(s), dilation=tuple(d), pad_lo=tuple(lo),
+                pad_hi=tuple(hi))
+
+
 def check(p: ConvProblem) -> None:
     got, inputs = run_on_cpu(p)
     assert got.shape == p.result_shape

@@ -36,6 +36,7 @@ from .ir import (
     empty,
     generic,
     multiply_add,
+    permute,
     split_axis,
     tensor_type,
     weight_axes,
@@ -160,13 +161,9 @@ def _weight_slices(p: ConvProblem, w: ir.Value, fixed: str) -> tuple[list[ir.Val
     are strided wherever the other channel axis is not innermost (C in GKYXC for forward, every GKCYX slice), and
     ran several times slower (docs/decisions.md#cpu-gather-forward)."""
     other = "c" if fixed == "k" else "k"
-    taps = [f"t{i}" for i in range(p.dims)]
-    w_axes, copy_axes = weight_axes(p), [*taps, fixed, "g", other]
-    space = Space([(a, PARALLEL) for a in copy_axes])
-    size = dict(zip(w_axes, p.w_shape))
-    ident = {a: space[a] for a in copy_axes}
-    copy = generic(space, [w], empty([size[a] for a in copy_axes], elem_of(w)),
-                   [space.access(w_axes, ident), space.access(copy_axes, ident)], lambda v, _: v)
+    copy_axes = [*[f"t{i}" for i in range(p.dims)], fixed, "g", other]
+    copy = permute(w, weight_axes(p), copy_axes)
+    size = dict(zip(weight_axes(p), p.w_shape))
     slices, keys = [], []
     for tap in _taps(p):
         for index in range(size[fixed]):

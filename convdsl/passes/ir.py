@@ -287,6 +287,18 @@ def split_axis(value: ir.Value, axis: int, parts: int) -> ir.Value:
     return tensor.ExpandShapeOp(tensor_type(new_shape, elem_of(value)), value, reassociation, [], new_shape).result
 
 
+def permute(value: ir.Value, src_axes: Sequence[str], dst_axes: Sequence[str]) -> ir.Value:
+    """A copy of `value` (logical axes src_axes) with its axes in dst_axes order (one elementwise generic)."""
+    space = Space([(a, PARALLEL) for a in dst_axes])
+    sizes = sizes_of(value)
+    out_sizes = [sizes[list(src_axes).index(a)] for a in dst_axes]
+    ident = {a: space[a] for a in dst_axes}
+    return generic(
+        space, [value], empty(out_sizes, elem_of(value)),
+        [space.access(src_axes, ident), space.access(dst_axes, ident)], lambda v, _: v,
+    )
+
+
 def multiply_add(a: ir.Value, b: ir.Value, acc: ir.Value) -> ir.Value:
     """acc + a*b in f32: operands are widened first, so f16/bf16/fp8 products are exact in f32."""
     f32 = ir.F32Type.get()

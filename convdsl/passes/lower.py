@@ -31,6 +31,7 @@ from .ir import (
     float_const,
     generic,
     multiply_add,
+    permute,
     window,
     round_to_fp8_grid,
     shape_of,
@@ -128,7 +129,7 @@ def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, 
         args = [_relayout(p, channels_last, a) if name in ext.copied_channels_last else a
                 for name, a in zip(p.arg_names, args)]
     if ext.weight_axes:  # the launches read a copy of the weight in another axis order (policy.weight_copy_axes)
-        args = [args[0], _permute(args[1], weight_axes(p), list(ext.weight_axes)), *args[2:]]
+        args = [args[0], permute(args[1], weight_axes(p), list(ext.weight_axes)), *args[2:]]
     if p.fp8_compute:
         # the operands rounded to their fp8 grids once, stored in f16 (kernels/launch.operand_element)
         args = [_round_operand(plan, args[0], 0), _round_operand(plan, args[1], 1)]
@@ -182,19 +183,7 @@ def _emit_op(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
 
 def _relayout(src: ConvProblem, dst: ConvProblem, value: ir.Value) -> ir.Value:
     """Copy an activation from src's layout to dst's (a transpose as one elementwise generic)."""
-    return _permute(value, activation_axes(src, "ch"), activation_axes(dst, "ch"))
-
-
-def _permute(value: ir.Value, src_axes: list[str], dst_axes: list[str]) -> ir.Value:
-    """A copy of `value` (logical axes src_axes) with its axes in dst_axes order."""
-    space = Space([(a, PARALLEL) for a in dst_axes])
-    sizes = sizes_of(value)
-    out_sizes = [sizes[src_axes.index(a)] for a in dst_axes]
-    ident = {a: space[a] for a in dst_axes}
-    return generic(
-        space, [value], empty(out_sizes, elem_of(value)),
-        [space.access(src_axes, ident), space.access(dst_axes, ident)], lambda v, _: v,
-    )
+    return permute(value, activation_axes(src, "ch"), activation_axes(dst, "ch"))
 
 
 def _signature_shape(p: ConvProblem, shape: tuple[int, ...]) -> list:
@@ -668,7 +657,7 @@ def _to_activation(p: ConvProblem, value: ir.Value, axes: list[str]) -> ir.Value
     if p.groups == 1 and [a for a in axes if a != "g"] == src[1:]:
         shape = shape_of(value)
         return _reshape_unit_g(value, src, axes, [shape[src.index(a)] for a in axes])
-    return _permute(value, src, axes)
+    return permute(value, src, axes)
 
 
 def _reshape_unit_g(value: ir.Value, src: list[str], axes: list[str], target: list[int]) -> ir.Value:
