@@ -20,7 +20,6 @@ Index algebra (per spatial dim i; forward Y[o] = sum_t X[o*s + t*d - lo] * W[t])
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Callable, Optional
 
 from iree.compiler import ir
@@ -72,80 +71,68 @@ def _and(a: Optional[ir.Value], b: Optional[ir.Value]) -> Optional[ir.Value]:
     return b if a is None else a if b is None else arith.andi(a, b)
 
 
-# --- grad_input ----------------------------------------------------------------------------------
+# --- grad_input and forward: one all-parallel generic of masked reads per output element ---------------
+# Per spatial dim i and tap t, `reach` gives the position the output element reads in the other operand and whether
+# it is there (None: always); the output element sums the taps' reads times the weight slices of (tap, channel).
+Reach = Callable[[int, int, ir.Value], tuple[ir.Value, Optional[ir.Value]]]
+
+
+def _sum_of_taps(p: ConvProblem, source: ir.Value, w: ir.Value, fixed: str, reach: Reach,
+                 epilogue: Callable[[ir.Value], ir.Value]) -> ir.Value:
+    """out[n, o.., g, ch] = sum over (tap, j) of source[n, reach(tap).., g, j] * W(tap, j)[g, ch], `fixed` naming W's
+    channel axis that j runs over (grad_input: k, forward: c).  The output shares the source's layout."""
+    axes = activation_axes(p, "ch")
+    # one [G, n] weight operand per (tap, j), read through plain (g, ch) maps, which IREE vectorises
+    slices, keys = _weight_slices(p, w, fixed)
+    space = Space([(a, PARALLEL) for a in axes])
+    w_map = space.access(["g", "ch"], {"g": space["g"], "ch": space["ch"]})
+    out_map = space.access(axes, {a: space[a] for a in axes})
+    f32 = ir.F32Type.get()
+
+    def body(*elems: ir.Value) -> ir.Value:
+        loop = {a: linalg.IndexOp(i).result for i, a in enumerate(axes)}
+        reached = {(i, ti): reach(i, ti, loop[f"sp{i}"]) for i in range(p.dims) for ti in range(p.filter[i])}
+        acc = arith.ConstantOp(f32, ir.FloatAttr.get(f32, 0.0)).result
+        for (tap, j), w_elem in zip(keys, elems[:-1]):
+            valid = None
+            coords = {"n": loop["n"], "g": loop["g"], "ch": _index(j)}
+            for i, ti in enumerate(tap):
+                coords[f"sp{i}"], ok = reached[(i, ti)]
+                valid = _and(valid, ok)
+            acc = multiply_add(_masked_read(source, [coords[a] for a in axes], valid), w_elem, acc)
+        return acc
+
+    out_shape = list(p.x_shape if fixed == "k" else p.y_shape)
+    acc = generic(space, slices, empty(out_shape, f32), [w_map] * len(slices) + [out_map], body)
+    return epilogue(acc)
+
+
 def grad_input(p: ConvProblem, dy: ir.Value, w: ir.Value, epilogue: Callable[[ir.Value], ir.Value]) -> ir.Value:
-    """dX by one all-parallel generic: each output element gathers its taps' dY values."""
-    x_axes = dy_axes = activation_axes(p, "ch")  # dX and dY share the layout
-    # one [G, C] weight operand per (tap, k), read through plain (g, c) maps, which IREE vectorises
-    slices, keys = _weight_slices(p, w, "k")
-    space = Space([(a, PARALLEL) for a in x_axes])
-    w_map = space.access(["g", "c"], {"g": space["g"], "c": space["ch"]})
-    out_map = space.access(x_axes, {a: space[a] for a in x_axes})
-    f32 = ir.F32Type.get()
+    """dX by one all-parallel generic: each output element h gathers its taps' dY values,
+    dY[q] with q = (h + lo - t*d) / s where the division is exact and 0 <= q < O."""
 
-    def body(*elems: ir.Value) -> ir.Value:
-        loop = {a: linalg.IndexOp(i).result for i, a in enumerate(x_axes)}
-        # per spatial dim and tap: the dY position q and whether the tap reaches this output
-        reach: dict[tuple[int, int], tuple[ir.Value, Optional[ir.Value]]] = {}
-        for i in range(p.dims):
-            s, d, lo, o = p.stride[i], p.dilation[i], p.pad_lo[i], p.output[i]
-            for ti in range(p.filter[i]):
-                num = arith.addi(loop[f"sp{i}"], _index(lo - ti * d))  # h + lo - t*d
-                valid = _in_range(num, (o - 1) * s + 1)
-                clamped = _clamp(num, (o - 1) * s + 1)
-                if s > 1:
-                    valid = arith.andi(valid, arith.cmpi(
-                        arith.CmpIPredicate.eq, arith.remui(clamped, _index(s)), _index(0)))
-                    clamped = arith.divui(clamped, _index(s))
-                reach[(i, ti)] = (clamped, valid)
-        acc = arith.ConstantOp(f32, ir.FloatAttr.get(f32, 0.0)).result
-        for (t, k), w_elem in zip(keys, elems[:-1]):
-            valid = None
-            coords = {"n": loop["n"], "g": loop["g"], "ch": _index(k)}
-            for i, ti in enumerate(t):
-                coords[f"sp{i}"], ok = reach[(i, ti)]
-                valid = _and(valid, ok)
-            value = _masked_read(dy, [coords[a] for a in dy_axes], valid)
-            acc = multiply_add(value, w_elem, acc)
-        return acc
+    def reach(i: int, ti: int, h: ir.Value) -> tuple[ir.Value, Optional[ir.Value]]:
+        s, d, lo, o = p.stride[i], p.dilation[i], p.pad_lo[i], p.output[i]
+        num = arith.addi(h, _index(lo - ti * d))  # h + lo - t*d
+        valid = _in_range(num, (o - 1) * s + 1)
+        clamped = _clamp(num, (o - 1) * s + 1)
+        if s > 1:
+            valid = arith.andi(valid, arith.cmpi(arith.CmpIPredicate.eq, arith.remui(clamped, _index(s)), _index(0)))
+            clamped = arith.divui(clamped, _index(s))
+        return clamped, valid
 
-    shape = list(p.x_shape)
-    acc = generic(space, slices, empty(shape, f32), [w_map] * len(slices) + [out_map], body)
-    return epilogue(acc)
+    return _sum_of_taps(p, dy, w, "k", reach, epilogue)
 
 
-# --- forward -------------------------------------------------------------------------------------
 def forward(p: ConvProblem, x: ir.Value, w: ir.Value, epilogue: Callable[[ir.Value], ir.Value]) -> ir.Value:
-    """Y by one all-parallel generic: each output element gathers its taps' X values (zero outside [0, I))."""
-    y_axes = x_axes = activation_axes(p, "ch")  # Y and X share the layout
-    # one [G, K] weight operand per (tap, c), read through plain (g, k) maps, which IREE vectorises
-    slices, keys = _weight_slices(p, w, "c")
-    space = Space([(a, PARALLEL) for a in y_axes])
-    w_map = space.access(["g", "k"], {"g": space["g"], "k": space["ch"]})
-    out_map = space.access(y_axes, {a: space[a] for a in y_axes})
-    f32 = ir.F32Type.get()
+    """Y by one all-parallel generic: each output element o gathers its taps' X values, X[o*s + t*d - lo], zero
+    outside [0, I)."""
 
-    def body(*elems: ir.Value) -> ir.Value:
-        loop = {a: linalg.IndexOp(i).result for i, a in enumerate(y_axes)}
-        # per spatial dim and tap: the X position o*s + t*d - lo, clamped, and whether it lies in [0, I)
-        reach: dict[tuple[int, int], tuple[ir.Value, ir.Value]] = {}
-        for i in range(p.dims):
-            for ti in range(p.filter[i]):
-                pos = arith.addi(arith.muli(loop[f"sp{i}"], _index(p.stride[i])),
-                                 _index(ti * p.dilation[i] - p.pad_lo[i]))
-                reach[(i, ti)] = (_clamp(pos, p.input[i]), _in_range(pos, p.input[i]))
-        acc = arith.ConstantOp(f32, ir.FloatAttr.get(f32, 0.0)).result
-        for (t, c), w_elem in zip(keys, elems[:-1]):
-            valid = None
-            coords = {"n": loop["n"], "g": loop["g"], "ch": _index(c)}
-            for i, ti in enumerate(t):
-                coords[f"sp{i}"], ok = reach[(i, ti)]
-                valid = _and(valid, ok)
-            acc = multiply_add(_masked_read(x, [coords[a] for a in x_axes], valid), w_elem, acc)
-        return acc
+    def reach(i: int, ti: int, o: ir.Value) -> tuple[ir.Value, Optional[ir.Value]]:
+        pos = arith.addi(arith.muli(o, _index(p.stride[i])), _index(ti * p.dilation[i] - p.pad_lo[i]))
+        return _clamp(pos, p.input[i]), _in_range(pos, p.input[i])
 
-    acc = generic(space, slices, empty(list(p.y_shape), f32), [w_map] * len(slices) + [out_map], body)
-    return epilogue(acc)
+    return _sum_of_taps(p, x, w, "c", reach, epilogue)
 
 
 def _taps(p: ConvProblem) -> list[tuple[int, ...]]:
