@@ -109,6 +109,9 @@ class StreamKernel:
 
 def _knobs(p: ConvProblem, target: Target) -> tuple[Knobs, str]:
     tuned = db.lookup(p, target, iree_version())  # not installed: the newest entry serves
+    if tuned is None and p.op == "grad_weight" and p.out_dtype is not None:
+        # grad_weight's result dtype is the sum's store only: the GEMM tuned for the arguments' dtype serves
+        tuned = db.lookup(p.with_(out_dtype=None), target, iree_version())
     if tuned is not None:
         return tuned.knobs, tuned.source
     return policy.knobs_for(p, target, None), "rules (policy.py)"

@@ -4,6 +4,7 @@ both memory formats, with and without bias, against torch.nn's convolutions in f
 model built from the modules; DistributedDataParallel over gloo; torch.nn's errors for bad calls."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -16,6 +17,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
 import convdsl.torch as ct  # noqa: E402
+from convdsl.problem import problem_from_spec  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 CL = {2: torch.channels_last, 3: torch.channels_last_3d}
@@ -324,6 +326,57 @@ def test_recording_counts_the_calls_of_each_problem():
     assert set(calls) == set(problems) and sum(calls.values()) == 4 + 4 + 4
     repeated = [n for p, n in calls.items() if p.in_channels == 4]
     assert sorted(repeated) == [3, 3, 3]  # forward, grad_input, grad_weight of the repeated layer
+
+
+def test_recording_under_autocast_adds_the_eager_grad_weight_into_the_parameter_dtype():
+    """Eager plans under autocast sum grad_weight's f32 partials straight into the f32 parameter's gradient (a
+    problem with out_dtype f32); the operators' path keeps the 16-bit result.  A bundle traced once holds both,
+    and the step's call counts are the operators' only."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from convdsl.torch import runtime
+
+    model = nn.Sequential(ct.Conv2d(3, 8, 3, padding=1), ct.Conv2d(8, 8, 3, stride=2, groups=2))
+    model = model.to(memory_format=torch.channels_last)
+    calls: dict = {}
+    with runtime.recording(as_cuda=True, calls=calls) as problems, FakeTensorMode(allow_non_fake_inputs=True), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last).requires_grad_()
+        model(x).float().sum().backward()
+    weights = [p for p in problems if p.op == "grad_weight"]
+    assert sorted(str(p.out_dtype) for p in weights) == ["None", "None", "f32", "f32"]
+    assert all(p.dtype == "bf16" for p in problems)
+    for eager in (p for p in weights if p.out_dtype == "f32"):
+        assert eager.with_(out_dtype=None) in weights  # the same convolution as the operators' one
+        assert eager not in calls
+    assert sum(calls.values()) == 3 * 2
+
+
+def test_problem_for_keeps_out_dtype_only_where_it_differs():
+    from convdsl.torch import runtime
+
+    x = torch.randn(2, 4, 6, 6, dtype=torch.bfloat16)
+    dy = torch.randn(2, 4, 6, 6, dtype=torch.bfloat16)
+    conv = dict(spatial=(6, 6), filt=(3, 3), stride=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), dilation=(1, 1), groups=1)
+    assert runtime.problem_for("grad_weight", x, dy, **conv, out_dtype=torch.float32).out_dtype == "f32"
+    assert runtime.problem_for("grad_weight", x, dy, **conv, out_dtype=torch.bfloat16).out_dtype is None
+    assert runtime.problem_for("grad_weight", x, dy, **conv).result_dtype == "bf16"
+
+
+def test_a_grad_weight_into_f32_takes_the_tuned_knobs_of_its_16_bit_problem():
+    """The result dtype is only the split-K sum's store: the tuning database's entry for the 16-bit problem
+    serves the GEMM of the one summed into f32."""
+    from convdsl import stream
+    from convdsl.targets import Target
+    from convdsl.tuning import db
+
+    target = Target("cuda", "sm_90")
+    tuned = [s for s in db.load_db().get(f"{target}|3.13.0", {}) if '"op":"grad_weight"' in s]
+    assert tuned, "the database has tuned grad_weight entries for sm_90"
+    p = problem_from_spec(dict(json.loads(tuned[0]), name="k"))
+    knobs, source = stream._knobs(p, target)
+    widened, widened_source = stream._knobs(p.with_(out_dtype="f32"), target)
+    assert widened == knobs and "tuning database" in widened_source
 
 
 def test_bad_calls_raise_torch_nn_errors():

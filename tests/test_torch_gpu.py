@@ -80,9 +80,9 @@ def test_against_cudnn_and_float64(name, kwargs, shape, precision, channels_last
 
 def test_autocast_steps_against_cudnn_and_float64():
     """A mixed-precision step as training runs it: f32 parameters, bf16 autocast, channels-last.  Outputs are
-    bf16, gradients f32 like the parameters; the weight reaches the convolution's autograd node directly (its
-    cast is inside that node); against cuDNN under the same autocast and a float64 model, on the plan's first
-    call and on a hit."""
+    bf16, gradients f32 like the parameters (grad_weight's partials summed into f32); the weight reaches the
+    convolution's autograd node directly (its cast is inside that node); against cuDNN under the same autocast
+    and a float64 model, on the plan's first call and on a hit."""
     _, kwargs, shape = MODULES[0]
     fmt = torch.channels_last
     torch.manual_seed(0)
@@ -110,6 +110,8 @@ def test_autocast_steps_against_cudnn_and_float64():
             mine_err = _rel(outs["convdsl"][i], outs["exact"][i])
             cudnn_err = _rel(outs["cudnn"][i], outs["exact"][i])
             assert mine_err <= max(1e-2, 2 * cudnn_err), f"step {step} {what}: {mine_err:.2e} (cuDNN {cudnn_err:.2e})"
+    # the weight's gradient was summed straight into f32 (no bf16 result and cast)
+    assert any(p.op == "grad_weight" and p.dtype == "bf16" and p.out_dtype == "f32" for p, _ in runtime._runners)
 
 
 def test_an_rgb_stem_runs_regrouped_space_to_depth():

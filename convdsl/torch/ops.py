@@ -309,7 +309,8 @@ class _Plan:
             conv = dict(stride=stride, pad_lo=lo, pad_hi=hi, dilation=dilation, groups=groups)
             calls = self.gradients[key] = (
                 runtime.direct_call("grad_input", dy, w, spatial=x.shape[2:], filt=w.shape[2:], **conv),
-                runtime.direct_call("grad_weight", x, dy, spatial=x.shape[2:], filt=w.shape[2:], **conv))
+                runtime.direct_call("grad_weight", x, dy, spatial=x.shape[2:], filt=w.shape[2:], **conv,
+                                    out_dtype=self.weight_dtype))
         return calls
 
 
@@ -339,6 +340,8 @@ class PlannedConvolution(torch.autograd.Function):
             dx = (grad_input.launch(dy, w) if grad_input is not None and runtime.aligned(dy, w)
                   else _grad_input(dy, w, list(x.shape), *plan.conv))
         if ctx.needs_input_grad[1]:
+            # under autocast the kernels sum their f32 partials straight into the f32 parameter's gradient (no
+            # 16-bit result and cast: docs/decisions.md#weight-gradient-dtype); the fallback casts
             dw = (grad_weight.launch(x, dy) if grad_weight is not None and runtime.aligned(x, dy)
                   else _grad_weight(x, dy, list(w.shape), *plan.conv))
             if dw.dtype != plan.weight_dtype:
@@ -395,10 +398,29 @@ def _autocast(device_type: str, *tensors):
 
 
 def call_convolution(x, w, bias, stride, pad_lo, pad_hi, dilation, groups) -> torch.Tensor:
+    if runtime.recording_active():
+        _note_eager_grad_weight(x, w, stride, pad_lo, pad_hi, dilation, groups)
     if torch.compiler.is_compiling() or runtime.recording_active():
         return convolution(x, w, bias, stride, pad_lo, pad_hi, dilation, groups)
     x, w, bias = _autocast(x.device.type, x, w, bias)
     return EagerConvolution.apply(x, w, bias, stride, pad_lo, pad_hi, dilation, groups)
+
+
+def _note_eager_grad_weight(x, w, stride, pad_lo, pad_hi, dilation, groups) -> None:
+    """While recording under autocast, the grad_weight an eager plan runs (PlannedConvolution: into the
+    parameter's dtype), besides the operators' 16-bit one, so that a bundle traced once serves both paths; it
+    does not count as a call of the step."""
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return
+    dtype = torch.get_autocast_dtype(device_type)
+    if w.dtype == dtype or not w.is_floating_point():
+        return
+    xc = x.to(dtype)
+    out = output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, dilation)
+    dy = _empty_like_format([x.shape[0], w.shape[0], *out], xc, dtype)
+    runtime.note("grad_weight", xc, dy, counted=False, spatial=x.shape[2:], filt=w.shape[2:], stride=stride,
+                 pad_lo=pad_lo, pad_hi=pad_hi, dilation=dilation, groups=groups, out_dtype=w.dtype)
 
 
 def call_conv_transpose(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups) -> torch.Tensor:

@@ -84,8 +84,10 @@ def _weight_result(r: torch.Tensor, layout: str, dims: int) -> torch.Tensor:
 
 def problem_for(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], filt: Sequence[int],
                 stride: Sequence[int], pad_lo: Sequence[int], pad_hi: Sequence[int], dilation: Sequence[int],
-                groups: int) -> ConvProblem:
-    """The problem of a call: op's arguments (a, b) as PyTorch tensors, sizes the tensors cannot say passed."""
+                groups: int, out_dtype: Optional[torch.dtype] = None) -> ConvProblem:
+    """The problem of a call: op's arguments (a, b) as PyTorch tensors, sizes the tensors cannot say passed.
+    out_dtype: the result's dtype where it is not the arguments' (grad_weight into an f32 parameter's gradient
+    from 16-bit operands: the f32 partials are summed straight into it)."""
     dims = a.dim() - 2
     layout = "NHWGC" if _channels_last(a) else "NGCHW"  # the first argument is an activation for every op
     # the weight's layout follows its memory format; grad_weight's result follows the activations' (a model
@@ -105,7 +107,7 @@ def problem_for(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[
         op=op, dims=dims, groups=groups, batch=a.shape[0], in_channels=c, out_channels=k, input=tuple(spatial),
         filter=tuple(filt), stride=tuple(stride), dilation=tuple(dilation), pad_lo=tuple(pad_lo),
         pad_hi=tuple(pad_hi), layout=layout, weight_layout=weight_layout, dtype=dtype, compute=compute,
-        name=KERNEL_NAME)
+        out_dtype=None if out_dtype is None or DTYPES[out_dtype] == dtype else DTYPES[out_dtype], name=KERNEL_NAME)
 
 
 _runners: dict[tuple, StreamRunner] = {}
@@ -149,14 +151,16 @@ def recording_active() -> bool:
     return _recording is not None
 
 
-def note(op: str, a: torch.Tensor, b: torch.Tensor, **conv) -> None:
-    """Record the problem of a call traced on fake tensors (the ops' fake implementations call this)."""
+def note(op: str, a: torch.Tensor, b: torch.Tensor, counted: bool = True, **conv) -> None:
+    """Record the problem of a call traced on fake tensors (the ops' fake implementations call this).
+    counted: whether the call counts in recording(calls=...) (False: a kernel another path of the same step
+    runs instead, recorded so that a bundle holds it)."""
     if _recording is not None:
         a, b = _as_laid_out(op, a, b)
         p = problem_for(op, a, b, **conv)
         if p not in _recording:
             _recording.append(p)
-        if _recording_calls is not None:
+        if _recording_calls is not None and counted:
             _recording_calls[p] = _recording_calls.get(p, 0) + 1
 
 
@@ -218,14 +222,16 @@ class _Call:
     runner: Optional[StreamRunner]
     iree: object = None  # api.Kernel where there is no runner
     # the fast path: the runner reads the arguments and writes a result made as PyTorch's tensor in place
-    # (no view, no copy); the result's PyTorch shape and memory format
+    # (no view, no copy); the result's PyTorch shape, memory format and dtype
     direct: bool = False
     result_shape: tuple[int, ...] = ()
     result_format: torch.memory_format = torch.contiguous_format
+    result_dtype: torch.dtype = torch.float32
 
     def launch(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """A direct call on its arguments as they lie (the caller checked `aligned`): the result, queued."""
-        out = torch.empty(self.result_shape, dtype=a.dtype, device=a.device, memory_format=self.result_format)
+        out = torch.empty(self.result_shape, dtype=self.result_dtype, device=a.device,
+                          memory_format=self.result_format)
         return self.runner.run_into(a, b, out)
 
 
@@ -241,7 +247,9 @@ def aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _new_call(p: ConvProblem, device: torch.device, a: torch.Tensor, b: torch.Tensor) -> _Call:
     runner = _stream_runner(p, device) if on_stream_device(a) else None
     if runner is None:
-        return _Call(p, None, _iree_kernel(p, device))
+        # a result in another dtype is a stream-path option (direct_call's out_dtype): its callers fall back to
+        # the arguments' dtype, so no IREE module is compiled for it
+        return _Call(p, None, None if p.out_dtype else _iree_kernel(p, device))
     return _new_call_with(p, runner, a, b)
 
 
@@ -260,7 +268,7 @@ def _new_call_with(p: ConvProblem, runner, a: torch.Tensor, b: torch.Tensor) -> 
         shape = (p.batch, p.groups * channels, *spatial)
         fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(shape), torch.contiguous_format) \
             if p.layout == "NHWGC" and p.dims > 1 else torch.contiguous_format
-    return _Call(p, runner, None, direct, shape, fmt)
+    return _Call(p, runner, None, direct, shape, fmt, {v: k for k, v in DTYPES.items()}[p.result_dtype])
 
 
 # per (op, shapes, strides, dtype, device, options, TF32 flag): the call's problem and runner, so that a repeated
@@ -270,23 +278,23 @@ _calls: dict[tuple, _Call] = {}
 
 def _key(op: str, a: torch.Tensor, b: torch.Tensor, spatial: Sequence[int], filt: Sequence[int],
          stride: Sequence[int], pad_lo: Sequence[int], pad_hi: Sequence[int], dilation: Sequence[int],
-         groups: int) -> tuple:
+         groups: int, out_dtype: Optional[torch.dtype] = None) -> tuple:
     # keyed on the arguments as they come: whether they need a copy into a mapped memory format follows from
     # their shapes and strides, so a repeated call on tensors the kernels read in place skips all of that
     return (op, a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, tuple(spatial), tuple(filt),
             tuple(stride), tuple(pad_lo), tuple(pad_hi), tuple(dilation), groups,
-            a.is_cuda and torch.backends.cudnn.allow_tf32)
+            a.is_cuda and torch.backends.cudnn.allow_tf32, out_dtype)
 
 
 def _call_of(key: tuple, op: str, a: torch.Tensor, b: torch.Tensor,
              laid: Optional[tuple[torch.Tensor, torch.Tensor]], spatial: Sequence[int], filt: Sequence[int],
              stride: Sequence[int], pad_lo: Sequence[int], pad_hi: Sequence[int], dilation: Sequence[int],
-             groups: int) -> _Call:
+             groups: int, out_dtype: Optional[torch.dtype] = None) -> _Call:
     call = _calls.get(key)
     if call is None:
         laid_a, laid_b = laid if laid is not None else _as_laid_out(op, a, b)
         p = problem_for(op, laid_a, laid_b, spatial=spatial, filt=filt, stride=stride, pad_lo=pad_lo,
-                        pad_hi=pad_hi, dilation=dilation, groups=groups)
+                        pad_hi=pad_hi, dilation=dilation, groups=groups, out_dtype=out_dtype)
         call = _new_call(p, laid_a.device, laid_a, laid_b)
         # direct only where the arguments as they come are already laid out (no copy was needed)
         as_given = laid_a is a and laid_b is b
@@ -298,11 +306,12 @@ def _call_of(key: tuple, op: str, a: torch.Tensor, b: torch.Tensor,
 
 def direct_call(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], filt: Sequence[int],
                 stride: Sequence[int], pad_lo: Sequence[int], pad_hi: Sequence[int], dilation: Sequence[int],
-                groups: int) -> Optional[_Call]:
+                groups: int, out_dtype: Optional[torch.dtype] = None) -> Optional[_Call]:
     """The call of op on tensors shaped and strided like a and b where its kernels read them as they lie
-    (`_Call.launch`), else None: callers that see the same tensors every step keep it (ops.py's eager plans)."""
-    key = _key(op, a, b, spatial, filt, stride, pad_lo, pad_hi, dilation, groups)
-    call = _call_of(key, op, a, b, None, spatial, filt, stride, pad_lo, pad_hi, dilation, groups)
+    (`_Call.launch`), else None: callers that see the same tensors every step keep it (ops.py's eager plans).
+    out_dtype: the result's dtype, where not a's (problem_for)."""
+    key = _key(op, a, b, spatial, filt, stride, pad_lo, pad_hi, dilation, groups, out_dtype)
+    call = _call_of(key, op, a, b, None, spatial, filt, stride, pad_lo, pad_hi, dilation, groups, out_dtype)
     return call if call.direct else None
 
 
