@@ -95,7 +95,7 @@ class _ReferenceRunner:
         from convdsl.reference import reference
 
         r = reference(self.problem, a.detach().float().numpy(), b.detach().float().numpy())  # bf16: exact in f32
-        return torch.from_numpy(r).to(a.dtype)
+        return torch.from_numpy(r).to(runtime_dtypes()[self.problem.result_dtype])
 
     def run_into(self, a, b, out):
         from convdsl.torch import runtime
@@ -117,6 +117,12 @@ class _ReferenceRunner:
     def __call__(self, av, bv):
         self.calls["views"] += 1
         return self._result(av.contiguous(), bv.contiguous())
+
+
+def runtime_dtypes() -> dict:
+    from convdsl.torch import runtime
+
+    return {v: k for k, v in runtime.DTYPES.items()}
 
 
 @pytest.fixture
@@ -189,6 +195,9 @@ def test_eager_plans_under_autocast_cast_the_weight_inside_the_convolution(plann
         assert _rel(mod.weight.grad, ref.weight.grad) <= TOLERANCE[torch.bfloat16]
         mod.zero_grad(), ref.zero_grad()
     assert all(r.calls["views"] == 0 and r.calls["run_into"] == 2 for r in planned_on_the_cpu.values())
+    # grad_weight summed straight into the f32 parameter's dtype (no bf16 result and cast)
+    (grad_weight,) = [r.problem for r in planned_on_the_cpu.values() if r.problem.op == "grad_weight"]
+    assert grad_weight.dtype == "bf16" and grad_weight.out_dtype == "f32"
 
 
 def test_eager_plans_fall_back_for_tensors_not_as_planned(planned_on_the_cpu):

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .ops import call_conv_transpose, call_convolution, call_planned, plan_for
+from .ops import call_conv_transpose, call_convolution, call_planned, parameter, plan_for
 
 
 def _same_padding(kernel_size, dilation) -> tuple[list[int], list[int]]:
@@ -76,7 +76,7 @@ class _ConvMixin:
         # on CUDA in eager mode, a repeated call finds its plan: no checks, no problem keys
         plan = plan_for(self, x)
         if plan is not None:
-            return call_planned(plan, x, self.weight, self.bias)
+            return call_planned(plan, x, parameter(self, "weight"), parameter(self, "bias"))
         check_call(self, x, transposed=False)
         return call_convolution(x, self.weight, self.bias, *self.conv_arguments())
 

@@ -302,7 +302,7 @@ class _Plan:
         self.gradients: dict[tuple, tuple] = {}
 
     def gradients_for(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple:
-        key = (dy.stride(), torch.backends.cudnn.allow_tf32)
+        key = (dy.stride(), runtime.tf32_allowed())
         calls = self.gradients.get(key)
         if calls is None:
             stride, lo, hi, dilation, groups = self.conv
@@ -354,16 +354,23 @@ class PlannedConvolution(torch.autograd.Function):
 _PLANS_ATTRIBUTE = "_convdsl_eager_plans"
 
 
+def parameter(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
+    """module.<name> without nn.Module.__getattr__ (about 1.5 us a call) where it is a registered parameter (or
+    None); otherwise (a parametrization, weight_norm's plain attribute) through it."""
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name)
+
+
 def plan_for(module: torch.nn.Module, x: torch.Tensor) -> Optional[_Plan]:
     """The module's eager plan for x (CUDA, eager, kernels that read x and the weight as they lie), else None:
     the first call of a signature validates it (validate) and works the plan out; later calls look it up."""
     if not runtime.on_stream_device(x) or torch.compiler.is_compiling() or runtime.recording_active():
         return None
-    w = module.weight
-    device_type = x.device.type
+    w = parameter(module, "weight")
+    device_type = "cuda" if x.is_cuda else x.device.type  # x.device costs about 0.5 us
     autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     key = (x.shape, x.stride(), x.dtype, x.get_device(), w.shape, w.stride(), w.dtype, w.get_device(), autocast,
-           module.stride, module.padding, module.dilation, module.groups, torch.backends.cudnn.allow_tf32)
+           module.stride, module.padding, module.dilation, module.groups, runtime.tf32_allowed())
     plans = module.__dict__.get(_PLANS_ATTRIBUTE)
     if plans is None:
         plans = module.__dict__[_PLANS_ATTRIBUTE] = EagerPlans()
@@ -382,7 +389,11 @@ def plan_for(module: torch.nn.Module, x: torch.Tensor) -> Optional[_Plan]:
 
 def call_planned(plan: _Plan, x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     if plan.autocast:  # the input and bias as autocast casts them; the weight inside PlannedConvolution
-        x, bias = _autocast(plan.autocast, x, bias)
+        dtype = plan.compute_dtype  # the plan's key holds the autocast dtype
+        if x.dtype != dtype:
+            x = x.to(dtype)
+        if bias is not None and bias.dtype != dtype:
+            bias = bias.to(dtype)
     if not runtime.aligned(x, w):  # an offset view: the general path copies it
         return EagerConvolution.apply(x, w.to(plan.compute_dtype), bias, *plan.conv)
     return PlannedConvolution.apply(x, w, bias, plan)

@@ -37,6 +37,11 @@ def result_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
+# torch.backends.cudnn.allow_tf32's getter itself: the module property costs about 1 us a read, and eager calls
+# read it on every call
+tf32_allowed = getattr(torch._C, "_get_cudnn_allow_tf32", None) or (lambda: torch.backends.cudnn.allow_tf32)
+
+
 def _channels_last(t: torch.Tensor) -> bool:
     if t.dim() == 4:
         return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
@@ -102,7 +107,7 @@ def problem_for(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[
     else:  # grad_weight(x, dy)
         c, k = a.shape[1] // groups, b.shape[1] // groups
     cuda = a.is_cuda or (_recording is not None and _recording_for_cuda)
-    compute = "tf32" if dtype == "f32" and cuda and torch.backends.cudnn.allow_tf32 else None
+    compute = "tf32" if dtype == "f32" and cuda and tf32_allowed() else None
     return ConvProblem(
         op=op, dims=dims, groups=groups, batch=a.shape[0], in_channels=c, out_channels=k, input=tuple(spatial),
         filter=tuple(filt), stride=tuple(stride), dilation=tuple(dilation), pad_lo=tuple(pad_lo),
@@ -283,7 +288,7 @@ def _key(op: str, a: torch.Tensor, b: torch.Tensor, spatial: Sequence[int], filt
     # their shapes and strides, so a repeated call on tensors the kernels read in place skips all of that
     return (op, a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device, tuple(spatial), tuple(filt),
             tuple(stride), tuple(pad_lo), tuple(pad_hi), tuple(dilation), groups,
-            a.is_cuda and torch.backends.cudnn.allow_tf32, out_dtype)
+            a.is_cuda and tf32_allowed(), out_dtype)
 
 
 def _call_of(key: tuple, op: str, a: torch.Tensor, b: torch.Tensor,
