@@ -3,6 +3,11 @@
     python3 examples/train_resnet.py --backend convdsl --steps 300 --out convdsl.json
     python3 examples/train_resnet.py --backend cudnn --steps 300 --out cudnn.json
     python3 examples/train_resnet.py --compare convdsl.json cudnn.json
+    python3 examples/train_resnet.py --backend both --out run.json    # run-convdsl.json, run-cudnn.json
+
+`--backend both` trains the two models in one process, in alternating blocks of `--log-every` steps, so that a
+shared host's changing load reaches both alike (separate runs on such a host differ by tens of percent in eager
+mode, where the step is bound by the host's Python time).
 
 To run on a GPU machine without a compiler, compile the kernels of one training step ahead into a bundle
 (the shapes are traced on fake tensors, so this needs no GPU) and point convdsl at it:
@@ -119,16 +124,12 @@ def _distributed(cuda: bool) -> tuple[int, int, int]:
     return torch.distributed.get_rank(), torch.distributed.get_world_size(), local
 
 
-def train(args: argparse.Namespace) -> dict:
-    cuda_present = torch.cuda.is_available() and not args.cpu
-    rank, world, local = _distributed(cuda_present)
-    if args.batch % world:
-        raise SystemExit(f"--batch: {args.batch} does not split evenly over {world} processes")
-    device = torch.device("cuda", local) if cuda_present else torch.device("cpu")
+def _training_step(args: argparse.Namespace, backend: str, device: torch.device, world: int, local: int):
+    """One backend's model (from args.seed: both backends start from the same weights), optimizer and step."""
     torch.manual_seed(args.seed)
     groups, width = (32, 4) if args.resnext else (1, 64)
     model = ResNet(groups=groups, width_per_group=width, classes=args.classes)
-    if args.backend == "convdsl":
+    if backend == "convdsl":
         ct.convert(model)
     cuda = device.type == "cuda"
     fmt = torch.channels_last if cuda else torch.contiguous_format
@@ -140,7 +141,6 @@ def train(args: argparse.Namespace) -> dict:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if cuda else None)
     # torch.compile takes the model (forward and its backward); the optimizer stays eager
     forward = torch.compile(model, mode=args.compile_mode) if args.compile else model
-    share = args.batch // world
 
     def step(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda and not args.f32):
@@ -150,43 +150,82 @@ def train(args: argparse.Namespace) -> dict:
         opt.step()
         return loss
 
+    return step, fmt
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Train args.backend's model, or with --backend both the two models in one process, in alternating blocks
+    of --log-every steps (the order swapped every block): each backend's time then comes from the same minutes
+    of a shared host, not from runs minutes apart."""
+    cuda_present = torch.cuda.is_available() and not args.cpu
+    rank, world, local = _distributed(cuda_present)
+    if args.batch % world:
+        raise SystemExit(f"--batch: {args.batch} does not split evenly over {world} processes")
+    backends = ("convdsl", "cudnn") if args.backend == "both" else (args.backend,)
+    if world > 1 and len(backends) > 1:
+        raise SystemExit("--backend both: one process only (start it without torchrun)")
+    device = torch.device("cuda", local) if cuda_present else torch.device("cpu")
+    cuda = device.type == "cuda"
+    steps = {b: _training_step(args, b, device, world, local) for b in backends}
+    share = args.batch // world
+
     if args.profile:
+        step, fmt = steps[backends[0]]
         return _profile(step, args, device, fmt)
-    losses, times = [], []
-    t_last = time.perf_counter()
-    for i, (images, labels) in enumerate(synthetic_batches(args.steps, args.batch, args.image_size, args.classes,
-                                                           device, args.seed)):
-        if args.compile_mode == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be reused
-        # every rank makes the same global batch and trains on its own slice of it
-        mine = slice(rank * share, (rank + 1) * share)
-        loss = step(images[mine].contiguous(memory_format=fmt), labels[mine])
-        losses.append(loss.detach().clone())
-        if (i + 1) % args.log_every == 0 or i + 1 == args.steps:
+    batches = list(synthetic_batches(args.steps, args.batch, args.image_size, args.classes, device, args.seed))
+    losses: dict[str, list] = {b: [] for b in backends}
+    times: dict[str, list[float]] = {b: [] for b in backends}
+    for block, first in enumerate(range(0, args.steps, args.log_every)):
+        last = min(first + args.log_every, args.steps)
+        for b in (backends if block % 2 == 0 else backends[::-1]):
+            step, fmt = steps[b]
+            start = time.perf_counter()
+            for images, labels in batches[first:last]:
+                if args.compile_mode == "reduce-overhead":
+                    torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs may be reused
+                # every rank makes the same global batch and trains on its own slice of it
+                mine = slice(rank * share, (rank + 1) * share)
+                loss = step(images[mine].contiguous(memory_format=fmt), labels[mine])
+                losses[b].append(loss.detach().clone())
             if cuda:
                 torch.cuda.synchronize()
-            now = time.perf_counter()
-            times.append((now - t_last) / args.log_every)
-            t_last = now
+            times[b].append((time.perf_counter() - start) / (last - first))
             if rank == 0:
-                print(f"step {i + 1:5d} loss {float(loss):.4f} {args.batch / times[-1]:8.1f} images/s", flush=True)
+                print(f"{b:8s} step {last:5d} loss {float(loss):.4f} {args.batch / times[b][-1]:8.1f} images/s",
+                      flush=True)
+    results = {b: _result(args, b, losses[b], times[b], world, cuda) for b in backends}
+    if args.out and rank == 0:
+        for b, result in results.items():
+            path = Path(args.out) if len(backends) == 1 else _suffixed(Path(args.out), b)
+            path.write_text(json.dumps(result) + "\n")
+    if len(backends) > 1 and rank == 0:
+        a, b = (results[x]["images_per_s"] for x in backends)
+        print(f"interleaved: convdsl {a:.1f}, cudnn {b:.1f} images/s, ratio {a / b:.3f}")
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return results[backends[0]]
+
+
+def _suffixed(path: Path, backend: str) -> Path:
+    """--out for one backend of --backend both: run.json -> run-convdsl.json."""
+    return path.with_name(f"{path.stem}-{backend}{path.suffix}")
+
+
+def _result(args: argparse.Namespace, backend: str, losses: list, times: list[float], world: int,
+            cuda: bool) -> dict:
     # the first interval holds compilation and warm-up: images per second from the others
     steady = times[1:] if len(times) > 1 else times
     curve = torch.stack(losses).float()
     if world > 1:  # the global batch's loss: the mean of the ranks' equal shares
         torch.distributed.all_reduce(curve)
         curve /= world
-    result = {"backend": args.backend, "processes": world, "compile": args.compile and (args.compile_mode or "default"),
-              "precision": "f32 (TF32 convolutions)" if args.f32 else "bf16 autocast", "steps": args.steps,
-              "batch": args.batch,
-              "image_size": args.image_size, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-              "torch": torch.__version__, "losses": curve.tolist(),
-              "images_per_s": args.batch / statistics.median(steady)}
-    if args.out and rank == 0:
-        Path(args.out).write_text(json.dumps(result) + "\n")
-    if world > 1:
-        torch.distributed.destroy_process_group()
-    return result
+    return {"backend": backend, "processes": world, "compile": args.compile and (args.compile_mode or "default"),
+            "interleaved": args.backend == "both",
+            "precision": "f32 (TF32 convolutions)" if args.f32 else "bf16 autocast", "steps": args.steps,
+            "batch": args.batch,
+            "image_size": args.image_size, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "torch": torch.__version__, "losses": curve.tolist(),
+            "images_per_s": args.batch / statistics.median(steady)}
 
 
 def _profile(step, args: argparse.Namespace, device: torch.device, fmt) -> dict:
@@ -305,8 +344,9 @@ def compare(a_path: Path, b_path: Path, window: int, agree_steps: int) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", choices=("convdsl", "cudnn"), default="convdsl",
-                    help="whose convolutions (cudnn: torch.nn's own, cuDNN on CUDA)")
+    ap.add_argument("--backend", choices=("convdsl", "cudnn", "both"), default="convdsl",
+                    help="whose convolutions (cudnn: torch.nn's own, cuDNN on CUDA; both: the two models in one "
+                         "process, alternating blocks of --log-every steps, --out's name suffixed per backend)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--image-size", type=int, default=224)
