@@ -225,6 +225,7 @@ def _result(args: argparse.Namespace, backend: str, losses: list, times: list[fl
             "batch": args.batch,
             "image_size": args.image_size, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
             "torch": torch.__version__, "losses": curve.tolist(),
+            "block_step_ms": [t * 1e3 for t in times],  # per block of --log-every steps, the first one's warm-up too
             "images_per_s": args.batch / statistics.median(steady)}
 
 
