@@ -164,6 +164,20 @@ def cpu_depthwise_named(p: ConvProblem, target: Target) -> bool:
 CPU_DEPTHWISE_CHANNELS = 144
 
 
+# The innermost output width of IREE's CPU depthwise convolution: its pipeline vectorises that width 4 at a time
+# and, where a tile's width is not a multiple of 4, ran 10-20x slower (ConvNeXt's 7x7 taps: 9.6 ms per image
+# against 0.59 with 8; docs/decisions.md#cpu-depthwise-width)
+CPU_DEPTHWISE_WIDTH_STEP = 4
+
+
+def cpu_depthwise_width(width: int) -> int:
+    """The innermost output width a depthwise-named convolution computes for `width` wanted: up to 4 as it is,
+    wider rounded up to a multiple of CPU_DEPTHWISE_WIDTH_STEP (the extra positions read zeros and are dropped)."""
+    if width <= CPU_DEPTHWISE_WIDTH_STEP:
+        return width
+    return -(-width // CPU_DEPTHWISE_WIDTH_STEP) * CPU_DEPTHWISE_WIDTH_STEP
+
+
 def cpu_depthwise_channels(channels: int) -> int:
     """The channel count the grouped depthwise-named grad_weight convolves over: `channels` padded with zeros up
     to CPU_DEPTHWISE_CHANNELS (more stay as they are)."""

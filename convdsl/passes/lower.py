@@ -848,6 +848,10 @@ def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bi
         return arith.ConstantOp(index, v).result
 
     channels, padded = p.groups * c_count, plan.depthwise_channels
+    # the taps each convolution computes: the innermost dimension's widened (policy.cpu_depthwise_width), its
+    # extra taps reading zeros past the border, dropped at the end
+    taps_out = [*p.filter[:-1], plan.depthwise_taps or p.filter[-1]]
+    extra = (taps_out[-1] - p.filter[-1]) * p.dilation[-1]
 
     def filter_for(n: ir.Value, k: int) -> ir.Value:  # Flt_k of image n: [O.., G*C], zero channels to `padded`
         channel = _image(dy, n, k)  # [1, O.., G, 1]
@@ -868,13 +872,14 @@ def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bi
         flat = collapse(_image(x, n), merge_channels)  # [1, I.., G*C]
         starts = {pos: -lo for pos, lo in zip(sp, plan.x_pad_lo)}
         sizes = {pos: i + lo + hi for pos, i, lo, hi in zip(sp, p.input, plan.x_pad_lo, plan.x_pad_hi)}
+        sizes[sp[-1]] += extra
         image = window(flat, {**starts, p.dims + 1: 0}, {**sizes, p.dims + 1: padded}, plan.pad_form)
         return [_DEPTHWISE_OPS[p.dims](image, filter_for(n, k), outs=[acc], strides=list(p.dilation),
                                        dilations=list(p.stride)) for k, acc in enumerate(accs)]
 
     step = IMAGES_PER_STEP
     looped = p.batch - p.batch % step if p.batch > UNROLLED_MOST_IMAGES else 0
-    accs = [zeros([1, *p.filter, padded], ir.F32Type.get()) for _ in range(k_count)]
+    accs = [zeros([1, *taps_out, padded], ir.F32Type.get()) for _ in range(k_count)]
     if looped:
         loop = scf.ForOp(const(0), const(looped), const(step), accs)
         with ir.InsertionPoint(loop.body):
@@ -886,9 +891,9 @@ def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bi
     for n in range(looped, p.batch):
         accs = convolve(accs, const(n))
     # D_k[0, t.., g*C + c] -> dW[g, k, t.., c] in the weight layout, through a [K, 1, R.., padded] stack
-    stack = empty([k_count, 1, *p.filter, padded], ir.F32Type.get())
+    stack = empty([k_count, 1, *taps_out, padded], ir.F32Type.get())
     for k, acc in enumerate(accs):
-        stack = insert(acc, stack, [k] + [0] * (p.dims + 2), [1] * (p.dims + 3), [1, 1, *p.filter, padded])
+        stack = insert(acc, stack, [k] + [0] * (p.dims + 2), [1] * (p.dims + 3), [1, 1, *taps_out, padded])
     stack = extract(stack, [0] * (p.dims + 3), [k_count, 1, *p.filter, channels], [1] * (p.dims + 3))
     taps = [f"t{i}" for i in range(p.dims)]
     space = Space([("g", PARALLEL), ("k", PARALLEL), *[(t, PARALLEL) for t in taps], ("c", PARALLEL)])

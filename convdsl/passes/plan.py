@@ -62,8 +62,10 @@ class KernelPlan:
     extern: Optional[ExternPlan] = None
     # why a CUDA kernel keeps the linalg form (shown by explain); None where not asked
     linalg_reason: Optional[str] = None
-    # depthwise-named grad_weight: the channels each convolution runs over (G*C and zeros up to it)
+    # depthwise-named grad_weight: the channels each convolution runs over (G*C and zeros up to it), and the taps
+    # along the innermost filter dimension it computes (the filter's, or more: policy.cpu_depthwise_width)
     depthwise_channels: int = 0
+    depthwise_taps: int = 0
     # im2col grad_weight: split-K chunks per image along the first output dimension (policy.cpu_im2col_row_chunks)
     row_chunks: int = 1
 
@@ -174,5 +176,7 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
     return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split,
                       dy_first=policy.dy_first(problem, target), pad_form=policy.default_pad_form(problem, target),
                       depthwise_channels=channels if form == "depthwise-named" else 0,
+                      depthwise_taps=policy.cpu_depthwise_width(problem.filter[-1]) if form == "depthwise-named"
+                      else 0,
                       row_chunks=policy.cpu_im2col_row_chunks(problem)
                       if form == "im2col" and problem.op == "grad_weight" else 1)
