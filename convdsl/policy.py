@@ -164,18 +164,20 @@ def cpu_depthwise_named(p: ConvProblem, target: Target) -> bool:
 CPU_DEPTHWISE_CHANNELS = 144
 
 
-# The innermost output width of IREE's CPU depthwise convolution: its pipeline vectorises that width 4 at a time
-# and, where a tile's width is not a multiple of 4, ran 10-20x slower (ConvNeXt's 7x7 taps: 9.6 ms per image
-# against 0.59 with 8; docs/decisions.md#cpu-depthwise-width)
-CPU_DEPTHWISE_WIDTH_STEP = 4
+# The innermost output width of IREE's CPU depthwise convolution: its pipeline takes a small output width whole and
+# vectorises it some positions at a time, 2 with 3-tap filters and 4 with image-sized ones (grad_weight's, 14 taps
+# and more); where the width is not a multiple of that step it ran 3-20x slower (docs/decisions.md#cpu-depthwise-width)
+CPU_DEPTHWISE_WIDENED = 8
 
 
-def cpu_depthwise_width(width: int) -> int:
-    """The innermost output width a depthwise-named convolution computes for `width` wanted: up to 4 as it is,
-    wider rounded up to a multiple of CPU_DEPTHWISE_WIDTH_STEP (the extra positions read zeros and are dropped)."""
-    if width <= CPU_DEPTHWISE_WIDTH_STEP:
-        return width
-    return -(-width // CPU_DEPTHWISE_WIDTH_STEP) * CPU_DEPTHWISE_WIDTH_STEP
+def cpu_depthwise_width(width: int, filter_width: int) -> int:
+    """The innermost output width a depthwise-named convolution computes for `width` wanted with a filter
+    `filter_width` wide: 8 for the widths measured slow (5 and 7 with 3-tap filters, 5-7 with filters of 14 taps
+    or more; the extra positions read zeros and are dropped), else `width` (5-tap filters were vectorised whole
+    and 14-wide outputs 2 at a time: widening those measured 15-30% slower)."""
+    if filter_width <= 3 and width in (5, 7) or filter_width >= 14 and 4 < width < CPU_DEPTHWISE_WIDENED:
+        return CPU_DEPTHWISE_WIDENED
+    return width
 
 
 def cpu_depthwise_channels(channels: int) -> int:

@@ -136,9 +136,29 @@ def test_im2col_bilinear_epilogue(op, stride):
     dict(dims=3, input=(5, 6, 7), filter=(3, 3, 3), stride=(1, 2, 2), dilation=(1, 1, 1), pad_lo=(1, 1, 1),
          pad_hi=(1, 1, 1)),
     dict(dtype="bf16"), dict(epilogue=Epilogue("bilinear", 1.5, -0.5), stride=(2, 2)),
+    # phases whose innermost output is widened to 8 (7; stride 2: phases of 5 and 4 -> 8, 4; 3D 5; 1D 7 with
+    # dilation)
+    dict(input=(6, 7)), dict(input=(9, 9), stride=(2, 2), pad_lo=(1, 0), pad_hi=(0, 1)),
+    dict(dims=3, input=(3, 4, 5), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 1),
+         pad_hi=(1, 1, 1)),
+    dict(dims=1, input=(7,), filter=(3,), stride=(1,), dilation=(2,), pad_lo=(2,), pad_hi=(2,)),
 ])
 def test_depthwise_named_grad_input(changes):
     check(depthwise(**changes))
+
+
+def test_depthwise_named_grad_input_widens_the_innermost_output():
+    # a 7-wide phase of a 3x3 filter computes 8 positions (docs/decisions.md#cpu-depthwise-width), dY's border
+    # reaching the extra one; 14 wide, or a 5x5 filter, as they are
+    p = depthwise(input=(7, 7))
+    text = function_text(lower_to_mlir([p], CPU), "k")
+    assert f"tensor<{p.batch}x7x8x{p.groups}xf32>" in text
+    assert plan_kernel(p, CPU).dy_pad_hi == (1, 2)
+    assert plan_kernel(depthwise(input=(8, 8)), CPU).dy_pad_hi == (1, 1)
+    assert plan_kernel(depthwise(input=(14, 14)), CPU).dy_pad_hi == (1, 1)
+    assert plan_kernel(depthwise(input=(7, 7), filter=(5, 5), pad_lo=(2, 2), pad_hi=(2, 2)), CPU).dy_pad_hi == (2, 2)
+    check(p)
+    check(depthwise("transposed", input=(7, 7)))
 
 
 def test_depthwise_named_transposed():
@@ -221,9 +241,10 @@ _3D = dict(dims=3, input=(5, 6, 7), filter=(3, 3, 3), stride=(1, 2, 2), dilation
     {}, dict(batch=1), dict(stride=(2, 2)), dict(stride=(2, 1), pad_lo=(0, 2), pad_hi=(1, 0)),
     dict(dilation=(2, 2), pad_lo=(2, 2), pad_hi=(2, 2), stride=(2, 1)),
     dict(filter=(7, 7), pad_lo=(3, 3), pad_hi=(3, 3)), dict(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0)),
-    # innermost taps widened to a multiple of 4 (5 -> 8 with dilation and stride; 6 -> 8 in 1D; 5 in 3D)
-    dict(filter=(3, 5), dilation=(1, 2), stride=(2, 2), pad_lo=(1, 4), pad_hi=(0, 3), input=(9, 12)),
-    dict(_1D, filter=(6,), pad_lo=(2,), pad_hi=(3,)), dict(_3D, filter=(2, 3, 5), pad_lo=(0, 1, 2), pad_hi=(1, 1, 2)),
+    # innermost taps widened to 8 under a dY 14 or more wide (5 with dilation and stride; 6 in 1D; 5 in 3D)
+    dict(filter=(3, 5), dilation=(1, 2), stride=(2, 2), pad_lo=(1, 4), pad_hi=(0, 3), input=(9, 30)),
+    dict(_1D, input=(17,), filter=(6,), pad_lo=(2,), pad_hi=(3,)),
+    dict(_3D, input=(3, 4, 29), filter=(2, 3, 5), pad_lo=(0, 1, 2), pad_hi=(1, 1, 2)),
     # IREE's CPU codegen fails on this one's fused border (benchmarks/iree-upstream.md): compiled without fusing it
     dict(batch=1, groups=9, input=(3, 2), filter=(1, 3), pad_lo=(0, 0), pad_hi=(0, 1)),
     dict(pad_lo=(0, 0), pad_hi=(0, 0), input=(10, 9)),  # no border; the last input row never read
@@ -249,16 +270,22 @@ def test_depthwise_named_grad_weight_index_algebra(data):
     check(p)
 
 
-def test_depthwise_named_grad_weight_widens_the_innermost_taps_to_a_multiple_of_4():
-    # IREE's CPU depthwise convolution vectorises its innermost output width 4 at a time and ran 10-20x slower
-    # where a tile's width was not a multiple of 4 (docs/decisions.md#cpu-depthwise-width)
-    for taps, computed in [(1, 1), (3, 3), (4, 4), (5, 8), (7, 8), (8, 8), (9, 12)]:
-        assert policy.cpu_depthwise_width(taps) == computed
-    p = depthwise("grad_weight", filter=(7, 7), pad_lo=(3, 3), pad_hi=(3, 3))
-    plan = plan_kernel(p, CPU)
-    assert plan.depthwise_taps == 8
+def test_depthwise_named_widths_follow_the_measured_rule():
+    # IREE's CPU depthwise convolution vectorises a small output width 2 (3-tap filters) or 4 (filters of 14 taps and
+    # more) at a time, and ran 3-20x slower where the width was not a multiple of that (docs/decisions.md#cpu-depthwise-width)
+    for (width, filter_width), computed in [((7, 28), 8), ((5, 14), 8), ((6, 56), 8), ((8, 28), 8), ((9, 28), 9),
+                                            ((3, 56), 3), ((7, 3), 8), ((5, 3), 8), ((6, 3), 6), ((14, 3), 14),
+                                            ((7, 5), 7), ((7, 7), 7), ((7, 13), 7)]:
+        assert policy.cpu_depthwise_width(width, filter_width) == computed, (width, filter_width)
+
+
+def test_depthwise_named_grad_weight_widens_7_taps_under_a_wide_dy():
+    p = depthwise("grad_weight", input=(14, 16), filter=(7, 7), pad_lo=(3, 3), pad_hi=(3, 3))
+    assert plan_kernel(p, CPU).depthwise_taps == 8  # dY is 16 wide
     text = function_text(lower_to_mlir([p], CPU), "k")
     assert f"tensor<1x7x8x{p.groups}xf32>" in text and f"tensor<1x7x7x{p.groups}xf32>" not in text
+    check(p)
+    assert plan_kernel(depthwise("grad_weight", filter=(7, 7), pad_lo=(3, 3), pad_hi=(3, 3)), CPU).depthwise_taps == 7
     assert plan_kernel(depthwise("grad_weight"), CPU).depthwise_taps == 3
 
 

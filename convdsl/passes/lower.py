@@ -42,6 +42,7 @@ from .ir import (
     zeros,
 )
 from ..kernels.launch import Binary
+from .. import policy
 from . import bf16x3, extern, gather, gemm
 from .plan import KernelPlan
 
@@ -637,8 +638,9 @@ def _image_first(plan: KernelPlan, x_operand: tuple, dy_operand: tuple) -> tuple
 
 
 # --- the CPU form "im2col": window gather + named matmul (passes/gemm.py) -------------------------
-def _phase_window(plan: KernelPlan, ph: Phase, dy: ir.Value) -> ir.Value:
-    """The part of the padded dY that phase `ph` reads: from off - (J-1)*o_step + pad_lo, Q + (J-1)*o_step long."""
+def _phase_window(plan: KernelPlan, ph: Phase, dy: ir.Value, extra_last: int = 0) -> ir.Value:
+    """The part of the padded dY that phase `ph` reads: from off - (J-1)*o_step + pad_lo, Q + (J-1)*o_step long
+    (`extra_last` more along the innermost spatial dimension)."""
     p = plan.problem
     sp = _spatial_positions(p, activation_axes(p, "ch"))
     full = sizes_of(dy)
@@ -647,6 +649,7 @@ def _phase_window(plan: KernelPlan, ph: Phase, dy: ir.Value) -> ir.Value:
         d1 = ph.dims[i]
         offsets[pos] = d1.off - (d1.J - 1) * d1.o_step + plan.dy_pad_lo[i]
         sizes[pos] = d1.Q + (d1.J - 1) * d1.o_step
+    sizes[sp[-1]] += extra_last
     return extract(dy, offsets, sizes, [1] * len(full))
 
 
@@ -796,16 +799,22 @@ def _grad_input_phase_depthwise_named(plan: KernelPlan, ph: Phase, dy: ir.Value,
     # One stride phase of a depthwise grad_input (NHWGC, K = C = 1) is a stride-1 depthwise correlation
     #   dX_r[n, q, g] = sum_j' dYwin[n, q + j'*o_step, g] * Wphase[j', g]
     # i.e. linalg.depthwise_conv_Nd_n..c_..c with dilation o_step, which IREE's CPU pipeline vectorises along G.
+    # The innermost q may run further (policy.cpu_depthwise_width; plan's dY border reaches that far), the extra
+    # positions dropped.
     p = plan.problem
-    win = _phase_window(plan, ph, dy)  # [N, S.., G, 1]
+    q = [d.Q for d in ph.dims]
+    q_out = [*q[:-1], policy.cpu_depthwise_width(q[-1], ph.dims[-1].J)]
+    win = _phase_window(plan, ph, dy, q_out[-1] - q[-1])  # [N, S.., G, 1]
     rank = len(shape_of(win))
     channels = [[a] for a in range(rank - 2)] + [[rank - 2, rank - 1]]  # (G, 1) -> G
     image = collapse(win, channels)
     wph = _phase_weight(plan, ph, w)  # [J.., G, 1, 1]
     filt = collapse(wph, [[a] for a in range(p.dims)] + [[p.dims, p.dims + 1, p.dims + 2]])
-    out = zeros([shape[0], *[d.Q for d in ph.dims], p.groups], ir.F32Type.get())
+    out = zeros([shape[0], *q_out, p.groups], ir.F32Type.get())
     acc = _DEPTHWISE_OPS[p.dims](image, filt, outs=[out], strides=[1] * p.dims,
                                  dilations=[d.o_step for d in ph.dims])
+    if q_out != q:
+        acc = extract(acc, [0] * (p.dims + 2), [shape[0], *q, p.groups], [1] * (p.dims + 2))
     return expand(acc, channels, shape)
 
 
@@ -848,8 +857,8 @@ def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bi
         return arith.ConstantOp(index, v).result
 
     channels, padded = p.groups * c_count, plan.depthwise_channels
-    # the taps each convolution computes: the innermost dimension's widened (policy.cpu_depthwise_width), its
-    # extra taps reading zeros past the border, dropped at the end
+    # the taps each convolution computes: the innermost dimension's maybe widened (policy.cpu_depthwise_width),
+    # the extra taps reading zeros past the border, dropped at the end
     taps_out = [*p.filter[:-1], plan.depthwise_taps or p.filter[-1]]
     extra = (taps_out[-1] - p.filter[-1]) * p.dilation[-1]
 

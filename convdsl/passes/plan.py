@@ -163,6 +163,10 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
     if problem.op in ("grad_input", "transposed"):
         phases = tuple(grad_input_phases(problem))
         lo, hi = dy_padding(problem, list(phases))
+        if form == "depthwise-named":  # each phase's innermost output widened: dY's border reaches that far
+            reach = max((policy.cpu_depthwise_width(ph.dims[-1].Q, ph.dims[-1].J) - 1 + ph.dims[-1].off
+                         - (problem.output[-1] - 1) for ph in phases if not ph.empty), default=hi[-1])
+            hi = (*hi[:-1], max(hi[-1], reach))
         return KernelPlan(problem, target, form, compute_a, compute_b, phases=phases, dy_pad_lo=lo, dy_pad_hi=hi,
                           pad_form=policy.default_pad_form(problem, target),
                           weight_k_inner=policy.weight_k_inner(problem, target))
@@ -176,7 +180,7 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
     return KernelPlan(problem, target, form, compute_a, compute_b, x_pad_lo=lo, x_pad_hi=hi, split=split,
                       dy_first=policy.dy_first(problem, target), pad_form=policy.default_pad_form(problem, target),
                       depthwise_channels=channels if form == "depthwise-named" else 0,
-                      depthwise_taps=policy.cpu_depthwise_width(problem.filter[-1]) if form == "depthwise-named"
-                      else 0,
+                      depthwise_taps=policy.cpu_depthwise_width(problem.filter[-1], problem.output[-1])
+                      if form == "depthwise-named" else 0,
                       row_chunks=policy.cpu_im2col_row_chunks(problem)
                       if form == "im2col" and problem.op == "grad_weight" else 1)
