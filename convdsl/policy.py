@@ -453,11 +453,17 @@ def tma_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
     (docs/decisions.md#tma-forward, #tf32-flat).  16-bit with K >= 256: 128 x 256 tiles of two warp groups (3
     stages to fit) where the waves they take, each WIDE_TILE_GAIN faster per product, beat 128 x 128's: they
     lose where the wide tiles leave SMs idle (ResNet-50's 512-channel 7x7 layers: 50 tiles on 132 SMs)
-    (docs/decisions.md#tma-wide)."""
+    (docs/decisions.md#tma-wide).  16-bit with K <= 64 over C >= 128: 256 x 64 tiles of two warp groups
+    (docs/decisions.md#tma-narrow)."""
     # 128 bytes of channels a step where C allows; fp8 wgmma takes at least 32 bytes a product
     steps = (32, 16, 8) if p.dtype == "f32" else (128, 64, 32) if p.fp8_compute else (64, 32, 16)
     block_k = next((b for b in steps if p.in_channels % b == 0), steps[-1])
     narrow = TileConfig(128, 64 if p.out_channels <= 64 else 128, block_k, warps=4, stages=4)
+    sixteen_bit = p.dtype in ("f16", "bf16") and not p.fp8_compute
+    if sixteen_bit and p.groups == 1 and p.out_channels <= 64 and p.in_channels >= 128:
+        # 64 columns over a reduction of 128 channels a tap or more: 256 rows in two warp groups, CK 15's 3D
+        # grad_input 12% faster; over 64 channels a tap no change (docs/decisions.md#tma-narrow)
+        return replace(narrow, block_m=256, warps=8)
     if p.dtype == "f32" or p.out_channels < 256 or (p.groups > 1 and p.out_channels % 256):
         return narrow
     rows = -(-p.batch * math.prod(p.output) // 128) * p.groups

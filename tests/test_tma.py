@@ -220,6 +220,22 @@ def test_wide_forward_tiles_where_they_take_fewer_waves(channels, size, stride, 
     assert policy.tma_forward_tiles(p.with_(groups=2, out_channels=384, in_channels=384), HOPPER).block_n == 128
 
 
+def test_narrow_forward_tiles_take_256_rows_over_wide_reductions():
+    # 64 columns over 128 channels a tap: two warp groups of 128 rows each (docs/decisions.md#tma-narrow)
+    p = BASE.with_(batch=8, in_channels=128, out_channels=64, input=(12, 12), filter=(3, 3), pad_lo=(1, 1),
+                   pad_hi=(1, 1))
+    tiles = policy.tma_forward_tiles(p, HOPPER)
+    assert (tiles.block_m, tiles.block_n, tiles.warps, tiles.stages) == (256, 64, 8, 4)
+    assert tiles.stages * (256 + 64) * tiles.block_k * 2 + 256 * 64 * 2 <= HOPPER.gpu.shared_per_sm
+    # CK 15's 3D grad_input (C = 64, K = 128) runs as such a forward
+    dgrad = p.with_(op="grad_input", in_channels=64, out_channels=128)
+    assert policy.tma_stream_launch(dgrad, HOPPER, Knobs()).tiles.block_m == 256
+    # elsewhere 128 rows: 64 channels a tap, more columns, f32, groups, fp8
+    for other in (p.with_(in_channels=64), p.with_(out_channels=128), p.with_(dtype="f32", compute="tf32"),
+                  p.with_(groups=2), p.with_(compute=("fp8", "fp8"))):
+        assert policy.tma_forward_tiles(other, HOPPER).block_m == 128, other.describe()
+
+
 DGRAD = BASE.with_(op="grad_input", out_channels=48)  # its forward reduces over K = 48: three 16-channel steps
 
 

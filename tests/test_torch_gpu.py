@@ -27,6 +27,10 @@ MODULES = [
     # 64 channels: 16-bit 3D grad_weight on the TMA kernel on Hopper (64 x 64 tiles, 128 positions a step)
     ("Conv3d", dict(in_channels=64, out_channels=64, kernel_size=3, padding=1), (2, 64, 6, 8, 8)),
     ("Conv1d", dict(in_channels=64, out_channels=64, kernel_size=3, stride=2), (8, 64, 101)),
+    # 64 columns over 128 channels a tap on Hopper's TMA kernel in 256-row tiles: the forward of the first, the
+    # grad_input (a forward of dY) of the second
+    ("Conv2d", dict(in_channels=128, out_channels=64, kernel_size=3, padding=1), (4, 128, 12, 12)),
+    ("Conv2d", dict(in_channels=64, out_channels=128, kernel_size=3, padding=1), (4, 64, 12, 12)),
     # an RGB stem: 16-bit channels-last forward over X and W regrouped space-to-depth
     ("Conv2d", dict(in_channels=3, out_channels=64, kernel_size=7, stride=2, padding=3), (4, 3, 64, 64)),
     # 128 channels (last: test_f32_in_tf32_takes_the_flat_planes_and_the_tma_forward): f32 grad_weight in TF32
@@ -137,6 +141,22 @@ def test_a_3d_grad_weight_takes_the_tma_kernel():
                  and p.layout == "NHWGC" and p.batch == shape[0]]
     tma = "grad_weight_tma" in runner.kernel.describe()
     assert tma == (torch.cuda.get_device_capability() == (9, 0)), runner.kernel.describe()
+
+
+def test_narrow_tma_forwards_take_256_row_tiles():
+    # their results are checked in test_against_cudnn_and_float64 (the two 128/64-channel Conv2d modules)
+    for in_channels, out_channels in ((128, 64), (64, 128)):
+        conv = ct.Conv2d(in_channels, out_channels, 3, padding=1).cuda().half().to(memory_format=torch.channels_last)
+        y = conv(torch.randn(4, in_channels, 12, 12, device="cuda", dtype=torch.half)
+                 .to(memory_format=torch.channels_last).requires_grad_())
+        y.backward(torch.randn_like(y))
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    for op in ("forward", "grad_input"):
+        (runner,) = [r for (p, _), r in runtime._runners.items()
+                     if p.op == op and p.in_channels == (128 if op == "forward" else 64) and p.dtype == "f16"
+                     and p.out_channels == (64 if op == "forward" else 128) and p.input == (12, 12)
+                     and p.layout == "NHWGC" and p.batch == 4]
+        assert ("t256x64" in runner.kernel.describe()) == hopper, runner.kernel.describe()
 
 
 def test_the_stream_path_is_taken():
