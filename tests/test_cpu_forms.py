@@ -15,6 +15,7 @@ from iree.compiler.dialects import func
 from convdsl import policy
 from convdsl.backends.iree import LoadedModule, compile_mlir
 from convdsl.passes import gemm, lower, lower_to_mlir
+from convdsl.passes.explain import describe_plan
 from convdsl.passes.ir import tensor_type
 from convdsl.passes.plan import plan_kernel
 from convdsl.problem import ConvProblem, Epilogue
@@ -154,6 +155,7 @@ def test_depthwise_named_grad_input_widens_the_innermost_output():
     text = function_text(lower_to_mlir([p], CPU), "k")
     assert f"tensor<{p.batch}x7x8x{p.groups}xf32>" in text
     assert plan_kernel(p, CPU).dy_pad_hi == (1, 2)
+    assert "innermost output computed 8 wide, 7 kept" in describe_plan(plan_kernel(p, CPU))  # convdsl explain
     assert plan_kernel(depthwise(input=(8, 8)), CPU).dy_pad_hi == (1, 1)
     assert plan_kernel(depthwise(input=(14, 14)), CPU).dy_pad_hi == (1, 1)
     assert plan_kernel(depthwise(input=(7, 7), filter=(5, 5), pad_lo=(2, 2), pad_hi=(2, 2)), CPU).dy_pad_hi == (2, 2)
@@ -282,6 +284,7 @@ def test_depthwise_named_widths_follow_the_measured_rule():
 def test_depthwise_named_grad_weight_widens_7_taps_under_a_wide_dy():
     p = depthwise("grad_weight", input=(14, 16), filter=(7, 7), pad_lo=(3, 3), pad_hi=(3, 3))
     assert plan_kernel(p, CPU).depthwise_taps == 8  # dY is 16 wide
+    assert "innermost taps computed 8 wide, 7 kept" in describe_plan(plan_kernel(p, CPU))  # convdsl explain
     text = function_text(lower_to_mlir([p], CPU), "k")
     assert f"tensor<1x7x8x{p.groups}xf32>" in text and f"tensor<1x7x7x{p.groups}xf32>" not in text
     check(p)

@@ -6,6 +6,7 @@ import math
 from typing import Sequence
 
 from ..kernels.launch import Binary
+from .. import policy
 from ..policy import PAD_FORMS
 from ..problem import ConvProblem, weight_axes_name
 from . import bf16x3
@@ -96,7 +97,31 @@ def describe_plan(self: KernelPlan) -> str:
             f"  split-K: S={self.split.parts} along {self.split.axis}, chunks {list(self.split.chunks)};"
             f" f32 partials summed in chunk order"
         )
+    if self.form == "depthwise-named":
+        lines.extend(_describe_depthwise_named(self))
     return "\n".join(lines)
+
+
+def _describe_depthwise_named(plan: KernelPlan) -> list[str]:
+    p = plan.problem
+    if p.op == "grad_weight":
+        per = "image" if p.out_channels == 1 else "image and output channel"
+        channels = p.groups * p.in_channels
+        padded = f" ({channels} and zeros)" if plan.depthwise_channels > channels else ""
+        lines = [f"  depthwise-named: one named depthwise convolution per {per}, X as its image and dY as its filter,"
+                 f" over {plan.depthwise_channels} channels{padded}"]
+        if plan.depthwise_taps != p.filter[-1]:
+            lines.append(f"    innermost taps computed {plan.depthwise_taps} wide, {p.filter[-1]} kept (IREE's CPU"
+                         " depthwise pipeline is slow where its step does not divide the width)")
+        return lines
+    lines = ["  depthwise-named: one named depthwise convolution per stride phase"]
+    for ph in plan.phases:
+        widened = policy.cpu_depthwise_width(ph.dims[-1].Q, ph.dims[-1].J) if not ph.empty else ph.dims[-1].Q
+        if widened != ph.dims[-1].Q:
+            lines.append(f"    residue {list(ph.residue)}: innermost output computed {widened} wide,"
+                         f" {ph.dims[-1].Q} kept (IREE's CPU depthwise pipeline is slow where its step does not"
+                         " divide the width)")
+    return lines
 
 
 
