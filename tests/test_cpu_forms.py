@@ -154,7 +154,10 @@ def test_depthwise_named_grad_input_widens_the_innermost_output():
     p = depthwise(input=(7, 7))
     text = function_text(lower_to_mlir([p], CPU), "k")
     assert f"tensor<{p.batch}x7x8x{p.groups}xf32>" in text
-    assert plan_kernel(p, CPU).dy_pad_hi == (1, 2)
+    assert plan_kernel(p, CPU).dy_pad_hi == (1, 2) and plan_kernel(p, CPU).depthwise_widths == (8,)
+    # stride 2: phases 5 and 4 wide (3 taps and fewer), the 5-wide ones computed 8 wide
+    strided = plan_kernel(depthwise(input=(9, 9), stride=(2, 2), pad_lo=(1, 0), pad_hi=(0, 1)), CPU)
+    assert sorted(strided.depthwise_widths) == [4, 4, 8, 8]
     assert "innermost output computed 8 wide, 7 kept" in describe_plan(plan_kernel(p, CPU))  # convdsl explain
     assert plan_kernel(depthwise(input=(8, 8)), CPU).dy_pad_hi == (1, 1)
     assert plan_kernel(depthwise(input=(14, 14)), CPU).dy_pad_hi == (1, 1)

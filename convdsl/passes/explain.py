@@ -6,7 +6,6 @@ import math
 from typing import Sequence
 
 from ..kernels.launch import Binary
-from .. import policy
 from ..policy import PAD_FORMS
 from ..problem import ConvProblem, weight_axes_name
 from . import bf16x3
@@ -115,8 +114,7 @@ def _describe_depthwise_named(plan: KernelPlan) -> list[str]:
                          " depthwise pipeline is slow where its step does not divide the width)")
         return lines
     lines = ["  depthwise-named: one named depthwise convolution per stride phase"]
-    for ph in plan.phases:
-        widened = policy.cpu_depthwise_width(ph.dims[-1].Q, ph.dims[-1].J) if not ph.empty else ph.dims[-1].Q
+    for ph, widened in zip(plan.phases, plan.depthwise_widths):
         if widened != ph.dims[-1].Q:
             lines.append(f"    residue {list(ph.residue)}: innermost output computed {widened} wide,"
                          f" {ph.dims[-1].Q} kept (IREE's CPU depthwise pipeline is slow where its step does not"

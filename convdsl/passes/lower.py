@@ -42,7 +42,6 @@ from .ir import (
     zeros,
 )
 from ..kernels.launch import Binary
-from .. import policy
 from . import bf16x3, extern, gather, gemm
 from .plan import KernelPlan
 
@@ -799,11 +798,11 @@ def _grad_input_phase_depthwise_named(plan: KernelPlan, ph: Phase, dy: ir.Value,
     # One stride phase of a depthwise grad_input (NHWGC, K = C = 1) is a stride-1 depthwise correlation
     #   dX_r[n, q, g] = sum_j' dYwin[n, q + j'*o_step, g] * Wphase[j', g]
     # i.e. linalg.depthwise_conv_Nd_n..c_..c with dilation o_step, which IREE's CPU pipeline vectorises along G.
-    # The innermost q may run further (policy.cpu_depthwise_width; plan's dY border reaches that far), the extra
-    # positions dropped.
+    # The innermost q may run further (plan.depthwise_widths; its dY border reaches that far), the extra positions
+    # dropped.
     p = plan.problem
     q = [d.Q for d in ph.dims]
-    q_out = [*q[:-1], policy.cpu_depthwise_width(q[-1], ph.dims[-1].J)]
+    q_out = [*q[:-1], plan.depthwise_widths[plan.phases.index(ph)]]
     win = _phase_window(plan, ph, dy, q_out[-1] - q[-1])  # [N, S.., G, 1]
     rank = len(shape_of(win))
     channels = [[a] for a in range(rank - 2)] + [[rank - 2, rank - 1]]  # (G, 1) -> G

@@ -66,6 +66,9 @@ class KernelPlan:
     # along the innermost filter dimension it computes (the filter's, or more: policy.cpu_depthwise_width)
     depthwise_channels: int = 0
     depthwise_taps: int = 0
+    # depthwise-named grad_input: per stride phase, the innermost output width its convolution computes (the
+    # phase's, or more: policy.cpu_depthwise_width); dY's border reaches that far
+    depthwise_widths: tuple[int, ...] = ()
     # im2col grad_weight: split-K chunks per image along the first output dimension (policy.cpu_im2col_row_chunks)
     row_chunks: int = 1
 
@@ -163,13 +166,16 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
     if problem.op in ("grad_input", "transposed"):
         phases = tuple(grad_input_phases(problem))
         lo, hi = dy_padding(problem, list(phases))
-        if form == "depthwise-named":  # each phase's innermost output widened: dY's border reaches that far
-            reach = max((policy.cpu_depthwise_width(ph.dims[-1].Q, ph.dims[-1].J) - 1 + ph.dims[-1].off
-                         - (problem.output[-1] - 1) for ph in phases if not ph.empty), default=hi[-1])
+        widths: tuple[int, ...] = ()
+        if form == "depthwise-named":  # each phase's innermost output maybe widened: dY's border reaches that far
+            widths = tuple(ph.dims[-1].Q if ph.empty else policy.cpu_depthwise_width(ph.dims[-1].Q, ph.dims[-1].J)
+                           for ph in phases)
+            reach = max((width - 1 + ph.dims[-1].off - (problem.output[-1] - 1)
+                         for ph, width in zip(phases, widths) if not ph.empty), default=hi[-1])
             hi = (*hi[:-1], max(hi[-1], reach))
         return KernelPlan(problem, target, form, compute_a, compute_b, phases=phases, dy_pad_lo=lo, dy_pad_hi=hi,
                           pad_form=policy.default_pad_form(problem, target),
-                          weight_k_inner=policy.weight_k_inner(problem, target))
+                          weight_k_inner=policy.weight_k_inner(problem, target), depthwise_widths=widths)
     lo, hi = x_window(problem)
     # im2col: one matmul whose reduction IREE tiles itself; depthwise-named: one convolution per image; no split-K
     whole = form in ("im2col", "depthwise-named")
