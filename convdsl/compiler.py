@@ -142,7 +142,8 @@ def compile_vmfb(problems: Sequence[ConvProblem], target: Target, extra_flags: S
         progress(CompileStep("backend", len(problems), len(problems), "iree-compile"))
     if target.backend == "cpu" or all(k.config_default for k in knobs.values()):
         # through the module: a patched compile_mlir is seen
-        vmfb = _iree.compile_mlir(mlir, target, extra_flags, policy.cpu_data_tiling(problems, target))
+        vmfb = _iree.compile_mlir(mlir, target, extra_flags, policy.cpu_data_tiling(problems, target),
+                                  packed_matmul_tiles=policy.cpu_packed_matmul_distribution)
     else:
         vmfb, results = compile_with_knobs_reported(mlir, target, knobs, extra_flags)
         # recorded with the entry: a cache hit compiles nothing, yet explain and the manifest can still say it

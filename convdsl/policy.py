@@ -118,6 +118,33 @@ def cpu_data_tiling(problems: Sequence[ConvProblem], target: Target) -> bool:
     return target.backend == "cpu" and not (problems and all(_unpacked_matmul(p, target) for p in problems))
 
 
+# data-tiled CPU matmuls (IREE's mmt4d): the shortest reduction panel (K x M0 values of one row tile, in bytes)
+# whose workgroups cpu_packed_matmul_distribution sets, the most bytes of row panels one workgroup takes, and the
+# fewest workgroups it leaves
+CPU_LONG_PANEL_BYTES = 64 * 1024
+CPU_WORKGROUP_ROW_BYTES = 4 * 1024 * 1024
+CPU_LEAST_WORKGROUPS = 64
+
+
+def cpu_packed_matmul_distribution(batch: int, row_tiles: int, column_tiles: int,
+                                   row_panel_bytes: int) -> Optional[tuple[int, int]]:
+    """The workgroup tile (row tiles, column tiles) of a data-tiled CPU matmul with a long reduction, or None to keep
+    IREE's.  IREE 3.13 gives such a matmul (grad_weight's reduction over every position, DeepLab's over 2304 values)
+    one row tile x one column tile per workgroup, so each workgroup streams a row panel and a column panel of the
+    whole reduction, from memory: both are re-read once per tile of the other operand.  A workgroup of all the row
+    tiles by one column tile streams its column panel once and takes the row panels from cache, where the others
+    read them too (docs/decisions.md#cpu-packed-matmul-workgroups).
+    `row_panel_bytes`: one row tile's packed panel over the whole reduction (K x M0 values).  The row tiles per
+    workgroup: the most that divide row_tiles, hold at most CPU_WORKGROUP_ROW_BYTES and leave at least
+    CPU_LEAST_WORKGROUPS workgroups (batch x column tiles x row tiles / taken)."""
+    if row_panel_bytes < CPU_LONG_PANEL_BYTES:
+        return None
+    fitting = [d for d in range(1, row_tiles + 1)
+               if row_tiles % d == 0 and d * row_panel_bytes <= CPU_WORKGROUP_ROW_BYTES
+               and batch * column_tiles * (row_tiles // d) >= CPU_LEAST_WORKGROUPS]
+    return (max(fitting), 1) if fitting else None
+
+
 # im2col grad_weight on the CPU: positions per split-K chunk at least, and chunks at most
 CPU_SPLIT_POSITIONS = 512
 CPU_SPLIT_MOST = 64

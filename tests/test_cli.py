@@ -498,7 +498,7 @@ def test_an_error_after_the_status_line_starts_on_a_clean_line(tmp_path, monkeyp
     source = tmp_path / "three.conv"
     source.write_text(THREE)
 
-    def refuse(mlir, target, extra_flags=(), data_tiling=True):
+    def refuse(mlir, target, extra_flags=(), data_tiling=True, **options):
         raise iree.CompileError("iree-compile failed for target cpu:host")
 
     monkeypatch.setattr(iree, "compile_mlir", refuse)

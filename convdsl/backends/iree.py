@@ -21,6 +21,7 @@ import numpy as np
 from ..abi import INTO_SUFFIX
 from ..targets import Target, TargetError
 from .into_call import IntoCall, allocate_result
+from .iree_cpu_config import DistributionRule, with_distribution
 
 
 log = logging.getLogger("convdsl.iree")
@@ -70,10 +71,35 @@ def with_device_targets(mlir: str, target: Target) -> str:
         return str(module)
 
 
+def _compile_distributed(mlir: str, flags: list[str], rule: DistributionRule) -> Optional[bytes]:
+    """The CPU module compiled in two phases with its packed matmuls' workgroup tiles set by `rule` in between
+    (backends/iree_cpu_config.py); None where a phase fails, for the one-phase compile to report or retry."""
+    import iree.compiler as ireec
+    from iree.compiler.tools import CompilerToolError
+
+    try:
+        configured = ireec.compile_str(mlir, extra_args=[*flags, "--compile-to=executable-configurations"]).decode()
+    except CompilerToolError:
+        return None
+    edited, changes = with_distribution(configured, rule)
+    for matmul, distribution in changes:
+        log.debug("packed matmul %s: distribution %s -> %s", matmul, list(matmul.distribution), list(distribution))
+    try:
+        return ireec.compile_str(edited, extra_args=[*flags, "--compile-from=executable-configurations"])
+    except CompilerToolError as err:
+        if not changes:
+            return None
+        log.warning("iree-compile rejected the packed matmuls' workgroup tiles (%s); compiled with IREE's own",
+                    (getattr(err, "stderr_text", None) or str(err)).strip().splitlines()[-1][:200])
+        return None
+
+
 def compile_mlir(mlir: str, target: Target, extra_flags: Sequence[str] = (), data_tiling: bool = True,
-                 fuse_pad: bool = True) -> bytes:
+                 fuse_pad: bool = True, packed_matmul_tiles: Optional[DistributionRule] = None) -> bytes:
     """MLIR text -> .vmfb bytes (`data_tiling`: Target.compile_flags'; `fuse_pad`: FUSE_PAD_FLAG where the module
-    holds a tensor.pad).  On failure the input is saved and the error says how to reproduce it."""
+    holds a tensor.pad; `packed_matmul_tiles`: on the CPU with data tiling, the rule that sets each packed matmul's
+    workgroup tiles, policy.cpu_packed_matmul_distribution).  On failure the input is saved and the error says how
+    to reproduce it."""
     import iree.compiler as ireec
     from iree.compiler.tools import CompilerToolError
 
@@ -81,6 +107,10 @@ def compile_mlir(mlir: str, target: Target, extra_flags: Sequence[str] = (), dat
     flags = [*target.compile_flags(data_tiling), *extra_flags]
     if fuse_pad and "tensor.pad" in mlir:
         flags.append(FUSE_PAD_FLAG)
+    if packed_matmul_tiles is not None and target.backend == "cpu" and data_tiling:
+        vmfb = _compile_distributed(mlir, flags, packed_matmul_tiles)
+        if vmfb is not None:
+            return vmfb
     try:
         return ireec.compile_str(mlir, extra_args=flags)
     except CompilerToolError as err:
@@ -89,11 +119,13 @@ def compile_mlir(mlir: str, target: Target, extra_flags: Sequence[str] = (), dat
                 and NO_BUFFER_INSTRUCTIONS_FLAG not in flags):
             log.warning("%s: iree-compile crashed in LLVM's AMDGPU buffer fat pointer lowering; compiled again with "
                         "%s (plain global loads and stores)", target, NO_BUFFER_INSTRUCTIONS_FLAG)
-            return compile_mlir(mlir, target, [*extra_flags, NO_BUFFER_INSTRUCTIONS_FLAG], data_tiling, fuse_pad)
+            return compile_mlir(mlir, target, [*extra_flags, NO_BUFFER_INSTRUCTIONS_FLAG], data_tiling, fuse_pad,
+                                packed_matmul_tiles)
         if FUSE_PAD_FLAG in flags:
             log.warning("%s: iree-compile failed with the zero borders fused (%s); compiled again with them as "
                         "copies of their own", target, FUSE_PAD_FLAG)
-            return compile_mlir(mlir, target, extra_flags, data_tiling, fuse_pad=False)
+            return compile_mlir(mlir, target, extra_flags, data_tiling, fuse_pad=False,
+                                packed_matmul_tiles=packed_matmul_tiles)
         folder = failure_dir()
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{hashlib.sha256(mlir.encode()).hexdigest()[:16]}.mlir"
