@@ -233,6 +233,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
     data_tiling = policy.cpu_data_tiling(problems, target)
     if target.backend == "cpu":
         print(f"// data tiling and matmul microkernels: {'on' if data_tiling else 'off'} (policy.cpu_data_tiling)")
+        if data_tiling:
+            print("// packed matmuls with a long reduction: every row tile that fits "
+                  f"{policy.CPU_WORKGROUP_ROW_BYTES // 2**20} MiB by one column tile per workgroup, set between "
+                  "--compile-to=executable-configurations and --compile-from=executable-configurations "
+                  "(policy.cpu_packed_matmul_distribution)")
     print(f"// compile with: iree-compile kernel.mlir {' '.join(target.compile_flags(data_tiling))} -o kernel.vmfb")
     return 0
 

@@ -49,6 +49,8 @@ def test_explain_prints_every_stage(capsys):
     for stage in STAGE_NAMES:  # every stage that applies to the CPU: it has no Triton GEMM cores
         assert (f"after pass '{stage}'" in out) == (stage != "gemm-cores")
     assert "stride phases: 4" in out and "linalg.generic" in out and "iree-compile" in out
+    # CK 17's grad_input (128 columns) compiles unpacked: no packed matmul to set workgroup tiles for
+    assert "data tiling and matmul microkernels: off" in out and "packed matmuls" not in out
 
 
 def test_explain_shows_the_gather_form_of_small_groups(capsys):
@@ -56,6 +58,8 @@ def test_explain_shows_the_gather_form_of_small_groups(capsys):
     assert main(["explain", str(EXAMPLES[0].parent / "resnext.conv"), "--kernel", "dgrad"]) == 0
     out = capsys.readouterr().out
     assert "form: gather" in out and "tensor.extract" in out and "stride phases" not in out
+    assert "data tiling and matmul microkernels: on" in out
+    assert "packed matmuls with a long reduction" in out and "policy.cpu_packed_matmul_distribution" in out
 
 
 def test_explain_one_stage(capsys):
