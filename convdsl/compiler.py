@@ -142,8 +142,11 @@ def compile_vmfb(problems: Sequence[ConvProblem], target: Target, extra_flags: S
         progress(CompileStep("backend", len(problems), len(problems), "iree-compile"))
     if target.backend == "cpu" or all(k.config_default for k in knobs.values()):
         # through the module: a patched compile_mlir is seen
+        # the packed matmuls' workgroup tiles: only the im2col form has matmuls (the others skip the two phases)
+        tiles = (policy.cpu_packed_matmul_distribution if any(policy.cpu_im2col(p, target) for p in problems)
+                 else None)
         vmfb = _iree.compile_mlir(mlir, target, extra_flags, policy.cpu_data_tiling(problems, target),
-                                  packed_matmul_tiles=policy.cpu_packed_matmul_distribution)
+                                  packed_matmul_tiles=tiles)
     else:
         vmfb, results = compile_with_knobs_reported(mlir, target, knobs, extra_flags)
         # recorded with the entry: a cache hit compiles nothing, yet explain and the manifest can still say it

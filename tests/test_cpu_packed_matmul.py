@@ -140,7 +140,7 @@ def test_an_edit_iree_rejects_falls_back_to_its_own_tiles(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("groups", [1, 4])
-def test_the_compile_driver_passes_the_rule(groups, monkeypatch, tmp_path):
+def test_the_compile_driver_passes_the_rule_for_matmul_kernels(groups, monkeypatch, tmp_path):
     import convdsl
 
     monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path))
@@ -158,3 +158,21 @@ def test_the_compile_driver_passes_the_rule(groups, monkeypatch, tmp_path):
     inputs = random_inputs(p, seed=4)
     got = module.loaded.call(p.name, *inputs, out_dtype=p.result_dtype)
     assert relative_error(np.asarray(got, dtype=np.float64), reference(p, *inputs)) <= tolerance(p)
+
+
+def test_kernels_without_a_matmul_compile_in_one_phase(monkeypatch, tmp_path):
+    import convdsl
+
+    monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path))
+    seen = []
+    real = _iree.compile_mlir
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("packed_matmul_tiles"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_iree, "compile_mlir", spy)
+    depthwise = long_wgrad().with_(op="grad_input", groups=16, in_channels=1, out_channels=1)
+    assert not policy.cpu_im2col(depthwise, CPU)
+    convdsl.compile([depthwise], target=CPU)
+    assert seen == [None]
