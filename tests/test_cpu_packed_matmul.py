@@ -139,12 +139,11 @@ def test_an_edit_iree_rejects_falls_back_to_its_own_tiles(monkeypatch, caplog):
     assert run(p, vmfb) <= tolerance(p)
 
 
-@pytest.mark.parametrize("groups", [1, 4])
-def test_the_compile_driver_passes_the_rule_for_matmul_kernels(groups, monkeypatch, tmp_path):
-    import convdsl
-
+@pytest.fixture
+def rules_passed(monkeypatch, tmp_path) -> list:
+    """The packed_matmul_tiles rule of each compile_mlir call convdsl.compile makes (in an empty cache)."""
     monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path))
-    seen = []
+    seen: list = []
     real = _iree.compile_mlir
 
     def spy(*args, **kwargs):
@@ -152,27 +151,25 @@ def test_the_compile_driver_passes_the_rule_for_matmul_kernels(groups, monkeypat
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_iree, "compile_mlir", spy)
+    return seen
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_the_compile_driver_passes_the_rule_for_matmul_kernels(groups, rules_passed):
+    import convdsl
+
     p = long_wgrad().with_(groups=groups, in_channels=128 // groups, out_channels=32 // groups * 2)
     module = convdsl.compile([p], target=CPU)
-    assert seen == [policy.cpu_packed_matmul_distribution]
+    assert rules_passed == [policy.cpu_packed_matmul_distribution]
     inputs = random_inputs(p, seed=4)
     got = module.loaded.call(p.name, *inputs, out_dtype=p.result_dtype)
     assert relative_error(np.asarray(got, dtype=np.float64), reference(p, *inputs)) <= tolerance(p)
 
 
-def test_kernels_without_a_matmul_compile_in_one_phase(monkeypatch, tmp_path):
+def test_kernels_without_a_matmul_compile_in_one_phase(rules_passed):
     import convdsl
 
-    monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path))
-    seen = []
-    real = _iree.compile_mlir
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("packed_matmul_tiles"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_iree, "compile_mlir", spy)
     depthwise = long_wgrad().with_(op="grad_input", groups=16, in_channels=1, out_channels=1)
     assert not policy.cpu_im2col(depthwise, CPU)
     convdsl.compile([depthwise], target=CPU)
-    assert seen == [None]
+    assert rules_passed == [None]
