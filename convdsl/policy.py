@@ -323,16 +323,41 @@ def _tma_common_reason(p: ConvProblem, target: Target) -> Optional[str]:
     return None
 
 
-def tma_grad_weight_tiles(p: ConvProblem) -> TileConfig:
+# a wide tile's (two warp groups on 128 x 256) rate of products against 128 x 128's: 1.07 to 1.18 measured (ResNet-50's
+# 512-channel 7x7 forward, one wave either way; CK 17's forward, 10 waves against 20; docs/decisions.md#tma-wide)
+WIDE_TILE_GAIN = 1.15
+
+
+def tma_grad_weight_tiles(p: ConvProblem, target: Target) -> TileConfig:
     """128 x 128 where K and C allow, else 64; 64 pixels a step, 4 stages, 4 warps (docs/decisions.md#tma-forward).
-    64 x 64 tiles take 128 pixels a step in 3 stages, and 3D 128 x 128 tiles two warp groups in 3 stages: their
-    long reductions (27 taps' chunks) gained 15-30%, where 2D 128 x 128 lost up to 29% (#tma-wgrad-3d)."""
+    64 x 64 tiles take 128 pixels a step in 3 stages: their long reductions gained 15-30% (#tma-wgrad-3d).
+    3D 128 x 128 tiles: two product warp groups and a copy warp of their own (tma_grad_weight_specialised), 4
+    stages: CK 11's 3D grad_weight 2.14 -> 1.45 ms (#tma-wgrad-specialised).  128 x 256 tiles (two product warp
+    groups, specialised, 4 stages) where C is a multiple of 256, so that a tile holds whole C tiles of one tap, and
+    their least estimated time, products WIDE_TILE_GAIN faster, beats the 128-column tile's: wav2vec2's 1D
+    grad_weight 0.073 -> 0.063 ms, a 3D 256-channel one 0.180 -> 0.167 (#tma-wgrad-specialised)."""
     block_m, block_n = (128 if p.out_channels % 128 == 0 else 64), (128 if p.in_channels % 128 == 0 else 64)
     if block_m == block_n == 64:
         return TileConfig(64, 64, 128, warps=4, stages=3)
     if block_m == block_n == 128 and p.dims == 3:
-        return TileConfig(128, 128, 64, warps=8, stages=3)
-    return TileConfig(block_m, block_n, 64, warps=4, stages=4)
+        tiles = TileConfig(128, 128, 64, warps=8, stages=4)
+    else:
+        tiles = TileConfig(block_m, block_n, 64, warps=4, stages=4)
+    wide = TileConfig(128, 256, 64, warps=8, stages=4)
+    if block_m == 128 and p.in_channels % 256 == 0:
+        steps = reduction_steps(p, tiles)
+        if (_least_time(p, wide, target, steps, 2, WIDE_TILE_GAIN)[1]
+                < _least_time(p, tiles, target, steps, 2, 1.0)[1]):
+            return wide
+    return tiles
+
+
+def tma_grad_weight_specialised(tiles: TileConfig) -> bool:
+    """Whether the TMA grad_weight issues its copies from a warp of its own: with two product warp groups.  Where
+    the product warps issue them, every step's copies wait at a barrier of all the warps for the stage's last
+    product (70% of the issue stalls by ncu on CK 11's 3D grad_weight); one warp group loses nothing by it
+    (docs/decisions.md#tma-wgrad-specialised)."""
+    return tiles.warps == 8
 
 
 def tma_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
@@ -346,7 +371,13 @@ def tma_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> 
 
 def _least_time_parts(p: ConvProblem, tiles: TileConfig, target: Target, steps: int, element_bytes: int,
                       rate: float) -> int:
-    # `rate`: the products' share of the matrix peak (TF32 runs at half the 16-bit rate)
+    return _least_time(p, tiles, target, steps, element_bytes, rate)[0]
+
+
+def _least_time(p: ConvProblem, tiles: TileConfig, target: Target, steps: int, element_bytes: int,
+                rate: float) -> tuple[int, float]:
+    # the split-K chunks S of least estimated time, and that time in seconds.  `rate`: the products' share of
+    # the matrix peak (TF32 runs at half the 16-bit rate)
     gpu = target.gpu
     shared = (tiles.stages * (tiles.block_m + tiles.block_n) * tiles.block_k * element_bytes
               + tiles.block_m * tiles.block_n * 4)
@@ -361,7 +392,8 @@ def _least_time_parts(p: ConvProblem, tiles: TileConfig, target: Target, steps: 
         chunks = -(-steps // chunk)
         return -(-tiles_out * chunks // slots) * chunk * step_s + chunks * partial_s
 
-    return min(range(1, min(256, steps) + 1), key=estimate)
+    best = min(range(1, min(256, steps) + 1), key=estimate)
+    return best, estimate(best)
 
 
 # --- one-pass TF32 grad_weight on flat planes (kernels/tma.grad_weight_flat_tma) ----------------------
@@ -467,11 +499,6 @@ def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
     if p.groups > 1 and p.out_channels % tiles.block_n:
         return "with several groups the TMA kernel's column tiles must not cross into the next group"
     return None
-
-
-# a wide tile's (two warp groups on 128 x 256) rate of products against 128 x 128's: 1.07 to 1.18 measured (ResNet-50's
-# 512-channel 7x7 forward, one wave either way; CK 17's forward, 10 waves against 20; docs/decisions.md#tma-wide)
-WIDE_TILE_GAIN = 1.15
 
 
 def tma_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
@@ -588,8 +615,9 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
         tiles = tma_forward_tiles(q, target)
         return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True), True, (), tiles)
     if tma_grad_weight_reason(p, target) is None:
-        tiles = tma_grad_weight_tiles(p)
-        launch, maps, partials = grad_weight_tma_launch(p, tiles, base, tma_grad_weight_parts(p, tiles, target))
+        tiles = tma_grad_weight_tiles(p, target)
+        launch, maps, partials = grad_weight_tma_launch(p, tiles, base, tma_grad_weight_parts(p, tiles, target),
+                                                        specialised=tma_grad_weight_specialised(tiles))
         return TmaPlan(launch, maps, False, partials, tiles)
     if tma_flat_grad_weight_reason(p, target) is None:
         tiles = tma_flat_grad_weight_tiles(p)

@@ -95,6 +95,9 @@ class StreamKernel:
                         f"{self.knobs_source}")
             products = "fp8 wgmma (f32 sums) over X and W rounded into fp8 copies" if self.problem.fp8_compute \
                 else "wgmma"
+            # a warp-specialised binary runs more threads than its product warps (its copy warp's warp group)
+            if any(sl.binary.threads > 32 * sl.launch.warps for sl in self.launches):
+                products += ", the copies issued by a warp of their own"
             return (f"stream path: Gluon kernel {names} (TMA im2col copies and {products}; tiles {self.tiles}, "
                     f"{self.arch}){how}; knobs from the {self.knobs_source}")
         copies = f"; {', '.join(self.copied)} copied to NHWGC" if self.copied else ""

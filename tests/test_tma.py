@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from convdsl import policy, stream
 from convdsl.kernels.launch import (IM2COL_CORNERS, forward_tma_launch, gluon_tma_im2col, grad_weight_tma_launch,
                                     im2col_box)
+from convdsl.kernels.tiles import TileConfig
 from convdsl.problem import ConvProblem
 from convdsl.reference import random_inputs, reference, relative_error
 from convdsl.targets import Target
@@ -283,41 +284,67 @@ def test_tma_kernel_compiles_and_its_record_round_trips():
     assert not stream.plan_stream_kernel(BASE.with_(op="grad_input", stride=(2, 2)), HOPPER, Knobs()).tma_maps
 
 
-def _emulated_grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray) -> np.ndarray:
-    """grad_weight_tma's tiles, copies and partial stores in float64 through _im2col_tile, then the chunks' sum."""
-    tiles = policy.tma_grad_weight_tiles(p)
+@needs_gluon
+def test_specialised_grad_weight_runs_a_copy_warp_and_says_so():
+    # 3D 128 x 128 tiles of two product warp groups: one warp group more in the binary (the copy warp's), which
+    # is what describe() reads after a bundle round trip (the record keeps no compile-time constants)
+    p = BASE.with_(op="grad_weight", dims=3, in_channels=128, out_channels=128, input=(4, 5, 6), filter=(3, 3, 3),
+                   stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 1), pad_hi=(1, 1, 1))
+    kernel = stream.plan_stream_kernel(p, HOPPER, Knobs(), compile=True)
+    (launch,) = kernel.launches
+    assert launch.launch.kernel == "grad_weight_tma" and launch.launch.warps == 8
+    assert launch.binary.threads == 32 * (8 + 4)
+    back = stream._from_record(json.loads(json.dumps(stream._to_record(kernel))))
+    assert "the copies issued by a warp of their own" in back.describe()
+    square = stream.plan_stream_kernel(p.with_(dims=2, input=(5, 6), filter=(3, 3), stride=(1, 1), dilation=(1, 1),
+                                               pad_lo=(1, 1), pad_hi=(1, 1)), HOPPER, Knobs(), compile=True)
+    assert "a warp of their own" not in square.describe() and square.launches[0].binary.threads == 32 * 4
+
+
+def _emulated_grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray, tiles: TileConfig | None = None
+                          ) -> np.ndarray:
+    """grad_weight_tma's tiles, copies and partial stores in float64 through _im2col_tile, then the chunks' sum:
+    a program's columns (tap, channel) col0.. of the [taps * C] axis, one im2col box per tap where the tile is
+    wider than C, the last tile's columns past the last tap computed from its window again and left unstored."""
+    tiles = tiles or policy.tma_grad_weight_tiles(p, HOPPER)
     launch, maps, partials_shape = grad_weight_tma_launch(p, tiles, "k", 3)
     consts = dict(launch.constants)
     x_map, dy_map, p_map = maps
     bm, bn, br = tiles.block_m, tiles.block_n, tiles.block_k
+    xb, pb = x_map.block[1], p_map.block[1]
     xs = x.reshape(x_map.shape).astype(np.float64)
     dys = dy.reshape(dy_map.shape).astype(np.float64)
     part = np.full(p_map.shape, np.nan)
     out, s_, d, lo, taps_3d = consts["O"], consts["S"], consts["D"], consts["LO"], consts["F"]
     c, k, g_count, rows, chunk = consts["C"], consts["K"], consts["G"], consts["L"], consts["CHUNK"]
-    dims, col_tiles = p.dims, c // bn
+    taps = math.prod(taps_3d)
+    dims, col_tiles = p.dims, -(-taps * c // bn)
     grid = launch.grid
+    assert grid[0] == (k // bm) * col_tiles and bn % xb == 0 and (c % xb == 0) and pb <= 128
     for s in range(grid[2]):
         for g in range(grid[1]):
             for pid in range(grid[0]):
-                off_k = (pid // (math.prod(taps_3d) * col_tiles)) * bm
-                t, c_col = divmod(pid % (math.prod(taps_3d) * col_tiles), col_tiles)
-                c_col *= bn
-                t2, t1, t0 = t % taps_3d[2], (t // taps_3d[2]) % taps_3d[1], t // (taps_3d[2] * taps_3d[1])
+                off_k, col0 = (pid // col_tiles) * bm, (pid % col_tiles) * bn
                 acc = np.zeros((bm, bn))
                 for r0 in range(s * chunk, min(rows, (s + 1) * chunk), br):
                     o2, o1 = r0 % out[2], (r0 // out[2]) % out[1]
                     o0, n = (r0 // (out[2] * out[1])) % out[0], r0 // (out[2] * out[1] * out[0])
                     corner = (o0 * s_[0] - lo[0], o1 * s_[1] - lo[1], o2 * s_[2] - lo[2])[3 - dims:]
-                    offsets = (t0 * d[0], t1 * d[1], t2 * d[2])[3 - dims:]
-                    b = _im2col_tile(xs, (n, *corner, g * c + c_col), offsets, x_map.lower, x_map.upper,
-                                     x_map.element_strides[1:-1], br, bn)
+                    boxes = []
+                    for i in range(bn // xb):
+                        t, c_col = min((col0 + i * xb) // c, taps - 1), (col0 + i * xb) % c
+                        t2, t1, t0 = t % taps_3d[2], (t // taps_3d[2]) % taps_3d[1], t // (taps_3d[2] * taps_3d[1])
+                        offsets = (t0 * d[0], t1 * d[1], t2 * d[2])[3 - dims:]
+                        boxes.append(_im2col_tile(xs, (n, *corner, g * c + c_col), offsets, x_map.lower, x_map.upper,
+                                                  x_map.element_strides[1:-1], br, xb))
                     a = np.zeros((br, bm))
                     box = dys[r0:r0 + br, g * k + off_k:g * k + off_k + bm]
                     a[:box.shape[0], :box.shape[1]] = box
-                    acc += a.T @ b
-                part[(s * g_count + g) * k + off_k:(s * g_count + g) * k + off_k + bm,
-                     t * c + c_col:t * c + c_col + bn] = acc
+                    acc += a.T @ np.concatenate(boxes, axis=1)
+                row = (s * g_count + g) * k + off_k
+                for j in range(0, bn, pb):  # TMA stores drop the columns past the partials' last
+                    width = max(0, min(pb, taps * c - (col0 + j)))
+                    part[row:row + bm, col0 + j:col0 + j + width] = acc[:, j:j + width]
     total = part.reshape(partials_shape).sum(0)  # [G, K, F0, F1, F2, C]
     return total.reshape(p.groups, k, *p.filter, c)
 
@@ -341,18 +368,54 @@ def test_emulated_tma_grad_weight_matches_the_reference(p):
                                                      pad_hi=(0,) * p.dims), HOPPER) is not None  # 1x1
 
 
+WIDE_WGRAD_TILES = TileConfig(128, 256, 64, warps=8, stages=3)
+
+
+@pytest.mark.parametrize("p", [
+    # C = 128: two taps a tile, 9 taps so the last tile's second tap is past the filter
+    BASE.with_(op="grad_weight", in_channels=128, out_channels=128, groups=2, batch=3),
+    # C = 64: four taps a tile; 3D, 27 taps
+    BASE.with_(op="grad_weight", in_channels=64, out_channels=128, dims=3, input=(3, 4, 5), filter=(3, 3, 3),
+               stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 1), pad_hi=(1, 1, 1)),
+    # C = 512: two 256-column tiles a tap
+    BASE.with_(op="grad_weight", in_channels=512, out_channels=128, filter=(1, 3), pad_lo=(0, 1), pad_hi=(0, 1)),
+])
+def test_emulated_wide_tma_grad_weight_spans_taps(p):
+    x, dy = random_inputs(p, seed=5)
+    got = _emulated_grad_weight(p, x, dy, WIDE_WGRAD_TILES)
+    assert not np.isnan(got).any(), "some partials were never stored"
+    assert relative_error(got, reference(p, x, dy)) < 1e-12
+
+
 def test_tma_grad_weight_tiles():
-    # 64 x 64 tiles take 128 positions a step; 3D 128 x 128 tiles two warp groups in 3 stages; 2D ones as before
+    # 64 x 64 tiles take 128 positions a step; 3D 128 x 128 tiles two warp groups in 4 stages; 2D ones as before
     wgrad = BASE.with_(op="grad_weight", in_channels=64, out_channels=64)
-    assert policy.tma_grad_weight_tiles(wgrad).label() == "t64x64x128w4s3"
-    assert policy.tma_grad_weight_tiles(wgrad.with_(in_channels=128, out_channels=128)).label() == "t128x128x64w4s4"
-    assert policy.tma_grad_weight_tiles(wgrad.with_(in_channels=64, out_channels=128)).label() == "t128x64x64w4s4"
+    assert policy.tma_grad_weight_tiles(wgrad, HOPPER).label() == "t64x64x128w4s3"
+    square = wgrad.with_(in_channels=128, out_channels=128)
+    assert policy.tma_grad_weight_tiles(square, HOPPER).label() == "t128x128x64w4s4"
+    assert policy.tma_grad_weight_tiles(wgrad.with_(out_channels=128), HOPPER).label() == "t128x64x64w4s4"
     deep = wgrad.with_(dims=3, input=(4, 5, 6), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
                        pad_lo=(1, 1, 1), pad_hi=(1, 1, 1), in_channels=128, out_channels=128)
-    assert policy.tma_grad_weight_tiles(deep).label() == "t128x128x64w8s3"
-    for t in (policy.tma_grad_weight_tiles(q) for q in (wgrad, deep)):  # the ring and the f32 tile's store fit
-        assert t.stages * (t.block_m + t.block_n) * t.block_k * 2 + t.block_m * t.block_n * 4 <= \
-            HOPPER.gpu.shared_per_sm - HOPPER.gpu.shared_reserved_per_block
+    assert policy.tma_grad_weight_tiles(deep, HOPPER).label() == "t128x128x64w8s4"
+    # 256 columns where C holds whole 256-channel tiles and the estimate takes them: wav2vec2's 1D grad_weight,
+    # a 3D 256-channel one; not CK 11's 3D (C = 128) nor ResNet-50's 256-channel 3x3 at 14x14, which would need
+    # more chunks to fill the SMs with half the tiles
+    ck11 = deep.with_(groups=8, batch=64, input=(28, 28, 3))
+    assert policy.tma_grad_weight_tiles(ck11, HOPPER).label() == "t128x128x64w8s4"
+    w2v2 = wgrad.with_(dims=1, batch=16, in_channels=512, out_channels=512, input=(3199,), filter=(3,), stride=(2,),
+                       dilation=(1,), pad_lo=(0,), pad_hi=(0,))
+    assert policy.tma_grad_weight_tiles(w2v2, HOPPER).label() == "t128x256x64w8s4"
+    vol = deep.with_(batch=8, in_channels=256, out_channels=256, input=(16, 16, 16))
+    assert policy.tma_grad_weight_tiles(vol, HOPPER).label() == "t128x256x64w8s4"
+    r50 = square.with_(batch=64, in_channels=256, out_channels=256, input=(14, 14))
+    assert policy.tma_grad_weight_tiles(r50, HOPPER).label() == "t128x128x64w4s4"
+    for q in (wgrad, square, deep, ck11, w2v2, vol, r50):
+        t = policy.tma_grad_weight_tiles(q, HOPPER)
+        # two product warp groups take a copy warp of their own
+        assert policy.tma_grad_weight_specialised(t) == (t.warps == 8)
+        # the ring fits, and the f32 tile's store (boxes of at most 128 columns) reuses its memory
+        ring = t.stages * (t.block_m + t.block_n) * t.block_k * 2
+        assert ring <= HOPPER.gpu.workgroup_memory and t.block_m * min(t.block_n, 128) * 4 <= ring
 
 
 RESNET_WGRAD = ConvProblem(op="grad_weight", dims=2, groups=1, batch=64, in_channels=512, out_channels=512,
@@ -367,7 +430,7 @@ def test_tma_grad_weight_split_grows_with_the_reduction(channels, size, batch):
     # the split weighs waves of programs against the partials each chunk adds: a longer reduction over the same
     # weight never takes fewer chunks, a chunk is never empty, and a split asked for is kept
     p = RESNET_WGRAD.with_(in_channels=channels, out_channels=channels, input=(size, size), batch=batch)
-    tiles = policy.tma_grad_weight_tiles(p)
+    tiles = policy.tma_grad_weight_tiles(p, HOPPER)
     parts = policy.tma_grad_weight_parts(p, tiles, HOPPER)
     longer = policy.tma_grad_weight_parts(p.with_(batch=2 * batch), tiles, HOPPER)
     steps = -(-batch * size * size // tiles.block_k)
@@ -378,7 +441,7 @@ def test_tma_grad_weight_split_grows_with_the_reduction(channels, size, batch):
 def test_tma_grad_weight_split_takes_fewer_chunks_where_partials_are_large():
     # ResNet-50's 512-channel 3x3 grad_weight at 7x7: 144 output tiles, and a 9.4 MB f32 partial per chunk;
     # the fill of the resident slots alone (grad_weight_parts) asks for more chunks than the estimate does
-    tiles = policy.tma_grad_weight_tiles(RESNET_WGRAD)
+    tiles = policy.tma_grad_weight_tiles(RESNET_WGRAD, HOPPER)
     assert policy.tma_grad_weight_parts(RESNET_WGRAD, tiles, HOPPER) < policy.grad_weight_parts(RESNET_WGRAD, tiles,
                                                                                                 HOPPER)
 

@@ -215,6 +215,44 @@ def fp8_problems() -> list:
             for op, dims, groups, batch, channels, spatial, dtype, compute in FP8_PROBLEMS]
 
 
+# 16-bit grad_weights that take two product warp groups on Hopper's TMA kernel, and with them a copy warp of
+# their own (policy.tma_grad_weight_specialised): a 3D 128-channel one (128 x 128 tiles) and wav2vec2's 1D
+# 512-channel one (128 x 256 tiles).  (dims, batch, channels, spatial, stride, dtype)
+SPECIALISED_WGRADS = [(3, 2, 128, (6, 8, 8), 1, "f16"), (1, 16, 512, (3199,), 2, "bf16")]
+
+
+def specialised_wgrad_problems() -> list:
+    from convdsl.problem import ConvProblem
+
+    return [ConvProblem(op="grad_weight", dims=dims, groups=1, batch=batch, in_channels=channels,
+                        out_channels=channels, input=spatial, filter=(3,) * dims, stride=(stride,) * dims,
+                        dilation=(1,) * dims, pad_lo=(1,) * dims, pad_hi=(1,) * dims, layout="NHWGC",
+                        weight_layout="GKYXC", dtype=dtype, name=f"specialised_wgrad_{dims}d")
+            for dims, batch, channels, spatial, stride, dtype in SPECIALISED_WGRADS]
+
+
+def test_specialised_grad_weights_against_float64():
+    from convdsl import stream
+    from convdsl.torch.stream import StreamRunner
+
+    runtime._register_bundles()
+    target = runtime._cuda_target(torch.device("cuda"))
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    for p, tiles in zip(specialised_wgrad_problems(), ("t128x128x64w8s4", "t128x256x64w8s4")):
+        kernel = stream.stream_kernel(p, target)
+        assert ("a warp of their own" in kernel.describe() and tiles in kernel.describe()) == hopper, \
+            kernel.describe()
+        torch.manual_seed(4)
+        x, dy = (torch.randn(shape, device="cuda").to(DTYPES[p.dtype]) for shape in p.arg_shapes)
+        got = StreamRunner(kernel, torch.device("cuda"))(x, dy)
+        want = getattr(torch.nn.grad, f"conv{p.dims}d_weight")(
+            _channel_first(x.double()), (p.out_channels, p.in_channels, *p.filter), _channel_first(dy.double()),
+            stride=p.stride, padding=p.pad_lo)
+        want = want.unsqueeze(0).movedim(2, -1)  # GKYXC
+        err = _rel(got, want)
+        assert err < 1e-2, f"{p.name}: {err:.2e} ({kernel.describe()})"
+
+
 def _channel_first(a: torch.Tensor) -> torch.Tensor:
     # NHWGC (N, *S, G, C) -> PyTorch's (N, G*C, *S); GKYXC (G, K, *taps, C) -> (G*K, C, *taps)
     return a.movedim(-2, 1).movedim(-1, 2).flatten(1, 2) if a.dim() > 3 else a

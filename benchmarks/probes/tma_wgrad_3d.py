@@ -41,8 +41,8 @@ def _compile(job):
         r = rule_reason(q, target)
         return None if r is not None and r.startswith("3D") else r
 
-    def tiles(q):
-        t = rule_tiles(q)
+    def tiles(q, target):
+        t = rule_tiles(q, target)
         if variant == "tma-bytes":  # a step of 16 KB of dY: 64 positions of a 128-wide tile, 128 of a 64-wide one
             wide = t.block_m * t.block_n >= 128 * 128
             return replace(t, block_k=8192 // max(t.block_m, t.block_n), warps=8 if wide else 4, stages=3)

@@ -470,14 +470,16 @@ def im2col_box(p: ConvProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return lower, upper
 
 
-def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bool = False, promote: int = 0
-                       ) -> tuple[Launch, tuple[TmaMap, ...]]:
+def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bool = False, promote: int = 0,
+                       specialised: bool = False) -> tuple[Launch, tuple[TmaMap, ...]]:
     """Forward (NHWGC, GKYXC) on kernels/tma.forward_tma: X through an im2col map over (N, *spatial, G*C), W as a
     [G*K, taps*C] matrix, Y as [N*O, G*K]; one program per (row tile, column tile, group).  flipped: p is a
     stride-1 grad_input as forward (policy.grad_input_as_forward), whose weight the kernel reads as grad_input's
     own GKYXC weight, [G*C, taps*K] in p's terms, in [BLOCK_K, BLOCK_N] tiles.  fp8 compute: X and W come as fp8
     copies (policy.tma_stream_launch stages them); promote: the channels whose products wgmma sums in its own
-    accumulator before adding them to the f32 one (0: all; policy.tma_fp8_promote)."""
+    accumulator before adding them to the f32 one (0: all; policy.tma_fp8_promote).  specialised: a warp of its
+    own issues the copies (measured no faster on the suite's forwards; the rules leave it off,
+    docs/decisions.md#tma-wgrad-specialised)."""
     c, k, g = p.in_channels, p.out_channels, p.groups
     rows = p.batch * math.prod(p.output)
     lower, upper = im2col_box(p)
@@ -491,7 +493,7 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
     )
     consts = dict(O=pad3(p.output, 1), F=pad3(p.filter, 1), S=pad3(p.stride, 1), D=pad3(p.dilation, 1),
                   LO=pad3(p.pad_lo, 0), C=c, K=k, DIMS=p.dims, STAGES=tiles.stages, FLIPPED=flipped,
-                  PROMOTE=promote)
+                  PROMOTE=promote, SPECIALISED=specialised)
     grid = check_grid(base, (-(-rows // tiles.block_m), -(-k // tiles.block_n), g))
     elem = ELEMENT[p.dtype]
     x_elem, w_elem = (FP8_ELEMENT[p.compute[0]], FP8_ELEMENT[p.compute[1]]) if p.fp8_compute else (elem, elem)
@@ -499,25 +501,34 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
                   tiles.warps, tiles.stages), maps
 
 
-def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int
+# the TMA grad_weight's f32 partials: columns per store box
+PARTIALS_BOX_MOST = 128
+
+
+def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int, specialised: bool = False
                            ) -> tuple[Launch, tuple[TmaMap, ...], tuple[int, ...]]:
     """grad_weight (NHWGC) on kernels/tma.grad_weight_tma: X through the im2col map of its forward (the same
     pixel box), dY as [N*O, G*K], f32 partials as [S*G*K, taps*C]; one program per (K tile, tap and C tile,
-    group, chunk).  Returns the launch, its maps and the partials' shape [S, G, K, F0, F1, F2, C]."""
+    group, chunk); a tile wider than C spans taps.  specialised: a warp of its own issues the copies
+    (policy.tma_grad_weight_specialised).  Returns the launch, its maps and the partials' shape
+    [S, G, K, F0, F1, F2, C]."""
     c, k, g = p.in_channels, p.out_channels, p.groups
     parts, chunk = split_chunks(p, tiles, parts)
     rows = p.batch * math.prod(p.output)
     taps = math.prod(p.filter)
     lower, upper = im2col_box(p)
+    # a tile wider than C spans taps: one im2col box per tap; the f32 partials leave in boxes of at most 128
+    # columns (a 128 x 256 f32 tile does not fit shared memory beside the ring)
     maps = (
-        TmaMap(0, (p.batch, *p.input, g * c), (tiles.block_k, tiles.block_n), im2col=True, lower=lower, upper=upper,
-               element_strides=(1, *p.stride, 1)),
+        TmaMap(0, (p.batch, *p.input, g * c), (tiles.block_k, min(tiles.block_n, c)), im2col=True, lower=lower,
+               upper=upper, element_strides=(1, *p.stride, 1)),
         TmaMap(1, (rows, g * k), (tiles.block_k, tiles.block_m)),
-        TmaMap(2, (parts * g * k, taps * c), (tiles.block_m, tiles.block_n)),
+        TmaMap(2, (parts * g * k, taps * c), (tiles.block_m, min(tiles.block_n, PARTIALS_BOX_MOST))),
     )
     consts = dict(O=pad3(p.output, 1), F=pad3(p.filter, 1), S=pad3(p.stride, 1), D=pad3(p.dilation, 1),
-                  LO=pad3(p.pad_lo, 0), C=c, K=k, G=g, L=rows, CHUNK=chunk, DIMS=p.dims, STAGES=tiles.stages)
-    grid = check_grid(base, ((k // tiles.block_m) * taps * (c // tiles.block_n), g, parts))
+                  LO=pad3(p.pad_lo, 0), C=c, K=k, G=g, L=rows, CHUNK=chunk, BLOCK_N=tiles.block_n, DIMS=p.dims,
+                  STAGES=tiles.stages, SPECIALISED=specialised)
+    grid = check_grid(base, ((k // tiles.block_m) * -(-(taps * c) // tiles.block_n), g, parts))
     elem = ELEMENT[p.dtype]
     launch = Launch("grad_weight_tma", f"{base}_grad_weight_tma", (elem, elem, "fp32"), tuple(consts.items()), grid,
                     tiles.warps, tiles.stages)
@@ -694,6 +705,11 @@ def gluon_tma_im2col() -> bool:
     return hasattr(tma, "async_load_im2col")
 
 
+# registers of an SM, and the most one thread can hold (sm_90)
+REGISTERS_PER_SM = 65536
+MOST_REGISTERS = 255
+
+
 @functools.lru_cache(maxsize=None)
 def compile_tma_launch(launch: Launch, maps: tuple[TmaMap, ...], arch: str
                        ) -> tuple[Binary, tuple[TmaMap, ...], tuple[str, ...]]:
@@ -717,8 +733,12 @@ def compile_tma_launch(launch: Launch, maps: tuple[TmaMap, ...], arch: str
         signature[name] = f"{kind}<{launch.pointer_types[m.operand]}[{m.block[0]},{m.block[1]}],{layout!r}>"
     constexprs = dict(launch.constants, num_warps=launch.warps)
     signature.update({name: "constexpr" for name in constexprs})
+    options = {"num_warps": launch.warps}
+    if constexprs.get("SPECIALISED"):
+        # a warp-specialised kernel runs a warp group more than num_warps: registers for all of them
+        options["maxnreg"] = min(MOST_REGISTERS, REGISTERS_PER_SM // (32 * (launch.warps + 4))) // 8 * 8
     kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constexprs),
-                            target=GPUTarget("cuda", arch_number(arch), 32), options={"num_warps": launch.warps})
+                            target=GPUTarget("cuda", arch_number(arch), 32), options=options)
     meta = kernel.metadata
     if meta.global_scratch_size or meta.profile_scratch_size:
         raise RuntimeError(f"launch {launch.name}: Triton asked for scratch memory, which the runner does not pass")

@@ -18,6 +18,10 @@ a multiple of BLOCK_N, so that no copy reaches into the next group or tap (polic
 FLIPPED: stride-1 grad_input as this forward over dY (policy.grad_input_as_forward), reading grad_input's own
 weight [G * C, taps * K] (its K is this kernel's C) with the taps in reverse order, in [BLOCK_K, BLOCK_N] tiles.
 
+SPECIALISED (grad_weight_tma, forward_tma): the copies are issued by a warp of its own (gl.warp_specialize) that
+waits on each stage's `empty` barrier, which the product warps arrive at once the stage's product is done; without
+it the product warps issue the copies themselves, after a barrier of all of them.
+
 grad_weight_flat_tma: grad_weight in one-pass TF32 or fp8 compute over channel-first copies of X and dY on one
 flat position index, where every tap is a constant shift (kernels/launch.py, flat_planes, has the algebra): both
 operands are plain K-major boxes, as TF32 and fp8 wgmma read them.
@@ -103,11 +107,47 @@ def _issue(x_desc, w_desc, a_buf, b_buf, bar, step, n, c0, c1, c2, g, off_k,
 
 
 @gluon.jit
+def _forward_products(a_bufs, b_bufs, ready, empty, steps, acc, FLIPPED: gl.constexpr, PROMOTE: gl.constexpr,
+                      STAGES: gl.constexpr):
+    # one step's product: A is X's [BLOCK_M, BLOCK_K] window, B the weight's tile ([BLOCK_K, BLOCK_N] already
+    # where FLIPPED, stored N-major: wgmma reads 16-bit B either way; else [BLOCK_N, BLOCK_K]); one product in
+    # flight, and once the step before is done its stage is released (empty: None where the kernel issues its
+    # own copies)
+    for step in range(steps):
+        st = step % STAGES
+        mbarrier.wait(ready.index(st), (step // STAGES) & 1)
+        if FLIPPED:
+            acc = warpgroup_mma(a_bufs.index(st), b_bufs.index(st), acc, is_async=True)
+        elif PROMOTE > 0:  # fp8: each step's products summed in wgmma's own accumulator, then added in f32
+            acc = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)), acc,
+                                max_num_imprecise_acc=PROMOTE, is_async=True)
+        else:
+            acc = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=step > 0)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+
+
+@gluon.jit
+def _forward_loads(x_desc, w_desc, a_bufs, b_bufs, ready, empty, steps, n, c0, c1, c2, g, off_k,
+                   F: gl.constexpr, D: gl.constexpr, C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr,
+                   BLOCK_K: gl.constexpr, FLIPPED: gl.constexpr, STAGES: gl.constexpr):
+    # the copy warp of the warp-specialised kernel: each step's copies into its stage once the products of the
+    # step STAGES before have released it (mbarriers start with phase 1 complete: the first round passes)
+    for step in range(steps):
+        st = step % STAGES
+        mbarrier.wait(empty.index(st), ((step // STAGES) & 1) ^ 1)
+        _issue(x_desc, w_desc, a_bufs.index(st), b_bufs.index(st), ready.index(st), step, n, c0, c1, c2, g, off_k,
+               F, D, C, K, DIMS, BLOCK_K, FLIPPED)
+
+
+@gluon.jit
 def forward_tma(x_desc, w_desc, y_desc,
                 # output pixels, filter, stride, dilation, low padding per spatial dimension (3 each; 2D: first 1)
                 O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
                 C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr, STAGES: gl.constexpr,
-                FLIPPED: gl.constexpr, PROMOTE: gl.constexpr, num_warps: gl.constexpr):
+                FLIPPED: gl.constexpr, PROMOTE: gl.constexpr, SPECIALISED: gl.constexpr, num_warps: gl.constexpr):
+    # SPECIALISED: one warp of its own issues the copies, the num_warps product warps only wait for them
     BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -136,29 +176,39 @@ def forward_tma(x_desc, w_desc, y_desc,
 
     acc = _zero_accumulator(BLOCK_M, BLOCK_N, 256 // dtype.primitive_bitwidth, num_warps)
 
-    # prologue: the first STAGES - 1 steps' copies in flight
-    for i in gl.static_range(STAGES - 1):
-        if i < STEPS:
-            _issue(x_desc, w_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i), i, n, c0, c1, c2, g, off_k,
-                   F, D, C, K, DIMS, BLOCK_K, FLIPPED)
-    for step in range(STEPS):
-        s = step % STAGES
-        mbarrier.wait(bars.index(s), (step // STAGES) & 1)
-        if FLIPPED:  # the tile is [BLOCK_K, BLOCK_N] already, stored N-major (wgmma reads 16-bit B either way)
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
-        elif PROMOTE > 0:  # fp8: each step's products summed in wgmma's own accumulator, then added in f32
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc,
-                                max_num_imprecise_acc=PROMOTE, is_async=True)
-        else:
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-        # the previous step's product is done: its stage takes the copies of step + STAGES - 1
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        nxt = step + STAGES - 1
-        if nxt < STEPS:
-            ns = nxt % STAGES
-            _issue(x_desc, w_desc, a_bufs.index(ns), b_bufs.index(ns), bars.index(ns), nxt, n, c0, c1, c2, g,
-                   off_k, F, D, C, K, DIMS, BLOCK_K, FLIPPED)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    if SPECIALISED:
+        empty = _barriers(STAGES)
+        acc = gl.warp_specialize([
+            (_forward_products, (a_bufs, b_bufs, bars, empty, STEPS, acc, FLIPPED, PROMOTE, STAGES)),
+            (_forward_loads, (x_desc, w_desc, a_bufs, b_bufs, bars, empty, STEPS, n, c0, c1, c2, g, off_k,
+                              F, D, C, K, DIMS, BLOCK_K, FLIPPED, STAGES)),
+        ], [1], [40])
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(empty.index(i))
+    else:
+        # prologue: the first STAGES - 1 steps' copies in flight
+        for i in gl.static_range(STAGES - 1):
+            if i < STEPS:
+                _issue(x_desc, w_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i), i, n, c0, c1, c2, g, off_k,
+                       F, D, C, K, DIMS, BLOCK_K, FLIPPED)
+        for step in range(STEPS):
+            s = step % STAGES
+            mbarrier.wait(bars.index(s), (step // STAGES) & 1)
+            if FLIPPED:  # the tile is [BLOCK_K, BLOCK_N] already, stored N-major (wgmma reads 16-bit B either way)
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+            elif PROMOTE > 0:  # fp8: each step's products summed in wgmma's own accumulator, then added in f32
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc,
+                                    max_num_imprecise_acc=PROMOTE, is_async=True)
+            else:
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            # the previous step's product is done: its stage takes the copies of step + STAGES - 1
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            nxt = step + STAGES - 1
+            if nxt < STEPS:
+                ns = nxt % STAGES
+                _issue(x_desc, w_desc, a_bufs.index(ns), b_bufs.index(ns), bars.index(ns), nxt, n, c0, c1, c2, g,
+                       off_k, F, D, C, K, DIMS, BLOCK_K, FLIPPED)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
 
@@ -191,30 +241,69 @@ def _store_partials(p_desc, acc, bars, row, col, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _issue_grad_weight(x_desc, dy_desc, a_buf, b_buf, bar, r0, g, t, c_col, off_k,
+def _issue_grad_weight(x_desc, dy_desc, a_buf, b_buf, bar, r0, g, col0, off_k,
                        O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
-                       C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr):
+                       C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr, BLOCK_N: gl.constexpr):
     # the copies of the pixel tile starting at r0 = (n, o): dY's [BLOCK_R, BLOCK_M] box of rows r0.. and the
-    # group's channels k, and X's im2col window of the same pixels for tap t, channels c_col..
+    # group's channels k, and for each X box of the tile's columns col0.. of (tap t, channel c) the im2col window
+    # of the same pixels for tap t, channels c..: one box where C holds the tile, one per tap where the tile
+    # spans taps (C < BLOCK_N).  Columns past the last tap read its window again (never stored)
+    XB: gl.constexpr = x_desc.block_type.shape[1]
+    TAPS: gl.constexpr = F[0] * F[1] * F[2]
     o2 = r0 % O[2]
     o1 = (r0 // O[2]) % O[1]
     o0 = (r0 // (O[2] * O[1])) % O[0]
     n = r0 // (O[2] * O[1] * O[0])
-    t2 = t % F[2]
-    t1 = (t // F[2]) % F[1]
-    t0 = t // (F[2] * F[1])
-    mbarrier.expect(bar, x_desc.block_type.nbytes + dy_desc.block_type.nbytes)
-    if DIMS == 3:
-        tma.async_load_im2col(x_desc, [n, o0 * S[0] - LO[0], o1 * S[1] - LO[1], o2 * S[2] - LO[2], g * C + c_col],
-                              [(t0 * D[0]).to(gl.int16), (t1 * D[1]).to(gl.int16), (t2 * D[2]).to(gl.int16)],
-                              bar, b_buf)
-    elif DIMS == 2:
-        tma.async_load_im2col(x_desc, [n, o1 * S[1] - LO[1], o2 * S[2] - LO[2], g * C + c_col],
-                              [(t1 * D[1]).to(gl.int16), (t2 * D[2]).to(gl.int16)], bar, b_buf)
-    else:
-        tma.async_load_im2col(x_desc, [n, o2 * S[2] - LO[2], g * C + c_col], [(t2 * D[2]).to(gl.int16)], bar,
-                              b_buf)
+    mbarrier.expect(bar, (BLOCK_N // XB) * x_desc.block_type.nbytes + dy_desc.block_type.nbytes)
+    for i in gl.static_range(BLOCK_N // XB):
+        col = col0 + i * XB
+        t = gl.minimum(col // C, TAPS - 1)
+        c_col = col % C
+        t2 = t % F[2]
+        t1 = (t // F[2]) % F[1]
+        t0 = t // (F[2] * F[1])
+        if BLOCK_N == XB:
+            box = b_buf
+        else:
+            box = b_buf.slice(i * XB, XB, dim=1)
+        if DIMS == 3:
+            tma.async_load_im2col(x_desc, [n, o0 * S[0] - LO[0], o1 * S[1] - LO[1], o2 * S[2] - LO[2], g * C + c_col],
+                                  [(t0 * D[0]).to(gl.int16), (t1 * D[1]).to(gl.int16), (t2 * D[2]).to(gl.int16)],
+                                  bar, box)
+        elif DIMS == 2:
+            tma.async_load_im2col(x_desc, [n, o1 * S[1] - LO[1], o2 * S[2] - LO[2], g * C + c_col],
+                                  [(t1 * D[1]).to(gl.int16), (t2 * D[2]).to(gl.int16)], bar, box)
+        else:
+            tma.async_load_im2col(x_desc, [n, o2 * S[2] - LO[2], g * C + c_col], [(t2 * D[2]).to(gl.int16)], bar,
+                                  box)
     tma.async_load(dy_desc, [r0, g * K + off_k], bar, a_buf)
+
+
+@gluon.jit
+def _grad_weight_loads(x_desc, dy_desc, a_bufs, b_bufs, ready, empty, start, steps, g, col0, off_k,
+                       O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
+                       C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr, BLOCK_N: gl.constexpr,
+                       BLOCK_R: gl.constexpr, STAGES: gl.constexpr):
+    # the copy warp of the warp-specialised kernel: each step's copies into its stage once the products of the
+    # step STAGES before have released it (empty; mbarriers start with phase 1 complete, so the first round
+    # passes), completing the stage's ready barrier
+    for step in range(steps):
+        st = step % STAGES
+        mbarrier.wait(empty.index(st), ((step // STAGES) & 1) ^ 1)
+        _issue_grad_weight(x_desc, dy_desc, a_bufs.index(st), b_bufs.index(st), ready.index(st),
+                           start + step * BLOCK_R, g, col0, off_k, O, F, S, D, LO, C, K, DIMS, BLOCK_N)
+
+
+@gluon.jit
+def _grad_weight_products(a_bufs, b_bufs, ready, empty, steps, acc, STAGES: gl.constexpr):
+    # the product warp groups: one product in flight; once the step before is done its stage is released
+    for step in range(steps):
+        st = step % STAGES
+        mbarrier.wait(ready.index(st), (step // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(st).permute((1, 0)), b_bufs.index(st), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=step > 0)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
 
 @gluon.jit
@@ -222,48 +311,79 @@ def grad_weight_tma(x_desc, dy_desc, p_desc,
                     # output pixels, filter, stride, dilation, low padding per spatial dimension (3 each)
                     O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
                     C: gl.constexpr, K: gl.constexpr, G: gl.constexpr, L: gl.constexpr, CHUNK: gl.constexpr,
-                    DIMS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                    BLOCK_N: gl.constexpr, DIMS: gl.constexpr, STAGES: gl.constexpr, SPECIALISED: gl.constexpr,
+                    num_warps: gl.constexpr):
     # dW's f32 split-K partials: partial[s, g, k, t, c] = sum over the pixels r = (n, o) of chunk s of
-    # dY[r, g, k] * X[n, o*s - lo + t*d, g, c].  One program per (K tile, tap and C tile, group, chunk): the
-    # GEMM's A is dY's [BLOCK_R, BLOCK_M] box read M-major, its B the im2col copy [BLOCK_R, BLOCK_N] of tap t.
-    # K and C are multiples of BLOCK_M and BLOCK_N (policy.tma_grad_weight_reason): no box crosses a group,
-    # a tap or a chunk's rows of the partials [S * G * K, taps * C]
+    # dY[r, g, k] * X[n, o*s - lo + t*d, g, c].  One program per (K tile, column tile, group, chunk), the columns
+    # (t, c) of the [G*K, taps*C] weight matrix: the GEMM's A is dY's [BLOCK_R, BLOCK_M] box read M-major, its B
+    # the im2col copies [BLOCK_R, BLOCK_N] of the tile's taps.  K is a multiple of BLOCK_M, and C of BLOCK_N or
+    # BLOCK_N of C (policy.tma_grad_weight_reason): no box crosses a group, a tap or a chunk's rows of the
+    # partials [S * G * K, taps * C].  A tile wider than C spans taps, sharing each dY box among them.
+    # SPECIALISED: one warp of its own issues the copies, the num_warps product warps only wait for them
     BLOCK_M: gl.constexpr = p_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = p_desc.block_type.shape[1]
+    PB: gl.constexpr = p_desc.block_type.shape[1]
     BLOCK_R: gl.constexpr = x_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
-    COL_TILES: gl.constexpr = C // BLOCK_N
+    COL_TILES: gl.constexpr = (F[0] * F[1] * F[2] * C + BLOCK_N - 1) // BLOCK_N
 
+    pid = gl.program_id(0)
     g = gl.program_id(1)
     s = gl.program_id(2)
-    off_k, t, c_col = _weight_tile(F, COL_TILES, BLOCK_M, BLOCK_N)
+    off_k = (pid // COL_TILES) * BLOCK_M
+    col0 = (pid % COL_TILES) * BLOCK_N
     start = s * CHUNK
     steps = (L - start + BLOCK_R - 1) // BLOCK_R  # the last chunk is shorter
     if steps > CHUNK // BLOCK_R:
         steps = CHUNK // BLOCK_R
 
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_M], dy_desc.layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_N], x_desc.layout)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_R, BLOCK_N], dtype)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_R, BLOCK_N], b_layout)
     bars = _barriers(STAGES)
 
     acc = _zero_accumulator(BLOCK_M, BLOCK_N, 256 // dtype.primitive_bitwidth, num_warps)
 
-    for i in gl.static_range(STAGES - 1):
-        if i < steps:
-            _issue_grad_weight(x_desc, dy_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i),
-                               start + i * BLOCK_R, g, t, c_col, off_k, O, F, S, D, LO, C, K, DIMS)
-    for step in range(steps):
-        st = step % STAGES
-        mbarrier.wait(bars.index(st), (step // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(st).permute((1, 0)), b_bufs.index(st), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        nxt = step + STAGES - 1
-        if nxt < steps:
-            ns = nxt % STAGES
-            _issue_grad_weight(x_desc, dy_desc, a_bufs.index(ns), b_bufs.index(ns), bars.index(ns),
-                               start + nxt * BLOCK_R, g, t, c_col, off_k, O, F, S, D, LO, C, K, DIMS)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    _store_partials(p_desc, acc, bars, (s * G + g) * K + off_k, t * C + c_col, STAGES)
+    if SPECIALISED:
+        empty = _barriers(STAGES)
+        acc = gl.warp_specialize([
+            (_grad_weight_products, (a_bufs, b_bufs, bars, empty, steps, acc, STAGES)),
+            (_grad_weight_loads, (x_desc, dy_desc, a_bufs, b_bufs, bars, empty, start, steps, g, col0, off_k,
+                                  O, F, S, D, LO, C, K, DIMS, BLOCK_N, BLOCK_R, STAGES)),
+        ], [1], [40])
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(empty.index(i))
+    else:
+        for i in gl.static_range(STAGES - 1):
+            if i < steps:
+                _issue_grad_weight(x_desc, dy_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i),
+                                   start + i * BLOCK_R, g, col0, off_k, O, F, S, D, LO, C, K, DIMS, BLOCK_N)
+        for step in range(steps):
+            st = step % STAGES
+            mbarrier.wait(bars.index(st), (step // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(st).permute((1, 0)), b_bufs.index(st), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            nxt = step + STAGES - 1
+            if nxt < steps:
+                ns = nxt % STAGES
+                _issue_grad_weight(x_desc, dy_desc, a_bufs.index(ns), b_bufs.index(ns), bars.index(ns),
+                                   start + nxt * BLOCK_R, g, col0, off_k, O, F, S, D, LO, C, K, DIMS, BLOCK_N)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    row = (s * G + g) * K + off_k
+    if PB == BLOCK_N:
+        _store_partials(p_desc, acc, bars, row, col0, STAGES)
+    else:  # a 256-wide tile stores its f32 halves one after the other through one 128-wide buffer
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
+        left, right = acc.reshape([BLOCK_M, 2, PB]).permute((0, 2, 1)).split()
+        p_smem = gl.allocate_shared_memory(gl.float32, p_desc.block_type.shape, p_desc.layout)
+        p_smem.store(left)
+        fence_async_shared()
+        tma.async_store(p_desc, [row, col0], p_smem)
+        tma.store_wait(pendings=0)
+        p_smem.store(right)
+        fence_async_shared()
+        tma.async_store(p_desc, [row, col0 + PB], p_smem)
+        tma.store_wait(pendings=0)
 
 
 @gluon.jit
