@@ -301,11 +301,10 @@ def _tma_common_reason(p: ConvProblem, target: Target) -> Optional[str]:
     im2col box in range, and Gluon's TMA im2col in the installed Triton."""
     if target.backend != "cuda" or arch_number(target.arch) != 90:
         return f"TMA im2col with wgmma is Hopper's (sm_90); target is {target.arch}"
-    fp8_forward = p.op == "forward" and p.dtype in ("f16", "bf16") and p.fp8_compute
-    if not (p.dtype in ("f16", "bf16") and p.compute is None) and not (p.dtype == "f32" and p.tf32) \
-            and not fp8_forward:
-        return ("the TMA kernels compute in f16/bf16 with exact products, f32 in one-pass TF32, or forward in fp8 "
-                "compute")
+    fp8 = p.op in ("forward", "grad_weight") and p.dtype in ("f16", "bf16") and p.fp8_compute
+    if not (p.dtype in ("f16", "bf16") and p.compute is None) and not (p.dtype == "f32" and p.tf32) and not fp8:
+        return ("the TMA kernels compute in f16/bf16 with exact products, f32 in one-pass TF32, or forward and "
+                "grad_weight in fp8 compute")
     if p.layout != "NHWGC" or p.dynamic_batch:
         return "the TMA kernels read NHWGC activations of a fixed batch"
     if math.prod(p.filter) == 1:
@@ -618,7 +617,12 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
         tiles = tma_grad_weight_tiles(p, target)
         launch, maps, partials = grad_weight_tma_launch(p, tiles, base, tma_grad_weight_parts(p, tiles, target),
                                                         specialised=tma_grad_weight_specialised(tiles))
-        return TmaPlan(launch, maps, False, partials, tiles)
+        # fp8 compute: X and dY rounded to their fp8 grids in f16 copies, the 16-bit products then exact
+        # (docs/decisions.md#fp8-grad-weight-tma)
+        staging = tuple((round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}"), shape)
+                        for i, (shape, dtype, kind) in enumerate(zip(p.arg_shapes, p.arg_dtypes, p.compute))
+                        ) if p.fp8_compute else ()
+        return TmaPlan(launch, maps, False, partials, tiles, staging)
     if tma_flat_grad_weight_reason(p, target) is None:
         tiles = tma_flat_grad_weight_tiles(p)
         launch, maps, partials, planes = grad_weight_flat_tma_launch(p, tiles, base,

@@ -93,8 +93,12 @@ class StreamKernel:
                 return (f"stream path: Gluon kernel {names} ({products} on TMA copies of X and dY laid "
                         f"channel-first on flat planes; tiles {self.tiles}, {self.arch}); knobs from the "
                         f"{self.knobs_source}")
-            products = "fp8 wgmma (f32 sums) over X and W rounded into fp8 copies" if self.problem.fp8_compute \
-                else "wgmma"
+            if not self.problem.fp8_compute:
+                products = "wgmma"
+            elif names == "grad_weight_tma":
+                products = "16-bit wgmma over X and dY rounded to fp8 values in f16 copies"
+            else:
+                products = "fp8 wgmma (f32 sums) over X and W rounded into fp8 copies"
             # a warp-specialised binary runs more threads than its product warps (its copy warp's warp group)
             if any(sl.binary.threads > 32 * sl.launch.warps for sl in self.launches):
                 products += ", the copies issued by a warp of their own"

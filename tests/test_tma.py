@@ -564,8 +564,12 @@ def test_emulated_flat_grad_weight_matches_the_reference(p):
         wide = p.in_channels % 128 == 0 and p.out_channels % 128 == 0  # 64-channel tiles keep the cp.async kernel
         assert (policy.tma_flat_grad_weight_reason(p, HOPPER) is None) == wide
         plan = policy.tma_stream_launch(p.with_(in_channels=128, out_channels=128), HOPPER, Knobs())
-        assert plan.launch.kernel == "grad_weight_flat_tma" and [la.kernel for la, _ in plan.staging] == \
-            ["pad_planes", "pad_planes"]
+        if p.fp8_compute and p.layout == "NHWGC":  # the 16-bit TMA im2col kernel over rounded copies
+            assert plan.launch.kernel == "grad_weight_tma" and [la.kernel for la, _ in plan.staging] == \
+                ["round_fp8", "round_fp8"]
+        else:
+            assert plan.launch.kernel == "grad_weight_flat_tma" and [la.kernel for la, _ in plan.staging] == \
+                ["pad_planes", "pad_planes"]
 
 
 def test_flat_planes_put_the_smallest_dimension_outermost():
@@ -675,13 +679,36 @@ def test_fp8_flat_planes_align_to_16_elements():
     assert planes.x_length % 16 == 0 and planes.dy_length % 16 == 0
     assert flat_planes(F32_WIDE, 32).align == 4
     if gluon_tma_im2col():
-        plan = policy.tma_stream_launch(p, HOPPER, Knobs())
+        # NHWGC takes the 16-bit TMA im2col kernel (test_fp8_grad_weight_...); a layout it cannot read, the flat one
+        plan = policy.tma_stream_launch(p.with_(layout="GNHWC"), HOPPER, Knobs())
         assert plan.launch.kernel == "grad_weight_flat_tma" and plan.launch.pointer_types == \
             ("fp8e5", "fp8e4nv", "fp32")
         assert dict(plan.launch.constants)["PROMOTE"] == plan.tiles.block_k == 128
         assert [la.pointer_types for la, _ in plan.staging] == [("fp16", "fp8e5"), ("fp16", "fp8e4nv")]
     # without fp8 wgmma (before Hopper) the f16 kernel over operands rounded first
     assert "sm_90" in policy.tma_flat_grad_weight_reason(p, AMPERE)
+
+
+def test_fp8_grad_weight_takes_the_16_bit_tma_kernel_over_rounded_copies():
+    # X and dY rounded to their fp8 grids in f16 copies (not saturated: the f16 path keeps values past the fp8
+    # range as the reference does), then the 16-bit TMA im2col grad_weight: CK 11's 2.05 -> 1.70 ms against the
+    # flat-plane kernel on fp8 wgmma, whose channel-first copies cost more (docs/decisions.md#fp8-grad-weight-tma)
+    for p in (FP8_WGRAD, FP8_WGRAD.with_(dtype="bf16", compute=("fp8", "bf8"), dims=3, input=(3, 4, 5),
+                                          filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 1),
+                                          pad_hi=(1, 1, 1))):
+        assert policy.tma_grad_weight_reason(p, HOPPER) in (None, "the installed Triton has no Gluon TMA im2col "
+                                                                  "copies (Triton 3.9 has)")
+        if gluon_tma_im2col():
+            plan = policy.tma_stream_launch(p, HOPPER, Knobs())
+            assert plan.launch.kernel == "grad_weight_tma" and plan.launch.pointer_types == ("fp16", "fp16", "fp32")
+            elem = "fp16" if p.dtype == "f16" else "bf16"
+            assert [(la.kernel, la.pointer_types, shape) for la, shape in plan.staging] == [
+                ("round_fp8", (elem, "fp16"), p.x_shape), ("round_fp8", (elem, "fp16"), p.y_shape)]
+            assert [dict(la.constants)["FP8_MAX"] for la, _ in plan.staging] == [0.0, 0.0]
+            assert [dict(la.constants)["MBITS"] for la, _ in plan.staging] == \
+                [{"fp8": 3, "bf8": 2}[kind] for kind in p.compute]
+    # the grad_input of fp8 compute has no TMA kernel (its flipped weight tiles are N-major)
+    assert policy.tma_grad_weight_reason(FP8_WGRAD.with_(op="grad_input"), HOPPER) == "not grad_weight"
 
 
 def test_fp8_forward_reads_fp8_copies_on_fp8_wgmma():

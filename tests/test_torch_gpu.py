@@ -195,13 +195,17 @@ def test_f32_in_tf32_takes_the_flat_planes_and_the_tma_forward(monkeypatch):
 
 
 # fp8 compute ([A, B] rounded as CK 11's [bf8, fp8]; from the JIT API or a .conv module, PyTorch has no such
-# convolution).  On Hopper grad_weight runs the flat-plane kernel and forward the TMA kernel, both on fp8 wgmma;
-# elsewhere the 16-bit kernels over operands rounded first.  (op, dims, groups, batch, channels, spatial, dtype,
-# compute)
-FP8_PROBLEMS = [("grad_weight", 2, 1, 4, 128, (12, 12), "f16", ("bf8", "fp8")),
-                ("grad_weight", 3, 2, 2, 128, (4, 5, 6), "bf16", ("fp8", "bf8")),
-                ("forward", 2, 1, 4, 256, (12, 12), "f16", ("bf8", "fp8")),
-                ("forward", 3, 2, 2, 128, (4, 5, 6), "bf16", ("fp8", "bf8"))]
+# convolution).  On Hopper grad_weight runs the 16-bit TMA im2col kernel over operands rounded to fp8 values
+# (NHWGC), or the flat-plane kernel on fp8 wgmma (GNHWC), and forward the TMA kernel on fp8 wgmma; elsewhere the
+# 16-bit kernels over operands rounded first.  (op, dims, groups, batch, channels, spatial, dtype, compute, layout)
+FP8_PROBLEMS = [("grad_weight", 2, 1, 4, 128, (12, 12), "f16", ("bf8", "fp8"), "NHWGC"),
+                ("grad_weight", 3, 2, 2, 128, (4, 5, 6), "bf16", ("fp8", "bf8"), "NHWGC"),
+                ("grad_weight", 2, 2, 4, 128, (12, 12), "f16", ("bf8", "fp8"), "GNHWC"),
+                ("forward", 2, 1, 4, 256, (12, 12), "f16", ("bf8", "fp8"), "NHWGC"),
+                ("forward", 3, 2, 2, 128, (4, 5, 6), "bf16", ("fp8", "bf8"), "NHWGC")]
+# which kernel runs each on Hopper: a phrase of its description
+FP8_HOPPER_KERNELS = {("grad_weight", "NHWGC"): "rounded to fp8 values in f16 copies",
+                      ("grad_weight", "GNHWC"): "flat planes", ("forward", "NHWGC"): "fp8 wgmma"}
 FP8_TORCH = {"fp8": torch.float8_e4m3fn, "bf8": torch.float8_e5m2}
 
 
@@ -210,9 +214,9 @@ def fp8_problems() -> list:
 
     return [ConvProblem(op=op, dims=dims, groups=groups, batch=batch, in_channels=channels,
                         out_channels=channels, input=spatial, filter=(3,) * dims, stride=(1,) * dims,
-                        dilation=(1,) * dims, pad_lo=(1,) * dims, pad_hi=(1,) * dims, layout="NHWGC",
-                        weight_layout="GKYXC", dtype=dtype, compute=compute, name=f"fp8_{op}_{dims}d")
-            for op, dims, groups, batch, channels, spatial, dtype, compute in FP8_PROBLEMS]
+                        dilation=(1,) * dims, pad_lo=(1,) * dims, pad_hi=(1,) * dims, layout=layout,
+                        weight_layout="GKYXC", dtype=dtype, compute=compute, name=f"fp8_{op}_{dims}d_{layout}")
+            for op, dims, groups, batch, channels, spatial, dtype, compute, layout in FP8_PROBLEMS]
 
 
 # 16-bit grad_weights that take two product warp groups on Hopper's TMA kernel, and with them a copy warp of
@@ -267,13 +271,14 @@ def test_fp8_compute_against_float64():
     hopper = torch.cuda.get_device_capability() == (9, 0)
     for p in fp8_problems():
         kernel = stream.stream_kernel(p, target)
-        fp8_wgmma = ("flat planes" if p.op == "grad_weight" else "fp8 wgmma") in kernel.describe()
-        assert fp8_wgmma == hopper, kernel.describe()
+        assert (FP8_HOPPER_KERNELS[p.op, p.layout] in kernel.describe()) == hopper, kernel.describe()
         torch.manual_seed(3)
         a, b = (torch.randn(shape, device="cuda").to(DTYPES[p.dtype]) for shape in p.arg_shapes)
         got = StreamRunner(kernel, torch.device("cuda"))(a, b)
-        # float64 on the operands rounded to their compute types, in PyTorch's layouts
+        # float64 on the operands rounded to their compute types, in PyTorch's layouts (GNHWC: groups outermost)
         ra, rb = (t.to(FP8_TORCH[kind]).double() for t, kind in zip((a, b), p.compute))
+        if p.layout == "GNHWC":
+            ra, rb = (t.movedim(0, -2) for t in (ra, rb))
         conv = dict(padding=p.pad_lo, groups=p.groups)
         if p.op == "grad_weight":
             want = getattr(torch.nn.grad, f"conv{p.dims}d_weight")(

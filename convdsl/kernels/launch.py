@@ -529,7 +529,7 @@ def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: 
                   LO=pad3(p.pad_lo, 0), C=c, K=k, G=g, L=rows, CHUNK=chunk, BLOCK_N=tiles.block_n, DIMS=p.dims,
                   STAGES=tiles.stages, SPECIALISED=specialised)
     grid = check_grid(base, ((k // tiles.block_m) * -(-(taps * c) // tiles.block_n), g, parts))
-    elem = ELEMENT[p.dtype]
+    elem = operand_element(p)  # fp8 compute: X and dY rounded to fp8 values in f16 copies first
     launch = Launch("grad_weight_tma", f"{base}_grad_weight_tma", (elem, elem, "fp32"), tuple(consts.items()), grid,
                     tiles.warps, tiles.stages)
     return launch, maps, (parts, g, k, *pad3(p.filter, 1), c)
