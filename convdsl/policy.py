@@ -18,8 +18,8 @@ from .kernels.launch import (ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST_STRIDE, 
                              forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, grad_input_direct_launch,
                              grad_input_launch, grad_weight_depthwise_launch, grad_weight_flat_tma_launch,
                              grad_weight_launch, grad_weight_tma_launch, im2col_box, output_tiles, pad3, packable,
-                             packed_sizes, pad_planes_launch, reduction_steps, round_fp8_launch, split_chunks,
-                             tiles_within_images, triton_version)
+                             packed_sizes, pad_planes_launch, reduction_steps, round_fp8_launch, split_bf16x3_launch,
+                             split_chunks, tiles_within_images, triton_version)
 from .kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
 from .problem import ConvProblem, weight_axes
 from .targets import Target
@@ -473,6 +473,22 @@ def tma_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]:
     return None
 
 
+def tma_bf16x3_grad_weight(p: ConvProblem, target: Target) -> Optional[ConvProblem]:
+    """An f32 grad_weight in one-pass TF32 (compute = "tf32", PyTorch's default) or bf16x3 as the 16-bit TMA
+    grad_weight over bf16 operands stacked three times along N (passes/bf16x3.py has the algebra: X3 = [X_hi;
+    X_hi; X_lo], dY3 = [dY_hi; dY_lo; dY_hi]): that problem, or None where the TMA kernel does not take it.
+    Three bf16 products per product are closer to f32 than TF32's one (about 2^-16 against 2^-11), and on
+    the 16-bit kernel with its copy warp they run faster than the TF32 kernels, whose operands TF32 wgmma must
+    read K-major: CK 11's 3D grad_weight 7.39 -> 5.24 ms (cuDNN in TF32 5.56).  Stride 1 only: the split copies
+    all of X, s^dims times the positions a strided problem's products read (ResNet-50's stride-2 3x3 0.158 ->
+    0.196 ms) (docs/decisions.md#bf16x3-grad-weight-tma)."""
+    if p.op != "grad_weight" or p.dtype != "f32" or not (p.tf32 or p.bf16x3) or p.dynamic_batch \
+            or any(s != 1 for s in p.stride):
+        return None
+    tripled = p.with_(batch=3 * p.batch, dtype="bf16", compute=None, out_dtype=None)
+    return tripled if tma_grad_weight_reason(tripled, target) is None else None
+
+
 def _weight_rows(p: ConvProblem) -> bool:
     """Is the weight a [G*K, taps*C] matrix in memory?  GKYXC is; a 1x1 GKCYX weight is the same memory."""
     return p.weight_layout == FAST_WEIGHT_LAYOUT or math.prod(p.filter) == 1
@@ -613,6 +629,15 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
             and tma_forward_reason(q, target) is None:
         tiles = tma_forward_tiles(q, target)
         return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True), True, (), tiles)
+    tripled = tma_bf16x3_grad_weight(p, target)
+    if tripled is not None:  # X3 takes lo in its third block, dY3 in its second (passes/bf16x3.LO_BLOCK)
+        tiles = tma_grad_weight_tiles(tripled, target)
+        launch, maps, partials = grad_weight_tma_launch(tripled, tiles, base,
+                                                        tma_grad_weight_parts(tripled, tiles, target),
+                                                        specialised=tma_grad_weight_specialised(tiles))
+        staging = ((split_bf16x3_launch(math.prod(p.x_shape), 2, f"{base}_0"), tripled.x_shape),
+                   (split_bf16x3_launch(math.prod(p.y_shape), 1, f"{base}_1"), tripled.y_shape))
+        return TmaPlan(launch, maps, False, partials, tiles, staging)
     if tma_grad_weight_reason(p, target) is None:
         tiles = tma_grad_weight_tiles(p, target)
         launch, maps, partials = grad_weight_tma_launch(p, tiles, base, tma_grad_weight_parts(p, tiles, target),

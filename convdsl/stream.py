@@ -93,7 +93,10 @@ class StreamKernel:
                 return (f"stream path: Gluon kernel {names} ({products} on TMA copies of X and dY laid "
                         f"channel-first on flat planes; tiles {self.tiles}, {self.arch}); knobs from the "
                         f"{self.knobs_source}")
-            if not self.problem.fp8_compute:
+            if self.problem.dtype == "f32" and names == "grad_weight_tma":
+                products = ("16-bit wgmma over X and dY split into bf16 hi and lo, three products per product "
+                            "(bf16x3)")
+            elif not self.problem.fp8_compute:
                 products = "wgmma"
             elif names == "grad_weight_tma":
                 products = "16-bit wgmma over X and dY rounded to fp8 values in f16 copies"

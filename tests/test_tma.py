@@ -140,7 +140,8 @@ def test_emulated_tma_forward_matches_the_reference(p):
 
 def test_tf32_forward_maps_round_their_operands_and_f32_gradients_keep_their_kernels():
     # forward's X and W copies are TFLOAT32 maps (rounded by TMA); f32 grad_input keeps cp.async (its flipped
-    # weight tiles are N-major, which TF32 wgmma cannot read) and f32 grad_weight the flat-plane kernel
+    # weight tiles are N-major, which TF32 wgmma cannot read) and f32 grad_weight runs as bf16x3 on the 16-bit
+    # kernel (NHWGC, stride 1) or on the flat-plane kernel (other layouts)
     p = BASE.with_(dtype="f32", compute="tf32", in_channels=64, out_channels=128)
     _, maps = forward_tma_launch(p, policy.tma_forward_tiles(p, HOPPER), "k")
     assert [m.round_tf32 for m in maps] == [True, True, False]
@@ -151,7 +152,9 @@ def test_tf32_forward_maps_round_their_operands_and_f32_gradients_keep_their_ker
         dgrad = p.with_(op="grad_input", in_channels=128, out_channels=128)
         assert policy.tma_stream_launch(dgrad, HOPPER, Knobs()) is None
         wgrad = p.with_(op="grad_weight", in_channels=128, out_channels=128)
-        assert policy.tma_stream_launch(wgrad, HOPPER, Knobs()).launch.kernel == "grad_weight_flat_tma"
+        assert policy.tma_stream_launch(wgrad, HOPPER, Knobs()).launch.kernel == "grad_weight_tma"
+        assert policy.tma_stream_launch(wgrad.with_(layout="GNHWC"), HOPPER, Knobs()).launch.kernel == \
+            "grad_weight_flat_tma"
         assert "f32" in policy.tma_grad_weight_reason(wgrad, HOPPER)
 
 
@@ -564,9 +567,9 @@ def test_emulated_flat_grad_weight_matches_the_reference(p):
         wide = p.in_channels % 128 == 0 and p.out_channels % 128 == 0  # 64-channel tiles keep the cp.async kernel
         assert (policy.tma_flat_grad_weight_reason(p, HOPPER) is None) == wide
         plan = policy.tma_stream_launch(p.with_(in_channels=128, out_channels=128), HOPPER, Knobs())
-        if p.fp8_compute and p.layout == "NHWGC":  # the 16-bit TMA im2col kernel over rounded copies
+        if p.layout == "NHWGC":  # the 16-bit TMA im2col kernel over rounded copies (fp8) or bf16 splits (TF32)
             assert plan.launch.kernel == "grad_weight_tma" and [la.kernel for la, _ in plan.staging] == \
-                ["round_fp8", "round_fp8"]
+                (["round_fp8"] * 2 if p.fp8_compute else ["split_bf16x3"] * 2)
         else:
             assert plan.launch.kernel == "grad_weight_flat_tma" and [la.kernel for la, _ in plan.staging] == \
                 ["pad_planes", "pad_planes"]
@@ -709,6 +712,78 @@ def test_fp8_grad_weight_takes_the_16_bit_tma_kernel_over_rounded_copies():
                 [{"fp8": 3, "bf8": 2}[kind] for kind in p.compute]
     # the grad_input of fp8 compute has no TMA kernel (its flipped weight tiles are N-major)
     assert policy.tma_grad_weight_reason(FP8_WGRAD.with_(op="grad_input"), HOPPER) == "not grad_weight"
+
+
+def _bf16_split(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    import ml_dtypes
+
+    hi = a.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    lo = (a.astype(np.float32) - hi).astype(ml_dtypes.bfloat16).astype(np.float32)
+    return hi, lo
+
+
+@pytest.mark.parametrize("p", [
+    F32_WGRAD.with_(in_channels=128, out_channels=128, batch=2, input=(5, 6)),
+    F32_WGRAD.with_(compute="bf16x3", dims=3, groups=2, input=(3, 4, 5), filter=(2, 3, 3), stride=(1, 1, 1),
+                    dilation=(1, 1, 1), pad_lo=(0, 1, 1), pad_hi=(1, 1, 1)),
+])
+def test_tf32_grad_weight_as_bf16x3_on_the_tma_kernel(p):
+    # f32 in TF32 (or bf16x3) NHWGC with stride 1: the 16-bit TMA grad_weight over X3 = [X_hi; X_hi; X_lo] and
+    # dY3 = [dY_hi; dY_lo; dY_hi] stacked along N (split_bf16x3), its tiles and partial stores in float64 through
+    # the emulation: within bf16x3's error (about 2^-16) of the exact float64 result, closer than TF32's 2^-11
+    tripled = policy.tma_bf16x3_grad_weight(p, HOPPER) if gluon_tma_im2col() else p.with_(
+        batch=3 * p.batch, dtype="bf16", compute=None)
+    assert tripled == p.with_(batch=3 * p.batch, dtype="bf16", compute=None)
+    x, dy = random_inputs(p, seed=7)
+    (xh, xl), (dh, dl) = _bf16_split(x), _bf16_split(dy)
+    got = _emulated_grad_weight(tripled, np.concatenate([xh, xh, xl]), np.concatenate([dh, dl, dh]))
+    err = relative_error(got, reference(p.with_(compute=None), x, dy))
+    assert err < 2e-5, err
+    if gluon_tma_im2col():
+        plan = policy.tma_stream_launch(p, HOPPER, Knobs())
+        assert plan.launch.kernel == "grad_weight_tma" and plan.launch.pointer_types == ("bf16", "bf16", "fp32")
+        assert [(la.kernel, la.pointer_types, dict(la.constants)["LO_BLOCK"], shape) for la, shape in plan.staging] \
+            == [("split_bf16x3", ("fp32", "bf16"), 2, tripled.x_shape),
+                ("split_bf16x3", ("fp32", "bf16"), 1, tripled.y_shape)]
+    # strided: the split would copy all of X, s^dims the positions the products read; exact f32 and f16 as before
+    assert policy.tma_bf16x3_grad_weight(p.with_(stride=(2,) * p.dims), HOPPER) is None
+    assert policy.tma_bf16x3_grad_weight(p.with_(compute=None), HOPPER) is None
+    assert policy.tma_bf16x3_grad_weight(p.with_(dtype="f16", compute=None), HOPPER) is None
+
+
+def test_split_bf16x3_stacks_hi_and_lo():
+    # the split kernel in Triton's interpreter (a subprocess: TRITON_INTERPRET is read at import) against ml_dtypes'
+    # bf16 (nearest, ties to even): [hi, hi, lo] with lo in block 2, [hi, lo, hi] with block 1
+    import subprocess
+    import sys
+
+    script = r'''
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from convdsl.kernels import elementwise
+from convdsl.kernels.launch import split_bf16x3_launch
+values = torch.tensor(json.loads(sys.stdin.read()), dtype=torch.float32)
+out = []
+for lo_block in (2, 1):
+    la = split_bf16x3_launch(values.numel(), lo_block, "k")
+    y = torch.empty((3, values.numel()), dtype=torch.bfloat16)
+    elementwise.split_bf16x3[la.grid](values, y, **dict(la.constants))
+    out.append(y.float().tolist())
+print(json.dumps(out))
+'''
+    rng = np.random.default_rng(5)
+    values = np.concatenate([rng.standard_normal(700) * 10.0 ** rng.integers(-6, 6, 700), [0.0, 1.0, -3.0e-3,
+                             1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -9]]).astype(np.float32)
+    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(values.astype(float).tolist()),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    by_block = json.loads(done.stdout.strip().splitlines()[-1])
+    hi, lo = _bf16_split(values)
+    for lo_block, got in zip((2, 1), by_block):
+        want = [lo if j == lo_block else hi for j in range(3)]
+        assert np.array_equal(np.asarray(got, dtype=np.float32), np.stack(want)), lo_block
+    assert np.all(np.abs(values - hi - lo) <= 2.0 ** -16 * np.abs(values))
 
 
 def test_fp8_forward_reads_fp8_copies_on_fp8_wgmma():

@@ -33,8 +33,8 @@ MODULES = [
     ("Conv2d", dict(in_channels=64, out_channels=128, kernel_size=3, padding=1), (4, 64, 12, 12)),
     # an RGB stem: 16-bit channels-last forward over X and W regrouped space-to-depth
     ("Conv2d", dict(in_channels=3, out_channels=64, kernel_size=7, stride=2, padding=3), (4, 3, 64, 64)),
-    # 128 channels (last: test_f32_in_tf32_takes_the_flat_planes_and_the_tma_forward): f32 grad_weight in TF32
-    # on the flat-plane kernel on Hopper
+    # 128 channels (last: test_f32_in_tf32_takes_bf16x3_or_the_flat_planes_and_the_tma_forward): f32 grad_weight
+    # in TF32 on Hopper as bf16x3 on the TMA kernel (channels-last) or on the flat-plane kernel
     ("Conv2d", dict(in_channels=128, out_channels=128, kernel_size=3, padding=1), (4, 128, 14, 14)),
 ]
 # (dtype, TF32 allowed): tolerance of the relative L2 error against float64
@@ -171,9 +171,10 @@ def test_the_stream_path_is_taken():
             assert "TMA im2col" in runner.kernel.describe(), op
 
 
-def test_f32_in_tf32_takes_the_flat_planes_and_the_tma_forward(monkeypatch):
-    # Hopper: one-pass TF32 grad_weight on TMA copies of X and dY laid channel-first (kernels/tma.py); its
-    # results are checked in test_against_cudnn_and_float64 (MODULES[-1], f32 with TF32, both memory formats)
+def test_f32_in_tf32_takes_bf16x3_or_the_flat_planes_and_the_tma_forward(monkeypatch):
+    # Hopper: TF32 grad_weight in NHWGC as three bf16 products on the 16-bit TMA kernel, in NGCHW on TMA copies
+    # of X and dY laid channel-first (kernels/tma.py); its results are checked in test_against_cudnn_and_float64
+    # (MODULES[-1], f32 with TF32, both memory formats)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     name, kwargs, shape = MODULES[-1]
     for fmt in (torch.channels_last, torch.contiguous_format):
@@ -184,8 +185,9 @@ def test_f32_in_tf32_takes_the_flat_planes_and_the_tma_forward(monkeypatch):
         (runner,) = [r for (p, _), r in runtime._runners.items()
                      if p.op == "grad_weight" and p.tf32 and p.layout == layout and p.batch == shape[0]
                      and p.input == shape[2:] and p.stride == (1, 1) and p.out_channels == kwargs["out_channels"]]
-        flat = "flat planes" in runner.kernel.describe()
-        assert flat == (torch.cuda.get_device_capability() == (9, 0)), runner.kernel.describe()
+        phrase = "(bf16x3)" if layout == "NHWGC" else "flat planes"
+        assert (phrase in runner.kernel.describe()) == (torch.cuda.get_device_capability() == (9, 0)), \
+            runner.kernel.describe()
         # its forward in NHWGC on the TMA forward kernel, the copies rounding to TF32
         (forward,) = [r for (p, _), r in runtime._runners.items()
                       if p.op == "forward" and p.tf32 and p.layout == layout and p.batch == shape[0]

@@ -19,6 +19,10 @@ stream path, convdsl/stream.py): inside an IREE module the same steps are linalg
                  (launch.flat_planes); x is read through its strides (any layout), the spatial sizes and strides
                  in the planes' order.  round: to TF32 (f32 kept), or with FP8 to the fp8 grid as round_fp8,
                  saturated at the type's largest finite value, and stored in y's fp8 type.
+  split_bf16x3:  y[j, i] = hi(x[i]) for j != LO_BLOCK, lo(x[i]) for j == LO_BLOCK, j < 3: an f32 operand of
+                 compute = "bf16x3" (or TF32 done so) stacked three times along its outermost axis as bf16,
+                 hi = bf16(v) (nearest, ties to even), lo = bf16(v - f32(hi)); passes/bf16x3.py has the
+                 algebra (grad_weight: X3 = [X_hi; X_hi; X_lo], dY3 = [dY_hi; dY_lo; dY_hi] along N).
   space_to_depth: y[b, j0, j1, j2, (r0, r1, r2, c)] = x[b, j0 * R0 + r0 - LO0, j1 * R1 + r1 - LO1,
                  j2 * R2 + r2 - LO2, c] (0 outside x): a few-channel strided forward's X (b = n) and weight
                  (b = k, LO = 0, taps past the filter 0) regrouped R0 x R1 x R2 into the channels, so that the
@@ -80,6 +84,27 @@ def round_fp8(x, y, N: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, FP
     if FP8_MAX > 0:  # stored as fp8: saturated at the type's largest finite value (exact in it)
         v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
     tl.store(y + i, v.to(y.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def bf16_nearest(v):
+    # f32 -> the nearest bf16 value, ties to even, still in f32 (exact in bf16, so any conversion keeps it):
+    # 0x7FFF plus the lowest kept bit added to the bits, then the low 16 cleared; NaN kept as it is.  Integer
+    # operations, so that Triton's interpreter (whose own conversion truncates) rounds alike
+    bits = v.to(tl.uint32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(v == v, rounded, v)
+
+
+@triton.jit
+def split_bf16x3(x, y, N: tl.constexpr, LO_BLOCK: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    i = wide_index(tl.program_id(0), WIDE) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < N
+    v = tl.load(x + i, mask=inside, other=0.0)
+    hi = bf16_nearest(v)
+    lo = bf16_nearest(v - hi)  # v - hi is exact in f32
+    for j in tl.static_range(3):
+        tl.store(y + j * N + i, (lo if j == LO_BLOCK else hi).to(tl.bfloat16), mask=inside)
 
 
 @triton.jit

@@ -817,7 +817,8 @@ def compile_launch(launch: Launch, arch: str) -> Binary:
 
 # --- the steps around the GEMM cores, for runtimes that launch the kernels themselves (kernels/elementwise.py)
 
-ELEMENTWISE_KERNELS = ("sum_partials", "round_fp8", "transpose_planes", "pad_planes", "space_to_depth")
+ELEMENTWISE_KERNELS = ("sum_partials", "round_fp8", "transpose_planes", "pad_planes", "space_to_depth",
+                       "split_bf16x3")
 ELEMENTWISE_BLOCK = 1024
 # sum_partials: programs to aim for (two per SM of the largest GPUs)
 SUM_PROGRAMS = 264
@@ -851,6 +852,14 @@ def round_fp8_launch(elements: int, dtype: str, kind: str, base: str, as_fp8: bo
 
 
 
+
+
+def split_bf16x3_launch(elements: int, lo_block: int, base: str) -> Launch:
+    """`elements` f32 values split into bf16 hi and lo, stored three times over ([3, elements]) with lo in block
+    `lo_block` (passes/bf16x3.py: 2 for operand A, 1 for B)."""
+    consts = dict(N=elements, LO_BLOCK=lo_block, BLOCK=ELEMENTWISE_BLOCK, WIDE=3 * elements >= WIDE_ELEMENTS)
+    return Launch("split_bf16x3", f"{base}_split_bf16x3_{lo_block}", ("fp32", "bf16"), tuple(consts.items()),
+                  (-(-elements // ELEMENTWISE_BLOCK), 1, 1), 4, 1)
 
 
 TRANSPOSE_BLOCK = 64

@@ -1,0 +1,82 @@
+"""Probe: f32 grad_weight in one-pass TF32 (and compute = "bf16x3") on the 16-bit TMA im2col kernel over bf16 hi /
+lo operands stacked three times along N (policy.tma_bf16x3_grad_weight), against the plan before (the flat-plane
+TF32 kernel, or the cp.async kernel rounding its operands to TF32 in registers; bf16x3 on the cp.async kernel)
+and cuDNN with TF32 allowed.
+
+    python3 benchmarks/probes/bf16x3_wgrad_tma.py build P.convk      # where Triton 3.9 is (no GPU needed)
+    python3 benchmarks/probes/bf16x3_wgrad_tma.py run P.convk OUT.json   # on an H100/H200
+
+Problems: CK 11's 3D grouped grad_weight in TF32 and in bf16x3, U-Net's 3D one, ResNet-50's 3x3 grad_weights
+(batch 64, 64 to 512 channels, and 128 at stride 2) and DeepLab's dilated shape, all f32 with compute = tf32.
+Variants: "before" (no bf16x3 on the TMA kernel), "bf16x3" (the plan now).
+"""
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = ("before", "bf16x3")
+
+
+def _compile(job):
+    from convdsl import policy
+    from convdsl.stream import plan_stream_kernel
+    from convdsl.targets import Target
+    from convdsl.tuning.knobs import Knobs
+
+    p, variant = job
+    named = p.with_(name=f"{p.name}:{variant}")
+    if variant == "before":
+        with mock.patch.object(policy, "tma_bf16x3_grad_weight", lambda q, target: None):
+            return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
+    return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
+
+
+def problems():
+    from benchmarks.torch_bench import problems as suite
+
+    found = {p.name: p for p in suite(["ck11_wgrad_3d_g8_f32", "unet3d_wgrad", "r50_3x3_s1_wgrad",
+                                        "deeplab_atrous_dgrad"])}
+    ck11 = found["ck11_wgrad_3d_g8_f32_tf32"]
+    out = [ck11, ck11.with_(name="ck11_wgrad_3d_g8_f32_bf16x3", compute="bf16x3"),
+           found["unet3d_wgrad"].with_(name="unet3d_wgrad_tf32", dtype="f32", compute="tf32")]
+    r50 = found["r50_3x3_s1_wgrad"].with_(dtype="f32", compute="tf32")
+    out += [r50.with_(name=f"r50_wgrad_c{c}_{size}_s{s}_tf32", in_channels=c, out_channels=c, input=(size, size),
+                      stride=(s, s))
+            for c, size, s in ((64, 56, 1), (128, 28, 1), (256, 14, 1), (512, 7, 1), (128, 56, 2))]
+    out.append(found["deeplab_atrous_dgrad"].with_(name="deeplab_wgrad_tf32", op="grad_weight", dtype="f32",
+                                                   compute="tf32"))
+    return out
+
+
+def build(out: Path) -> None:
+    from convdsl import stream
+
+    with ProcessPoolExecutor(2) as pool:
+        kernels = list(pool.map(_compile, [(p, v) for p in problems() for v in VARIANTS]))
+    stream.save_bundle(kernels, out)
+    print(f"wrote {out}: {len(kernels)} kernels")
+
+
+def run(bundle: Path, result: Path) -> None:
+    import torch
+
+    from benchmarks.probes.tma_forward import timed_rows, write_record
+
+    torch.backends.cudnn.allow_tf32 = True  # cuDNN's one-pass TF32, PyTorch's default for convolutions
+    write_record(result, "python3 benchmarks/probes/bf16x3_wgrad_tma.py run P.convk OUT.json", timed_rows(bundle))
+
+
+def main(argv=None) -> int:
+    from benchmarks.probes.tma_forward import probe_main
+
+    return probe_main(__doc__, build, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
