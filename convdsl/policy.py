@@ -13,12 +13,12 @@ from typing import NamedTuple, Optional, Sequence
 
 from dataclasses import dataclass, replace
 
-from .kernels.launch import (ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST_STRIDE, Launch, TmaMap, arch_number,
-                             depthwise_channel_blocks, flat_elements, flat_planes, forward_direct_launch,
+from .kernels.launch import (ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST_STRIDE, SPLIT_PRODUCTS, Launch, TmaMap,
+                             arch_number, depthwise_channel_blocks, flat_elements, flat_planes, forward_direct_launch,
                              forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, grad_input_direct_launch,
                              grad_input_launch, grad_weight_depthwise_launch, grad_weight_flat_tma_launch,
                              grad_weight_launch, grad_weight_tma_launch, im2col_box, output_tiles, pad3, packable,
-                             packed_sizes, pad_planes_launch, reduction_steps, round_fp8_launch, split_bf16x3_launch,
+                             packed_sizes, pad_planes_launch, reduction_steps, round_fp8_launch, split_bf16_launch,
                              split_chunks, tiles_within_images, triton_version)
 from .kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
 from .problem import ConvProblem, weight_axes
@@ -473,20 +473,20 @@ def tma_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]:
     return None
 
 
-def tma_bf16x3_grad_weight(p: ConvProblem, target: Target) -> Optional[ConvProblem]:
+def tma_split_grad_weight(p: ConvProblem, target: Target) -> Optional[tuple[ConvProblem, str]]:
     """An f32 grad_weight in one-pass TF32 (compute = "tf32", PyTorch's default) or bf16x3 as the 16-bit TMA
-    grad_weight over bf16 operands stacked three times along N (passes/bf16x3.py has the algebra: X3 = [X_hi;
-    X_hi; X_lo], dY3 = [dY_hi; dY_lo; dY_hi]): that problem, or None where the TMA kernel does not take it.
-    Three bf16 products per product are closer to f32 than TF32's one (about 2^-16 against 2^-11), and on
-    the 16-bit kernel with its copy warp they run faster than the TF32 kernels, whose operands TF32 wgmma must
-    read K-major: CK 11's 3D grad_weight 7.39 -> 5.24 ms (cuDNN in TF32 5.56).  Stride 1 only: the split copies
-    all of X, s^dims times the positions a strided problem's products read (ResNet-50's stride-2 3x3 0.158 ->
-    0.196 ms) (docs/decisions.md#bf16x3-grad-weight-tma)."""
-    if p.op != "grad_weight" or p.dtype != "f32" or not (p.tf32 or p.bf16x3) or p.dynamic_batch \
-            or any(s != 1 for s in p.stride):
+    grad_weight over bf16 parts of X and dY stacked along N, three products per product (launch.SPLIT_PRODUCTS):
+    the stacked problem and the split, or None where the TMA kernel does not take it.  Closer to f32 than
+    TF32's one product (about 2^-16 against 2^-11), and on the 16-bit kernel with its copy warp faster than the
+    TF32 kernels, whose operands TF32 wgmma must read K-major: CK 11's 3D TF32 grad_weight 7.39 -> 5.24 ms (cuDNN
+    in TF32 5.56).  Stride 1 only: the split copies all of X, s^dims times the positions a strided problem's
+    products read (ResNet-50's stride-2 3x3 0.158 -> 0.196 ms).  Exact f32 keeps three-pass TF32: bf16x6 was
+    1.2-2.2x faster but 3-15x further from cuDNN's f32 (docs/decisions.md#bf16x3-grad-weight-tma)."""
+    if p.op != "grad_weight" or p.dtype != "f32" or p.dynamic_batch or any(s != 1 for s in p.stride) \
+            or not (p.tf32 or p.bf16x3):
         return None
-    tripled = p.with_(batch=3 * p.batch, dtype="bf16", compute=None, out_dtype=None)
-    return tripled if tma_grad_weight_reason(tripled, target) is None else None
+    stacked = p.with_(batch=len(SPLIT_PRODUCTS["bf16x3"]) * p.batch, dtype="bf16", compute=None, out_dtype=None)
+    return (stacked, "bf16x3") if tma_grad_weight_reason(stacked, target) is None else None
 
 
 def _weight_rows(p: ConvProblem) -> bool:
@@ -629,14 +629,15 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
             and tma_forward_reason(q, target) is None:
         tiles = tma_forward_tiles(q, target)
         return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True), True, (), tiles)
-    tripled = tma_bf16x3_grad_weight(p, target)
-    if tripled is not None:  # X3 takes lo in its third block, dY3 in its second (passes/bf16x3.LO_BLOCK)
-        tiles = tma_grad_weight_tiles(tripled, target)
-        launch, maps, partials = grad_weight_tma_launch(tripled, tiles, base,
-                                                        tma_grad_weight_parts(tripled, tiles, target),
+    split = tma_split_grad_weight(p, target)
+    if split is not None:  # X's parts as operand A, dY's as B, one stacked block per product
+        stacked, how = split
+        tiles = tma_grad_weight_tiles(stacked, target)
+        launch, maps, partials = grad_weight_tma_launch(stacked, tiles, base,
+                                                        tma_grad_weight_parts(stacked, tiles, target),
                                                         specialised=tma_grad_weight_specialised(tiles))
-        staging = ((split_bf16x3_launch(math.prod(p.x_shape), 2, f"{base}_0"), tripled.x_shape),
-                   (split_bf16x3_launch(math.prod(p.y_shape), 1, f"{base}_1"), tripled.y_shape))
+        staging = ((split_bf16_launch(math.prod(p.x_shape), how, 0, f"{base}_0"), stacked.x_shape),
+                   (split_bf16_launch(math.prod(p.y_shape), how, 1, f"{base}_1"), stacked.y_shape))
         return TmaPlan(launch, maps, False, partials, tiles, staging)
     if tma_grad_weight_reason(p, target) is None:
         tiles = tma_grad_weight_tiles(p, target)

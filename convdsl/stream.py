@@ -94,8 +94,9 @@ class StreamKernel:
                         f"channel-first on flat planes; tiles {self.tiles}, {self.arch}); knobs from the "
                         f"{self.knobs_source}")
             if self.problem.dtype == "f32" and names == "grad_weight_tma":
-                products = ("16-bit wgmma over X and dY split into bf16 hi and lo, three products per product "
-                            "(bf16x3)")
+                blocks = self.staged_shapes[0][0] // self.problem.batch if self.staged_shapes else 0
+                products = (f"16-bit wgmma over X and dY split into bf16 parts, {blocks} products per product "
+                            f"(bf16x{blocks})")
             elif not self.problem.fp8_compute:
                 products = "wgmma"
             elif names == "grad_weight_tma":

@@ -569,7 +569,7 @@ def test_emulated_flat_grad_weight_matches_the_reference(p):
         plan = policy.tma_stream_launch(p.with_(in_channels=128, out_channels=128), HOPPER, Knobs())
         if p.layout == "NHWGC":  # the 16-bit TMA im2col kernel over rounded copies (fp8) or bf16 splits (TF32)
             assert plan.launch.kernel == "grad_weight_tma" and [la.kernel for la, _ in plan.staging] == \
-                (["round_fp8"] * 2 if p.fp8_compute else ["split_bf16x3"] * 2)
+                (["round_fp8"] * 2 if p.fp8_compute else ["split_bf16"] * 2)
         else:
             assert plan.launch.kernel == "grad_weight_flat_tma" and [la.kernel for la, _ in plan.staging] == \
                 ["pad_planes", "pad_planes"]
@@ -714,62 +714,74 @@ def test_fp8_grad_weight_takes_the_16_bit_tma_kernel_over_rounded_copies():
     assert policy.tma_grad_weight_reason(FP8_WGRAD.with_(op="grad_input"), HOPPER) == "not grad_weight"
 
 
-def _bf16_split(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _bf16_parts(a: np.ndarray) -> list[np.ndarray]:
+    """f32 values as three bf16 parts (nearest, ties to even), each of what the ones before leave."""
     import ml_dtypes
 
-    hi = a.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
-    lo = (a.astype(np.float32) - hi).astype(ml_dtypes.bfloat16).astype(np.float32)
-    return hi, lo
+    parts, rest = [], a.astype(np.float32)
+    for _ in range(3):
+        parts.append(rest.astype(ml_dtypes.bfloat16).astype(np.float32))
+        rest = rest - parts[-1]
+    return parts
 
 
-@pytest.mark.parametrize("p", [
-    F32_WGRAD.with_(in_channels=128, out_channels=128, batch=2, input=(5, 6)),
-    F32_WGRAD.with_(compute="bf16x3", dims=3, groups=2, input=(3, 4, 5), filter=(2, 3, 3), stride=(1, 1, 1),
-                    dilation=(1, 1, 1), pad_lo=(0, 1, 1), pad_hi=(1, 1, 1)),
+@pytest.mark.parametrize("p, split, tolerance", [
+    (F32_WGRAD.with_(in_channels=128, out_channels=128, batch=2, input=(5, 6)), "bf16x3", 2e-5),
+    (F32_WGRAD.with_(compute="bf16x3", dims=3, groups=2, input=(3, 4, 5), filter=(2, 3, 3), stride=(1, 1, 1),
+                     dilation=(1, 1, 1), pad_lo=(0, 1, 1), pad_hi=(1, 1, 1)), "bf16x3", 2e-5),
+    # six products, leaving out terms of about 2^-24 of a product (measured for exact f32, not taken by the rules)
+    (F32_WGRAD.with_(compute=None, in_channels=128, out_channels=64, batch=2, input=(5, 6)), "bf16x6", 1e-6),
 ])
-def test_tf32_grad_weight_as_bf16x3_on_the_tma_kernel(p):
-    # f32 in TF32 (or bf16x3) NHWGC with stride 1: the 16-bit TMA grad_weight over X3 = [X_hi; X_hi; X_lo] and
-    # dY3 = [dY_hi; dY_lo; dY_hi] stacked along N (split_bf16x3), its tiles and partial stores in float64 through
-    # the emulation: within bf16x3's error (about 2^-16) of the exact float64 result, closer than TF32's 2^-11
-    tripled = policy.tma_bf16x3_grad_weight(p, HOPPER) if gluon_tma_im2col() else p.with_(
-        batch=3 * p.batch, dtype="bf16", compute=None)
-    assert tripled == p.with_(batch=3 * p.batch, dtype="bf16", compute=None)
-    x, dy = random_inputs(p, seed=7)
-    (xh, xl), (dh, dl) = _bf16_split(x), _bf16_split(dy)
-    got = _emulated_grad_weight(tripled, np.concatenate([xh, xh, xl]), np.concatenate([dh, dl, dh]))
-    err = relative_error(got, reference(p.with_(compute=None), x, dy))
-    assert err < 2e-5, err
+def test_f32_grad_weight_as_stacked_bf16_parts_on_the_tma_kernel(p, split, tolerance):
+    # f32 NHWGC with stride 1: the 16-bit TMA grad_weight over X's and dY's bf16 parts stacked along N, one block
+    # per product kept (launch.SPLIT_PRODUCTS; split_bf16), its tiles and partial stores in float64 through the
+    # emulation, against the exact float64 result
+    from convdsl.kernels.launch import SPLIT_PRODUCTS
+
+    products = SPLIT_PRODUCTS[split]
+    stacked = p.with_(batch=len(products) * p.batch, dtype="bf16", compute=None)
     if gluon_tma_im2col():
+        assert policy.tma_split_grad_weight(p, HOPPER) == ((stacked, split) if p.compute else None)
+    x, dy = random_inputs(p, seed=7)
+    xs, dys = _bf16_parts(x), _bf16_parts(dy)
+    got = _emulated_grad_weight(stacked, np.concatenate([xs[a] for a, _ in products]),
+                                np.concatenate([dys[b] for _, b in products]))
+    err = relative_error(got, reference(p.with_(compute=None), x, dy))
+    assert err < tolerance, err
+    if gluon_tma_im2col() and p.compute:  # exact f32 keeps three-pass TF32 on the cp.async kernel
         plan = policy.tma_stream_launch(p, HOPPER, Knobs())
         assert plan.launch.kernel == "grad_weight_tma" and plan.launch.pointer_types == ("bf16", "bf16", "fp32")
-        assert [(la.kernel, la.pointer_types, dict(la.constants)["LO_BLOCK"], shape) for la, shape in plan.staging] \
-            == [("split_bf16x3", ("fp32", "bf16"), 2, tripled.x_shape),
-                ("split_bf16x3", ("fp32", "bf16"), 1, tripled.y_shape)]
-    # strided: the split would copy all of X, s^dims the positions the products read; exact f32 and f16 as before
-    assert policy.tma_bf16x3_grad_weight(p.with_(stride=(2,) * p.dims), HOPPER) is None
-    assert policy.tma_bf16x3_grad_weight(p.with_(compute=None), HOPPER) is None
-    assert policy.tma_bf16x3_grad_weight(p.with_(dtype="f16", compute=None), HOPPER) is None
+        assert [(la.kernel, la.pointer_types, dict(la.constants)["ORDER"], shape) for la, shape in plan.staging] \
+            == [("split_bf16", ("fp32", "bf16"), tuple(a for a, _ in products), stacked.x_shape),
+                ("split_bf16", ("fp32", "bf16"), tuple(b for _, b in products), stacked.y_shape)]
+    # strided: the split would copy all of X, s^dims the positions the products read; 16-bit as before
+    assert policy.tma_split_grad_weight(p.with_(stride=(2,) * p.dims), HOPPER) is None
+    assert policy.tma_split_grad_weight(p.with_(dtype="f16", compute=None), HOPPER) is None
 
 
-def test_split_bf16x3_stacks_hi_and_lo():
+def test_split_bf16_stacks_the_parts_of_each_product():
     # the split kernel in Triton's interpreter (a subprocess: TRITON_INTERPRET is read at import) against ml_dtypes'
-    # bf16 (nearest, ties to even): [hi, hi, lo] with lo in block 2, [hi, lo, hi] with block 1
+    # bf16 (nearest, ties to even), both operands of both splits
     import subprocess
     import sys
+
+    from convdsl.kernels.launch import SPLIT_PRODUCTS
 
     script = r'''
 import json, os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from convdsl.kernels import elementwise
-from convdsl.kernels.launch import split_bf16x3_launch
+from convdsl.kernels.launch import split_bf16_launch
 values = torch.tensor(json.loads(sys.stdin.read()), dtype=torch.float32)
-out = []
-for lo_block in (2, 1):
-    la = split_bf16x3_launch(values.numel(), lo_block, "k")
-    y = torch.empty((3, values.numel()), dtype=torch.bfloat16)
-    elementwise.split_bf16x3[la.grid](values, y, **dict(la.constants))
-    out.append(y.float().tolist())
+out = {}
+for split in ("bf16x3", "bf16x6"):
+    for operand in (0, 1):
+        la = split_bf16_launch(values.numel(), split, operand, "k")
+        order = dict(la.constants)["ORDER"]
+        y = torch.empty((len(order), values.numel()), dtype=torch.bfloat16)
+        elementwise.split_bf16[la.grid](values, y, **dict(la.constants))
+        out[f"{split}:{operand}"] = y.float().tolist()
 print(json.dumps(out))
 '''
     rng = np.random.default_rng(5)
@@ -778,12 +790,14 @@ print(json.dumps(out))
     done = subprocess.run([sys.executable, "-c", script], input=json.dumps(values.astype(float).tolist()),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    by_block = json.loads(done.stdout.strip().splitlines()[-1])
-    hi, lo = _bf16_split(values)
-    for lo_block, got in zip((2, 1), by_block):
-        want = [lo if j == lo_block else hi for j in range(3)]
-        assert np.array_equal(np.asarray(got, dtype=np.float32), np.stack(want)), lo_block
-    assert np.all(np.abs(values - hi - lo) <= 2.0 ** -16 * np.abs(values))
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    parts = _bf16_parts(values)
+    for split, products in SPLIT_PRODUCTS.items():
+        for operand in (0, 1):
+            want = np.stack([parts[pair[operand]] for pair in products])
+            assert np.array_equal(np.asarray(got[f"{split}:{operand}"], dtype=np.float32), want), (split, operand)
+    assert np.all(np.abs(values - parts[0] - parts[1]) <= 2.0 ** -16 * np.abs(values))
+    assert np.all(np.abs(values - parts[0] - parts[1] - parts[2]) <= 2.0 ** -24 * np.abs(values))
 
 
 def test_fp8_forward_reads_fp8_copies_on_fp8_wgmma():

@@ -1,5 +1,5 @@
 """Probe: f32 grad_weight in one-pass TF32 (and compute = "bf16x3") on the 16-bit TMA im2col kernel over bf16 hi /
-lo operands stacked three times along N (policy.tma_bf16x3_grad_weight), against the plan before (the flat-plane
+lo operands stacked three times along N (policy.tma_split_grad_weight), against the plan before (the flat-plane
 TF32 kernel, or the cp.async kernel rounding its operands to TF32 in registers; bf16x3 on the cp.async kernel)
 and cuDNN with TF32 allowed.
 
@@ -8,7 +8,10 @@ and cuDNN with TF32 allowed.
 
 Problems: CK 11's 3D grouped grad_weight in TF32 and in bf16x3, U-Net's 3D one, ResNet-50's 3x3 grad_weights
 (batch 64, 64 to 512 channels, and 128 at stride 2) and DeepLab's dilated shape, all f32 with compute = tf32.
-Variants: "before" (no bf16x3 on the TMA kernel), "bf16x3" (the plan now).
+Variants: "before" (no bf16 splits on the TMA kernel), "split" (the plan now; named "bf16x3" in the first run's
+result file).  `--exact` (build and run):
+the same problems in exact f32 (TF32 off on both sides), "split" as bf16x6 (which the rules do not take) against
+the three-pass TF32 they keep.
 """
 from __future__ import annotations
 
@@ -20,11 +23,12 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("before", "bf16x3")
+VARIANTS = ("before", "split")
 
 
 def _compile(job):
     from convdsl import policy
+    from convdsl.kernels.launch import SPLIT_PRODUCTS
     from convdsl.stream import plan_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
@@ -32,12 +36,21 @@ def _compile(job):
     p, variant = job
     named = p.with_(name=f"{p.name}:{variant}")
     if variant == "before":
-        with mock.patch.object(policy, "tma_bf16x3_grad_weight", lambda q, target: None):
+        with mock.patch.object(policy, "tma_split_grad_weight", lambda q, target: None):
             return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
-    return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
+    rule = policy.tma_split_grad_weight
+
+    def split(q, target):  # exact f32 as bf16x6, which the rules do not take
+        if q.compute is not None:
+            return rule(q, target)
+        stacked = rule(q.with_(compute="bf16x3"), target)
+        return stacked and (stacked[0].with_(batch=len(SPLIT_PRODUCTS["bf16x6"]) * q.batch), "bf16x6")
+
+    with mock.patch.object(policy, "tma_split_grad_weight", split):
+        return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
 
 
-def problems():
+def problems(exact: bool = False):
     from benchmarks.torch_bench import problems as suite
 
     found = {p.name: p for p in suite(["ck11_wgrad_3d_g8_f32", "unet3d_wgrad", "r50_3x3_s1_wgrad",
@@ -51,16 +64,21 @@ def problems():
             for c, size, s in ((64, 56, 1), (128, 28, 1), (256, 14, 1), (512, 7, 1), (128, 56, 2))]
     out.append(found["deeplab_atrous_dgrad"].with_(name="deeplab_wgrad_tf32", op="grad_weight", dtype="f32",
                                                    compute="tf32"))
+    if exact:  # the same in exact f32 (bf16x6), but CK 11's bf16x3 twin
+        out = [p.with_(name=p.name.removesuffix("_tf32"), compute=None) for p in out if not p.bf16x3]
     return out
 
 
-def build(out: Path) -> None:
+def build(out: Path, exact: bool = False) -> None:
     from convdsl import stream
 
     with ProcessPoolExecutor(2) as pool:
-        kernels = list(pool.map(_compile, [(p, v) for p in problems() for v in VARIANTS]))
+        kernels = list(pool.map(_compile, [(p, v) for p in problems(exact) for v in VARIANTS]))
     stream.save_bundle(kernels, out)
     print(f"wrote {out}: {len(kernels)} kernels")
+
+
+EXACT = False
 
 
 def run(bundle: Path, result: Path) -> None:
@@ -68,14 +86,19 @@ def run(bundle: Path, result: Path) -> None:
 
     from benchmarks.probes.tma_forward import timed_rows, write_record
 
-    torch.backends.cudnn.allow_tf32 = True  # cuDNN's one-pass TF32, PyTorch's default for convolutions
+    # cuDNN's one-pass TF32 (PyTorch's default for convolutions); exact f32 (--exact bundles) without it
+    torch.backends.cudnn.allow_tf32 = not EXACT
     write_record(result, "python3 benchmarks/probes/bf16x3_wgrad_tma.py run P.convk OUT.json", timed_rows(bundle))
 
 
 def main(argv=None) -> int:
     from benchmarks.probes.tma_forward import probe_main
 
-    return probe_main(__doc__, build, run, argv)
+    global EXACT
+    EXACT = "--exact" in (argv if argv is not None else sys.argv)
+    if EXACT and "run" in (argv if argv is not None else sys.argv):
+        argv = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--exact"]
+    return probe_main(__doc__, build, run, argv, extra=[("--exact", dict(action="store_true"))])
 
 
 if __name__ == "__main__":

@@ -19,10 +19,12 @@ stream path, convdsl/stream.py): inside an IREE module the same steps are linalg
                  (launch.flat_planes); x is read through its strides (any layout), the spatial sizes and strides
                  in the planes' order.  round: to TF32 (f32 kept), or with FP8 to the fp8 grid as round_fp8,
                  saturated at the type's largest finite value, and stored in y's fp8 type.
-  split_bf16x3:  y[j, i] = hi(x[i]) for j != LO_BLOCK, lo(x[i]) for j == LO_BLOCK, j < 3: an f32 operand of
-                 compute = "bf16x3" (or TF32 done so) stacked three times along its outermost axis as bf16,
-                 hi = bf16(v) (nearest, ties to even), lo = bf16(v - f32(hi)); passes/bf16x3.py has the
-                 algebra (grad_weight: X3 = [X_hi; X_hi; X_lo], dY3 = [dY_hi; dY_lo; dY_hi] along N).
+  split_bf16:    y[j, i] = part ORDER[j] of x[i], for each block j of ORDER: an f32 operand split into PARTS bf16
+                 values, p0 = bf16(v) (nearest, ties to even), p1 = bf16(v - p0), p2 = bf16(v - p0 - p1) (each
+                 difference exact in f32), stacked along its outermost axis as bf16.  The blocks of two operands
+                 pair up into the products kept: bf16x3 (compute = "bf16x3", or TF32 done so) X3 = [X0; X0; X1],
+                 dY3 = [dY0; dY1; dY0] along N (passes/bf16x3.py has the algebra); bf16x6 (f32) adds p0 x p2,
+                 p2 x p0 and p1 x p1, dropping terms of about 2^-24 of a product, f32's own rounding.
   space_to_depth: y[b, j0, j1, j2, (r0, r1, r2, c)] = x[b, j0 * R0 + r0 - LO0, j1 * R1 + r1 - LO1,
                  j2 * R2 + r2 - LO2, c] (0 outside x): a few-channel strided forward's X (b = n) and weight
                  (b = k, LO = 0, taps past the filter 0) regrouped R0 x R1 x R2 into the channels, so that the
@@ -97,14 +99,23 @@ def bf16_nearest(v):
 
 
 @triton.jit
-def split_bf16x3(x, y, N: tl.constexpr, LO_BLOCK: tl.constexpr, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+def split_bf16(x, y, N: tl.constexpr, PARTS: tl.constexpr, ORDER: tl.constexpr, BLOCK: tl.constexpr,
+               WIDE: tl.constexpr):
     i = wide_index(tl.program_id(0), WIDE) * BLOCK + tl.arange(0, BLOCK)
     inside = i < N
     v = tl.load(x + i, mask=inside, other=0.0)
-    hi = bf16_nearest(v)
-    lo = bf16_nearest(v - hi)  # v - hi is exact in f32
-    for j in tl.static_range(3):
-        tl.store(y + j * N + i, (lo if j == LO_BLOCK else hi).to(tl.bfloat16), mask=inside)
+    p0 = bf16_nearest(v)
+    p1 = bf16_nearest(v - p0)
+    p2 = p1
+    if PARTS == 3:
+        p2 = bf16_nearest((v - p0) - p1)
+    for j in tl.static_range(len(ORDER)):
+        part = p0
+        if ORDER[j] == 1:
+            part = p1
+        elif ORDER[j] == 2:
+            part = p2
+        tl.store(y + j * N + i, part.to(tl.bfloat16), mask=inside)
 
 
 @triton.jit

@@ -818,7 +818,7 @@ def compile_launch(launch: Launch, arch: str) -> Binary:
 # --- the steps around the GEMM cores, for runtimes that launch the kernels themselves (kernels/elementwise.py)
 
 ELEMENTWISE_KERNELS = ("sum_partials", "round_fp8", "transpose_planes", "pad_planes", "space_to_depth",
-                       "split_bf16x3")
+                       "split_bf16")
 ELEMENTWISE_BLOCK = 1024
 # sum_partials: programs to aim for (two per SM of the largest GPUs)
 SUM_PROGRAMS = 264
@@ -854,11 +854,21 @@ def round_fp8_launch(elements: int, dtype: str, kind: str, base: str, as_fp8: bo
 
 
 
-def split_bf16x3_launch(elements: int, lo_block: int, base: str) -> Launch:
-    """`elements` f32 values split into bf16 hi and lo, stored three times over ([3, elements]) with lo in block
-    `lo_block` (passes/bf16x3.py: 2 for operand A, 1 for B)."""
-    consts = dict(N=elements, LO_BLOCK=lo_block, BLOCK=ELEMENTWISE_BLOCK, WIDE=3 * elements >= WIDE_ELEMENTS)
-    return Launch("split_bf16x3", f"{base}_split_bf16x3_{lo_block}", ("fp32", "bf16"), tuple(consts.items()),
+# f32 operands of the 16-bit kernels as stacked bf16 parts (kernels/elementwise.split_bf16): per product kept, the
+# parts of operand A and of operand B.  bf16x3: hi x hi, hi x lo, lo x hi (passes/bf16x3.py; the rules' split);
+# bf16x6 adds the three products of about 2^-16 (hi x lo2, lo2 x hi, lo x lo), leaving out what is about 2^-24 of a
+# product: measured for exact f32, not taken (its six-fold sums lost accuracy; docs/decisions.md#bf16x3-grad-weight-tma)
+SPLIT_PRODUCTS = {"bf16x3": ((0, 0), (0, 1), (1, 0)),
+                  "bf16x6": ((0, 0), (0, 1), (1, 0), (0, 2), (2, 0), (1, 1))}
+
+
+def split_bf16_launch(elements: int, split: str, operand: int, base: str) -> Launch:
+    """`elements` f32 values split into bf16 parts, stored once per product of `split` (SPLIT_PRODUCTS) in the
+    order of the products: operand 0 (A) or 1 (B)'s part of each."""
+    order = tuple(pair[operand] for pair in SPLIT_PRODUCTS[split])
+    consts = dict(N=elements, PARTS=max(order) + 1, ORDER=order, BLOCK=ELEMENTWISE_BLOCK,
+                  WIDE=len(order) * elements >= WIDE_ELEMENTS)
+    return Launch("split_bf16", f"{base}_split_{split}_{operand}", ("fp32", "bf16"), tuple(consts.items()),
                   (-(-elements // ELEMENTWISE_BLOCK), 1, 1), 4, 1)
 
 
