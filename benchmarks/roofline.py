@@ -17,7 +17,6 @@ import argparse
 import csv
 import io
 import json
-import math
 import os
 import subprocess
 import sys
@@ -26,10 +25,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.suite import minimal_bytes  # noqa: E402
+
 # H100 SXM datasheet peaks (dense): FLOP/s per compute type, and the memory's bytes/s
 PEAK_FLOPS = {"fp8": 1979e12, "16-bit": 989e12, "tf32": 495e12, "f32": 67e12}
 MEMORY_BYTES_PER_S = 3.35e12
-ELEMENT_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 SECTION_METRICS = {"Duration": "duration", "Compute (SM) Throughput": "sm_pct", "DRAM Throughput": "dram_pct",
                    "L2 Cache Throughput": "l2_pct", "Memory Throughput": "memory_pct"}
 
@@ -40,8 +40,7 @@ def floor_s(p) -> tuple[float, str, float]:
         kind = "tf32" if p.tf32 or p.bf16x3 else "f32"
     else:
         kind = "fp8" if p.fp8_compute else "16-bit"
-    element = ELEMENT_BYTES[p.dtype]
-    moved = element * (sum(math.prod(s) for s in p.arg_shapes) + math.prod(p.result_shape))
+    moved = minimal_bytes(p)
     return max(p.flops / PEAK_FLOPS[kind], moved / MEMORY_BYTES_PER_S), kind, moved
 
 

@@ -154,3 +154,19 @@ def test_variants_table_sets_the_blocking_into_call_beside_the_polled_one():
     assert "| 1.250 | 0.80x |" in a_row and "WRONG" not in a_row
     assert "WRONG" in b_row  # the blocking call's own error is gated
     assert rows[-1].endswith("convdsl (blocking $into) 0.800x over 1 cases")  # wrong results left out
+
+
+def test_roofline_floor_takes_the_compute_type_and_the_slower_bound():
+    from benchmarks.roofline import MEMORY_BYTES_PER_S, PEAK_FLOPS, floor_s
+
+    (ck11,) = [c.problem for c in load_suite(names=["ck11_wgrad_3d_g8_f16"])]
+    floor, kind, moved = floor_s(ck11)
+    assert kind == "16-bit" and moved == minimal_bytes(ck11)
+    assert floor == max(ck11.flops / PEAK_FLOPS["16-bit"], moved / MEMORY_BYTES_PER_S) == ck11.flops / 989e12
+    assert floor_s(ck11.with_(compute=("bf8", "fp8")))[1] == "fp8"
+    f32 = ck11.with_(dtype="f32")
+    assert floor_s(f32)[1] == "f32" and floor_s(f32.with_(compute="tf32"))[1] == "tf32"
+    assert floor_s(f32)[0] == pytest.approx(ck11.flops / 67e12)
+    # a depthwise gradient is bound by its bytes
+    (dw,) = [c.problem for c in load_suite(names=["mbv2_dw_wgrad"])]
+    assert floor_s(dw)[0] == minimal_bytes(dw) / MEMORY_BYTES_PER_S
