@@ -107,22 +107,27 @@ def _issue(x_desc, w_desc, a_buf, b_buf, bar, step, n, c0, c1, c2, g, off_k,
 
 
 @gluon.jit
+def _forward_product(a_buf, b_buf, acc, FLIPPED: gl.constexpr, PROMOTE: gl.constexpr):
+    # one step's product, issued: A is X's [BLOCK_M, BLOCK_K] window, B the weight's tile ([BLOCK_K, BLOCK_N]
+    # already where FLIPPED, stored N-major: wgmma reads 16-bit B either way; else [BLOCK_N, BLOCK_K])
+    if FLIPPED:
+        acc = warpgroup_mma(a_buf, b_buf, acc, is_async=True)
+    elif PROMOTE > 0:  # fp8: each step's products summed in wgmma's own accumulator, then added in f32
+        acc = warpgroup_mma(a_buf, b_buf.permute((1, 0)), acc, max_num_imprecise_acc=PROMOTE, is_async=True)
+    else:
+        acc = warpgroup_mma(a_buf, b_buf.permute((1, 0)), acc, is_async=True)
+    return acc
+
+
+@gluon.jit
 def _forward_products(a_bufs, b_bufs, ready, empty, steps, acc, FLIPPED: gl.constexpr, PROMOTE: gl.constexpr,
                       STAGES: gl.constexpr):
-    # one step's product: A is X's [BLOCK_M, BLOCK_K] window, B the weight's tile ([BLOCK_K, BLOCK_N] already
-    # where FLIPPED, stored N-major: wgmma reads 16-bit B either way; else [BLOCK_N, BLOCK_K]); one product in
-    # flight, and once the step before is done its stage is released (empty: None where the kernel issues its
-    # own copies)
+    # the product warps of the warp-specialised kernel: one product in flight, and once the step before is done
+    # its stage is released
     for step in range(steps):
         st = step % STAGES
         mbarrier.wait(ready.index(st), (step // STAGES) & 1)
-        if FLIPPED:
-            acc = warpgroup_mma(a_bufs.index(st), b_bufs.index(st), acc, is_async=True)
-        elif PROMOTE > 0:  # fp8: each step's products summed in wgmma's own accumulator, then added in f32
-            acc = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)), acc,
-                                max_num_imprecise_acc=PROMOTE, is_async=True)
-        else:
-            acc = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)), acc, is_async=True)
+        acc = _forward_product(a_bufs.index(st), b_bufs.index(st), acc, FLIPPED, PROMOTE)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=step > 0)
     return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -194,13 +199,7 @@ def forward_tma(x_desc, w_desc, y_desc,
         for step in range(STEPS):
             s = step % STAGES
             mbarrier.wait(bars.index(s), (step // STAGES) & 1)
-            if FLIPPED:  # the tile is [BLOCK_K, BLOCK_N] already, stored N-major (wgmma reads 16-bit B either way)
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
-            elif PROMOTE > 0:  # fp8: each step's products summed in wgmma's own accumulator, then added in f32
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc,
-                                    max_num_imprecise_acc=PROMOTE, is_async=True)
-            else:
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            acc = _forward_product(a_bufs.index(s), b_bufs.index(s), acc, FLIPPED, PROMOTE)
             # the previous step's product is done: its stage takes the copies of step + STAGES - 1
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             nxt = step + STAGES - 1
