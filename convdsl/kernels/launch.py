@@ -518,7 +518,7 @@ def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: 
     taps = math.prod(p.filter)
     lower, upper = im2col_box(p)
     # a tile wider than C spans taps: one im2col box per tap; the f32 partials leave in boxes of at most 128
-    # columns (a 128 x 256 f32 tile does not fit shared memory beside the ring)
+    # columns, through one 64 KB buffer that reuses the ring's shared memory (a 256-wide tile in two halves)
     maps = (
         TmaMap(0, (p.batch, *p.input, g * c), (tiles.block_k, min(tiles.block_n, c)), im2col=True, lower=lower,
                upper=upper, element_strides=(1, *p.stride, 1)),
