@@ -853,3 +853,20 @@ print(json.dumps(out))
         wide = values.astype(np.float64)
         want = np.clip(wide, -FP8_MAX[kind], FP8_MAX[kind]).astype(dtype).astype(np.float64)
         assert np.array_equal(np.asarray(result), want), kind
+
+
+@needs_gluon
+def test_swapped_forward_compiles_flipped_and_plain():
+    # SWAPPED (probe benchmarks/probes/tma_swapped.py, docs/decisions.md#tma-narrow): the weight tile as wgmma's A,
+    # read K-major (plain) or through a transposed view (FLIPPED, grad_input's own weight), the window as B
+    from convdsl.kernels.launch import compile_tma_launch
+
+    p = BASE.with_(in_channels=64, out_channels=64, dtype="f16")
+    tiles = TileConfig(128, 64, 64, warps=4, stages=4)
+    for flipped in (False, True):
+        launch, maps = forward_tma_launch(p, tiles, "k", flipped=flipped, swapped=True)
+        assert dict(launch.constants)["SWAPPED"] is True
+        binary, _, kinds = compile_tma_launch(launch, maps, "sm_90")
+        assert binary.threads == 128 and kinds.count("map") == 3
+        # the ring: 4 stages of a 128 x 64 window and a 64 x 64 weight tile, 16-bit
+        assert binary.shared_bytes >= 4 * (128 * 64 + 64 * 64) * 2

@@ -471,7 +471,7 @@ def im2col_box(p: ConvProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bool = False, promote: int = 0,
-                       specialised: bool = False) -> tuple[Launch, tuple[TmaMap, ...]]:
+                       specialised: bool = False, swapped: bool = False) -> tuple[Launch, tuple[TmaMap, ...]]:
     """Forward (NHWGC, GKYXC) on kernels/tma.forward_tma: X through an im2col map over (N, *spatial, G*C), W as a
     [G*K, taps*C] matrix, Y as [N*O, G*K]; one program per (row tile, column tile, group).  flipped: p is a
     stride-1 grad_input as forward (policy.grad_input_as_forward), whose weight the kernel reads as grad_input's
@@ -479,7 +479,8 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
     copies (policy.tma_stream_launch stages them); promote: the channels whose products wgmma sums in its own
     accumulator before adding them to the f32 one (0: all; policy.tma_fp8_promote).  specialised: a warp of its
     own issues the copies (measured no faster on the suite's forwards; the rules leave it off,
-    docs/decisions.md#tma-wgrad-specialised)."""
+    docs/decisions.md#tma-wgrad-specialised).  swapped (16-bit): the product transposed, the weight tile as wgmma's A
+    (measured no faster; the rules leave it off, docs/decisions.md#tma-narrow)."""
     c, k, g = p.in_channels, p.out_channels, p.groups
     rows = p.batch * math.prod(p.output)
     lower, upper = im2col_box(p)
@@ -493,7 +494,7 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
     )
     consts = dict(O=pad3(p.output, 1), F=pad3(p.filter, 1), S=pad3(p.stride, 1), D=pad3(p.dilation, 1),
                   LO=pad3(p.pad_lo, 0), C=c, K=k, DIMS=p.dims, STAGES=tiles.stages, FLIPPED=flipped,
-                  PROMOTE=promote, SPECIALISED=specialised)
+                  PROMOTE=promote, SPECIALISED=specialised, SWAPPED=swapped)
     grid = check_grid(base, (-(-rows // tiles.block_m), -(-k // tiles.block_n), g))
     elem = ELEMENT[p.dtype]
     x_elem, w_elem = (FP8_ELEMENT[p.compute[0]], FP8_ELEMENT[p.compute[1]]) if p.fp8_compute else (elem, elem)

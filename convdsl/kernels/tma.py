@@ -18,6 +18,10 @@ a multiple of BLOCK_N, so that no copy reaches into the next group or tap (polic
 FLIPPED: stride-1 grad_input as this forward over dY (policy.grad_input_as_forward), reading grad_input's own
 weight [G * C, taps * K] (its K is this kernel's C) with the taps in reverse order, in [BLOCK_K, BLOCK_N] tiles.
 
+SWAPPED (forward_tma, 16-bit): the product transposed, Y^T[k, m] = sum W[k, (t, c)] X^T[(t, c), m], the weight
+tile as wgmma's A and the window as its N-major B; its accumulator is the tile transposed, stored transposed.
+Measured no faster than the rule's tiles (docs/decisions.md#tma-narrow); the rules leave it off.
+
 SPECIALISED (grad_weight_tma, forward_tma): the copies are issued by a warp of its own (gl.warp_specialize) that
 waits on each stage's `empty` barrier, which the product warps arrive at once the stage's product is done; without
 it the product warps issue the copies themselves, after a barrier of all of them.
@@ -107,10 +111,16 @@ def _issue(x_desc, w_desc, a_buf, b_buf, bar, step, n, c0, c1, c2, g, off_k,
 
 
 @gluon.jit
-def _forward_product(a_buf, b_buf, acc, FLIPPED: gl.constexpr, PROMOTE: gl.constexpr):
+def _forward_product(a_buf, b_buf, acc, FLIPPED: gl.constexpr, PROMOTE: gl.constexpr, SWAPPED: gl.constexpr):
     # one step's product, issued: A is X's [BLOCK_M, BLOCK_K] window, B the weight's tile ([BLOCK_K, BLOCK_N]
-    # already where FLIPPED, stored N-major: wgmma reads 16-bit B either way; else [BLOCK_N, BLOCK_K])
-    if FLIPPED:
+    # already where FLIPPED, stored N-major: wgmma reads 16-bit B either way; else [BLOCK_N, BLOCK_K]).
+    # SWAPPED (16-bit): the transposed product acc^T[BLOCK_N, BLOCK_M] += W^T X^T, the weight as wgmma's A
+    if SWAPPED:
+        if FLIPPED:
+            acc = warpgroup_mma(b_buf.permute((1, 0)), a_buf.permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(b_buf, a_buf.permute((1, 0)), acc, is_async=True)
+    elif FLIPPED:
         acc = warpgroup_mma(a_buf, b_buf, acc, is_async=True)
     elif PROMOTE > 0:  # fp8: each step's products summed in wgmma's own accumulator, then added in f32
         acc = warpgroup_mma(a_buf, b_buf.permute((1, 0)), acc, max_num_imprecise_acc=PROMOTE, is_async=True)
@@ -121,13 +131,13 @@ def _forward_product(a_buf, b_buf, acc, FLIPPED: gl.constexpr, PROMOTE: gl.const
 
 @gluon.jit
 def _forward_products(a_bufs, b_bufs, ready, empty, steps, acc, FLIPPED: gl.constexpr, PROMOTE: gl.constexpr,
-                      STAGES: gl.constexpr):
+                      SWAPPED: gl.constexpr, STAGES: gl.constexpr):
     # the product warps of the warp-specialised kernel: one product in flight, and once the step before is done
     # its stage is released
     for step in range(steps):
         st = step % STAGES
         mbarrier.wait(ready.index(st), (step // STAGES) & 1)
-        acc = _forward_product(a_bufs.index(st), b_bufs.index(st), acc, FLIPPED, PROMOTE)
+        acc = _forward_product(a_bufs.index(st), b_bufs.index(st), acc, FLIPPED, PROMOTE, SWAPPED)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=step > 0)
     return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
@@ -151,8 +161,10 @@ def forward_tma(x_desc, w_desc, y_desc,
                 # output pixels, filter, stride, dilation, low padding per spatial dimension (3 each; 2D: first 1)
                 O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
                 C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr, STAGES: gl.constexpr,
-                FLIPPED: gl.constexpr, PROMOTE: gl.constexpr, SPECIALISED: gl.constexpr, num_warps: gl.constexpr):
-    # SPECIALISED: one warp of its own issues the copies, the num_warps product warps only wait for them
+                FLIPPED: gl.constexpr, PROMOTE: gl.constexpr, SPECIALISED: gl.constexpr, SWAPPED: gl.constexpr,
+                num_warps: gl.constexpr):
+    # SPECIALISED: one warp of its own issues the copies, the num_warps product warps only wait for them.
+    # SWAPPED: the accumulator is the tile transposed, [BLOCK_N, BLOCK_M] (16-bit only; see _forward_product)
     BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -179,12 +191,15 @@ def forward_tma(x_desc, w_desc, y_desc,
         b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     bars = _barriers(STAGES)
 
-    acc = _zero_accumulator(BLOCK_M, BLOCK_N, 256 // dtype.primitive_bitwidth, num_warps)
+    if SWAPPED:
+        acc = _zero_accumulator(BLOCK_N, BLOCK_M, 256 // dtype.primitive_bitwidth, num_warps)
+    else:
+        acc = _zero_accumulator(BLOCK_M, BLOCK_N, 256 // dtype.primitive_bitwidth, num_warps)
 
     if SPECIALISED:
         empty = _barriers(STAGES)
         acc = gl.warp_specialize([
-            (_forward_products, (a_bufs, b_bufs, bars, empty, STEPS, acc, FLIPPED, PROMOTE, STAGES)),
+            (_forward_products, (a_bufs, b_bufs, bars, empty, STEPS, acc, FLIPPED, PROMOTE, SWAPPED, STAGES)),
             (_forward_loads, (x_desc, w_desc, a_bufs, b_bufs, bars, empty, STEPS, n, c0, c1, c2, g, off_k,
                               F, D, C, K, DIMS, BLOCK_K, FLIPPED, STAGES)),
         ], [1], [40])
@@ -199,7 +214,7 @@ def forward_tma(x_desc, w_desc, y_desc,
         for step in range(STEPS):
             s = step % STAGES
             mbarrier.wait(bars.index(s), (step // STAGES) & 1)
-            acc = _forward_product(a_bufs.index(s), b_bufs.index(s), acc, FLIPPED, PROMOTE)
+            acc = _forward_product(a_bufs.index(s), b_bufs.index(s), acc, FLIPPED, PROMOTE, SWAPPED)
             # the previous step's product is done: its stage takes the copies of step + STAGES - 1
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             nxt = step + STAGES - 1
@@ -212,7 +227,10 @@ def forward_tma(x_desc, w_desc, y_desc,
         mbarrier.invalidate(bars.index(i))
 
     y_smem = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
-    y_smem.store(acc.to(y_desc.dtype))
+    if SWAPPED:
+        y_smem.store(gl.permute(acc, (1, 0)).to(y_desc.dtype))
+    else:
+        y_smem.store(acc.to(y_desc.dtype))
     fence_async_shared()
     tma.async_store(y_desc, [off_m, g * K + off_k], y_smem)
     tma.store_wait(pendings=0)

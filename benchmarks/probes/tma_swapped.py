@@ -1,0 +1,101 @@
+"""Probe: the TMA forward kernel (kernels/tma.forward_tma: forwards, and stride-1 grad_inputs run as forwards of dY)
+with its product transposed (SWAPPED: the weight tile as wgmma's A, the pixels as its N), against the rule's tiles
+and against cuDNN, per tile.
+
+    python3 benchmarks/probes/tma_swapped.py build P.convk      # where Triton 3.9 is (no GPU needed)
+    python3 benchmarks/probes/tma_swapped.py run P.convk OUT.json   # on an H100/H200
+
+Why: with 64 output columns each wgmma is m64 n64 k16, which reads as many bytes of shared memory per product
+(A's 64 x 16 and B's 16 x 64) as the SM's shared memory delivers at the tensor cores' rate; transposed, the 64
+columns are wgmma's M and the pixels its N (up to 256), a third fewer bytes per product.
+Problems: the suite's 16-bit kernels on the TMA forward kernel with at most 128 output columns (and their
+forwards, benchmarks/torch_bench.problems), and ResNet-50's stride-1 3x3 grad_input at 64 channels.  Variants:
+"rule" (policy.tma_forward_tiles), "sw-t<M>x<N>x<K>w<warps>s<stages>" (transposed, those tiles: M pixels, N
+output columns); a variant that does not fit shared memory is left out.
+"""
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
+from functools import partial
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = ("rule", "sw-t256x64x64w4s4", "sw-t256x64x64w4s3", "sw-t256x64x64w8s4", "sw-t128x64x64w4s4",
+            "sw-t256x128x64w8s3", "sw-t128x128x64w4s4")
+
+
+def _compile(job):
+    from convdsl import policy
+    from convdsl.kernels import launch
+    from convdsl.kernels.tiles import parse_tiles
+    from convdsl.stream import plan_stream_kernel
+    from convdsl.targets import Target
+    from convdsl.tuning.knobs import Knobs
+
+    p, variant = job
+    rule_tiles = policy.tma_forward_tiles
+    forced = parse_tiles(variant[3:]) if variant.startswith("sw-") else None
+    with ExitStack() as patches:
+        patches.enter_context(mock.patch.object(policy, "tma_forward_tiles",
+                                                lambda q, target: forced or rule_tiles(q, target)))
+        patches.enter_context(mock.patch.object(policy, "forward_tma_launch", partial(
+            launch.forward_tma_launch, swapped=forced is not None)))
+        try:
+            return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
+                                      compile=True, tma=True)
+        except Exception as e:  # a ring too deep for shared memory, a layout the kernel cannot take
+            print(f"{p.name}:{variant}: not built ({str(e).splitlines()[0][:160]})", flush=True)
+            return None
+
+
+def _takes_forward_tma(p) -> bool:
+    from convdsl import policy
+    from convdsl.targets import Target
+
+    hopper = Target("cuda", "sm_90")
+    if p.dtype not in ("f16", "bf16") or p.fp8_compute:
+        return False
+    q = p if p.op == "forward" else policy.grad_input_as_forward(p)
+    return q is not None and q.out_channels <= 128 and policy.tma_forward_reason(q, hopper) is None
+
+
+def build(out: Path) -> None:
+    from benchmarks.torch_bench import problems
+    from convdsl import stream
+    from convdsl.targets import Target
+
+    found = [p for p in problems([]) if _takes_forward_tma(p)]
+    # 2D stride-1 grad_inputs with 64 output channels outside the suite: ResNet's first stage at other sizes and
+    # batches, 128 -> 64 channels, and a VGG-like 112x112 layer
+    base = next(p for p in found if p.name == "r50_3x3_s1_dgrad")
+    found += [base.with_(name=f"dgrad2d_k{k}_c64_{size}_n{n}", batch=n, out_channels=k, input=(size, size))
+              for k, size, n in ((64, 56, 32), (64, 112, 16), (128, 56, 64), (128, 28, 64), (64, 28, 128))]
+    found += [base.with_(name="dgrad2d_k64_c64_5x5_56_n32", batch=32, filter=(5, 5), pad_lo=(2, 2), pad_hi=(2, 2))]
+    print("problems:", [p.name for p in found], flush=True)
+    with ProcessPoolExecutor(2) as pool:
+        kernels = [k for k in pool.map(_compile, [(p, v) for p in found for v in VARIANTS]) if k is not None]
+    hopper = Target("cuda", "sm_90").gpu
+    kernels = [k for k in kernels if all(sl.binary.shared_bytes <= hopper.workgroup_memory for sl in k.launches)]
+    stream.save_bundle(kernels, out)
+    print(f"wrote {out}: {len(kernels)} kernels")
+
+
+def run(bundle: Path, result: Path) -> None:
+    from benchmarks.probes.tma_forward import timed_rows, write_record
+
+    write_record(result, "python3 benchmarks/probes/tma_swapped.py run P.convk OUT.json", timed_rows(bundle))
+
+
+def main(argv=None) -> int:
+    from benchmarks.probes.tma_forward import probe_main
+
+    return probe_main(__doc__, build, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
