@@ -24,6 +24,11 @@ _SM90_TARGET_INFO = (
 )
 IR_DESCRIBED_ARCHS = {"sm_90": _SM90_TARGET_INFO}
 
+# Every module is compiled without IREE's compile-time evaluation of constant globals: convdsl's modules take
+# their operands as arguments, so the pass only JIT-compiles and runs a few index computations, for 0.4-0.6 s of
+# each compile (docs/decisions.md#no-const-eval).
+NO_CONST_EVAL = "--iree-opt-const-eval=false"
+
 
 class TargetError(ValueError):
     pass
@@ -164,11 +169,11 @@ class Target:
         named matmuls of the im2col form (docs/decisions.md#cpu-im2col)."""
         if self.backend == "cpu":
             device = ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
-                      f"--iree-llvmcpu-target-cpu={self.arch}"]
+                      f"--iree-llvmcpu-target-cpu={self.arch}", NO_CONST_EVAL]
             return [*device, "--iree-opt-data-tiling", "--iree-llvmcpu-enable-ukernels=all"] if data_tiling \
                 else device
         # IREE's own split reduction for the reductions convdsl leaves whole (docs/decisions.md#iree-split-reduction)
-        gpu = ["--iree-dispatch-creation-enable-split-reduction"]
+        gpu = ["--iree-dispatch-creation-enable-split-reduction", NO_CONST_EVAL]
         if self.device_targets_attr() is not None:
             return gpu  # the device comes from the module's hal.device.targets
         if self.backend == "cuda":
