@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .backends.into_call import IntoCall
+from .backends.into_call import IntoCall, default_wait
 
 # DLPack device types (dlpack.h)
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_ROCM = 1, 2, 3, 10
@@ -115,7 +115,8 @@ class DLPackKernel:
         call = self._calls.get(key)
         if call is None:
             loaded = self.module.loaded
-            call = self._calls[key] = IntoCall(loaded.context, loaded.vm_module, self.problem.name, views, out_view)
+            call = self._calls[key] = IntoCall(loaded.context, loaded.vm_module, self.problem.name, views, out_view,
+                                               wait=default_wait(self.module.target.driver))
         call.call(call.pack(views, out=out_view))
         return out
 

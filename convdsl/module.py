@@ -7,14 +7,17 @@ was built for.  Needs only `iree.runtime`: deployed `.vmfb` files are loaded wit
 from __future__ import annotations
 
 import json
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from . import __version__
+from . import __version__, policy
 from .abi import ASYNC_SUFFIX, INTO_SUFFIX
+from .backends.into_call import IntoCall
 from .backends.iree import LoadedModule, iree_version
 from .problem import ConvProblem, problem_to_spec
 from .reference import NUMPY_DTYPES
@@ -89,6 +92,22 @@ def manifest(problems: Sequence[ConvProblem], target: Target,
     }
 
 
+def _memory_bytes() -> int:
+    """The machine's physical memory in bytes (0 where the OS does not say: then no workspace is kept)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _result_shape(p: ConvProblem, args: Sequence[np.ndarray]) -> tuple[int, ...]:
+    """The result's shape for these arguments: with `batch = ?`, at the activations' batch."""
+    if not p.dynamic_batch:
+        return p.result_shape
+    first = next(a for a, s in zip(args, p.arg_shapes) if s != p.w_shape)
+    return p.with_(batch=int(first.shape[p.batch_axis("x")]), dynamic_batch=False).result_shape
+
+
 def _manifest_shape(p: ConvProblem, shape: tuple[int, ...]) -> list:
     sizes: list = list(shape)
     if p.dynamic_batch and shape != p.w_shape:
@@ -114,7 +133,7 @@ class Kernel:
     def __call__(self, *args: np.ndarray) -> np.ndarray:
         self.check_args(args)
         self._check_same_batch(args)
-        return self.module.loaded.call(self.problem.name, *args, out_dtype=self.problem.result_dtype)
+        return self.module.call(self.problem, args)
 
     def _check_same_batch(self, args: Sequence[np.ndarray]) -> None:
         p = self.problem
@@ -157,12 +176,56 @@ class CompiledModule:
         # per kernel, what its knobs over IREE's configuration became (compiler.iree_config_notes); None: unknown
         self.iree_config = dict(iree_config) if iree_config is not None else None
         self._loaded: Optional[LoadedModule] = None
+        # per kernel: the argument shapes of its last call, and the destination-passing call with the workspace it
+        # keeps for them (None: it keeps none; see call)
+        self._into_calls: dict[str, tuple[tuple, Optional[IntoCall]]] = {}
+        self._calling = threading.Lock()
 
     @property
     def loaded(self) -> LoadedModule:
         if self._loaded is None:
             self._loaded = LoadedModule(self.vmfb, self.target)
         return self._loaded
+
+    def call(self, p: ConvProblem, args: Sequence[np.ndarray]) -> np.ndarray:
+        """Kernel p on host arrays (checked by Kernel), its result as a new host array.
+
+        On the CPU, a kernel with a large workspace is called through its destination-passing twin
+        (convdsl/abi.py) with a workspace kept from its first call on (and made again when its argument shapes
+        change), where policy.cpu_keeps_workspace says so; other kernels, and GPU ones (whose allocations IREE
+        makes stream-ordered, from a pool), through the allocating function.  Calls of one module that keep a
+        workspace run one at a time."""
+        loaded = self.loaded
+        device_args = [loaded.upload(a) for a in args]
+        into = self._kept_workspace_call(p, args, device_args) if self.target.backend == "cpu" else None
+        if into is None:
+            return loaded.call(p.name, *device_args, out_dtype=p.result_dtype)
+        # a new result buffer each call, returned as it is (the host array of a CPU buffer maps it)
+        out = loaded.allocate_result(_result_shape(p, args), p.result_dtype)
+        with self._calling:
+            into.call(into.pack([a._buffer_view for a in device_args], out=out))
+        return loaded.download_view(out, p.result_dtype)
+
+    def _kept_workspace_call(self, p: ConvProblem, args: Sequence[np.ndarray], device_args: Sequence
+                             ) -> Optional[IntoCall]:
+        """The destination-passing call of p for these argument shapes, with its kept workspace, or None where p
+        keeps none (policy.cpu_keeps_workspace)."""
+        shapes = tuple(tuple(a.shape) for a in args)
+        with self._calling:
+            known = self._into_calls.get(p.name)
+            if known is not None and known[0] == shapes:
+                return known[1]
+            self._into_calls.pop(p.name, None)
+            loaded = self.loaded
+            if loaded.vm_module.lookup_function(p.name + INTO_SUFFIX) is None:
+                return None  # a module compiled before convdsl exported the twin
+            # the workspace is allocated here (address space only: its pages come with the first call)
+            into = IntoCall(loaded.context, loaded.vm_module, p.name, [a._buffer_view for a in device_args],
+                            loaded.allocate_result(_result_shape(p, args), p.result_dtype), wait="block")
+            kept = sum(c.workspace_bytes for _, c in self._into_calls.values() if c is not None)
+            keep = policy.cpu_keeps_workspace(into.workspace_bytes, kept, _memory_bytes())
+            self._into_calls[p.name] = (shapes, into if keep else None)
+            return into if keep else None
 
     def __getattr__(self, name: str) -> Kernel:
         problems = self.__dict__.get("problems", {})

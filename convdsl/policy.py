@@ -213,6 +213,28 @@ def cpu_depthwise_channels(channels: int) -> int:
     return max(channels, CPU_DEPTHWISE_CHANNELS)
 
 
+# CPU calls through the Python API (module.CompiledModule.call): the smallest workspace a kernel keeps from call to
+# call, and the share of the machine's memory a module's kept workspaces may take at most
+CPU_KEPT_WORKSPACE_LEAST = 32 * 2**20
+CPU_KEPT_WORKSPACE_SHARE = 0.25
+
+
+def cpu_keeps_workspace(workspace_bytes: int, kept_bytes: int, memory_bytes: int) -> bool:
+    """Whether a CPU kernel called from the Python API keeps its workspace (the transients of its destination-passing
+    twin, convdsl/abi.py) from one call to the next, given the bytes its module keeps already and the machine's.
+
+    The allocating function takes a fresh workspace each call, and memory freshly mapped is faulted in again by
+    the kernel: CK 15's 3D grad_input (1.2 GB of transients at batch 4) took 1.46 s a call against 0.74 s with
+    the workspace kept.  Below CPU_KEPT_WORKSPACE_LEAST (glibc's largest mmap threshold) malloc serves the next
+    call from the memory the last one freed, and a kept workspace measured slower: it leaves malloc's threshold
+    low, so that the inputs and the result are mapped afresh every call (MobileNetV2's depthwise grad_input, 7 MB,
+    5-8 ms -> 17-20 ms).  Kept workspaces stop at CPU_KEPT_WORKSPACE_SHARE of the memory, so that a module of
+    large kernels (U-Net's 3D grad_weight keeps 7.7 GB at batch 4) does not hold it all
+    (docs/decisions.md#kept-workspace)."""
+    return (workspace_bytes >= CPU_KEPT_WORKSPACE_LEAST
+            and kept_bytes + workspace_bytes <= CPU_KEPT_WORKSPACE_SHARE * memory_bytes)
+
+
 # The zero border around X or dY: the forms, and what each builds.
 PAD_FORMS = {
     "insert": "zeros + tensor.insert_slice",

@@ -141,7 +141,7 @@ def test_polling_call_runs_the_fenced_twin_and_matches_the_blocking_call(module,
     inputs = random_inputs(p, seed=4)
     dev = [module.upload(a) for a in inputs]
     views = [d._buffer_view for d in dev]
-    polling = module.into_call(p.name, dev, p.result_shape, p.result_dtype)
+    polling = module.into_call(p.name, dev, p.result_shape, p.result_dtype, wait="poll")
     blocking = IntoCall(module.context, module.vm_module, p.name, views, allocate_result(
         module.device, p.result_shape, polling.out.element_type, 4 if p.result_dtype == "f32" else 2), wait="block")
     assert polling.async_function is not None and blocking.async_function is None

@@ -13,6 +13,14 @@ MIN_WORKSPACE_BYTES = 256  # a kernel without transients still takes a (tiny) bu
 # through IREE's completion thread, microseconds after the work is done (docs/decisions.md#poll-the-fence);
 # polling costs a CPU core meanwhile.  Longer calls block: the wake-up is small beside them.
 SPIN_SECONDS = 0.002
+# IREE's drivers whose work runs on the host's own cores (the local-task device's workers): their calls block, for
+# a polling caller would take a core from the kernel (docs/decisions.md#kept-workspace)
+HOST_DRIVERS = ("local-task", "local-sync")
+
+
+def default_wait(driver: str) -> str:
+    """How a call on `driver` waits for its work: "block" where the host's cores run it, else "poll"."""
+    return "block" if driver in HOST_DRIVERS else "poll"
 
 
 def allocate_result(device, shape: Sequence[int], element_type, bytes_per_element: int):

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..abi import INTO_SUFFIX
 from ..targets import Target, TargetError
-from .into_call import IntoCall, allocate_result
+from .into_call import IntoCall, allocate_result, default_wait
 from .iree_cpu_config import DistributionRule, with_distribution
 
 
@@ -227,11 +227,18 @@ class LoadedModule:
         raw = rt.HalBufferView(view.get_buffer(), list(view.shape), rt.HalElementType.UINT_16)
         return np.array(rt.DeviceArray(self.device, raw, implicit_host_transfer=True).to_host(), copy=True)
 
-    def into_call(self, name: str, device_args: Sequence, out_shape: Sequence[int], out_dtype: str):
+    def allocate_result(self, shape: Sequence[int], dtype: str):
+        """A result buffer view of this shape and dtype on the module's device, for a destination-passing call."""
+        return allocate_result(self.device, shape, _element_type(dtype), ELEMENT_TYPES[dtype][1])
+
+    def into_call(self, name: str, device_args: Sequence, out_shape: Sequence[int], out_dtype: str,
+                  wait: Optional[str] = None):
         """A reusable destination-passing call of kernel `name` (convdsl/abi.py): `call.call(call.pack(views))`
-        writes the result into `call.out`, a buffer allocated once, with a workspace allocated once."""
-        out = allocate_result(self.device, out_shape, _element_type(out_dtype), ELEMENT_TYPES[out_dtype][1])
-        return IntoCall(self.context, self.vm_module, name, [a._buffer_view for a in device_args], out)
+        writes the result into `call.out`, a buffer allocated once, with a workspace allocated once.  wait: how
+        a call waits (IntoCall); by default it blocks on the CPU and polls on a GPU (into_call.default_wait)."""
+        out = self.allocate_result(out_shape, out_dtype)
+        return IntoCall(self.context, self.vm_module, name, [a._buffer_view for a in device_args], out,
+                        wait=wait or default_wait(self.driver or self.target.driver))
 
     def download_view(self, view, out_dtype: Optional[str] = None) -> np.ndarray:
         """A result buffer view (e.g. IntoCall.out) -> host array."""
