@@ -206,6 +206,11 @@ class CompiledModule:
             into.call(into.pack([a._buffer_view for a in device_args], out=out))
         return loaded.download_view(out, p.result_dtype)
 
+    def clear_workspaces(self) -> None:
+        """Give back the workspaces the module's kernels keep (see call); the next calls make them again."""
+        with self._calling:
+            self._into_calls.clear()
+
     def _kept_workspace_call(self, p: ConvProblem, args: Sequence[np.ndarray], device_args: Sequence
                              ) -> Optional[IntoCall]:
         """The destination-passing call of p for these argument shapes, with its kept workspace, or None where p

@@ -49,6 +49,9 @@ def test_a_kept_workspace_is_reused_and_each_call_returns_its_own_array(module, 
     assert relative_error(first, want) <= tolerance(SPLIT)
     assert relative_error(second, 2 * want) <= tolerance(SPLIT), "the second call did not disturb the first result"
     assert relative_error(first, want) <= tolerance(SPLIT)
+    module.clear_workspaces()
+    assert not module._into_calls
+    assert relative_error(module.gw(x, dy), want) <= tolerance(SPLIT) and module._into_calls["gw"][1] is not kept
 
 
 def test_a_new_batch_makes_a_new_call_and_small_workspaces_are_not_kept(module, monkeypatch):
