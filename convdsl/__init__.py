@@ -20,6 +20,7 @@ _LAZY = {
     "conv_transpose": "api",
     "grad_input": "api",
     "grad_weight": "api",
+    "clear_memory_cache": "api",
 }
 
 __all__ = ["ConvProblem", "Epilogue", "ProblemError", "__version__", *_LAZY]
