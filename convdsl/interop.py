@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .backends.into_call import IntoCall, default_wait
+from .module import concrete_problem
 
 # DLPack device types (dlpack.h)
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_ROCM = 1, 2, 3, 10
@@ -67,11 +68,7 @@ class DLPackKernel:
         p = self.problem
         if len(args) != len(p.arg_names):
             raise InteropError(f"{p.name}({', '.join(p.arg_names)}): expected {len(p.arg_names)} tensors, got {len(args)}")
-        if not p.dynamic_batch:
-            return p
-        axis = p.batch_axis("x")
-        first = next(a for a, s in zip(args, p.arg_shapes) if s != p.w_shape)
-        return p.with_(batch=int(first.shape[axis]), dynamic_batch=False)
+        return concrete_problem(p, args)
 
     def _check(self, args, out) -> Any:
         concrete = self._concrete(args)

@@ -100,12 +100,17 @@ def _memory_bytes() -> int:
         return 0
 
 
-def _result_shape(p: ConvProblem, args: Sequence[np.ndarray]) -> tuple[int, ...]:
-    """The result's shape for these arguments: with `batch = ?`, at the activations' batch."""
+def concrete_problem(p: ConvProblem, args: Sequence) -> ConvProblem:
+    """p at the batch of these arguments (arrays or tensors with a .shape): with `batch = ?`, the first
+    activation's; otherwise p itself."""
     if not p.dynamic_batch:
-        return p.result_shape
+        return p
     first = next(a for a, s in zip(args, p.arg_shapes) if s != p.w_shape)
-    return p.with_(batch=int(first.shape[p.batch_axis("x")]), dynamic_batch=False).result_shape
+    return p.with_(batch=int(first.shape[p.batch_axis("x")]), dynamic_batch=False)
+
+
+def _result_shape(p: ConvProblem, args: Sequence[np.ndarray]) -> tuple[int, ...]:
+    return concrete_problem(p, args).result_shape
 
 
 def _manifest_shape(p: ConvProblem, shape: tuple[int, ...]) -> list:
