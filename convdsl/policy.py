@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional, Sequence
 
 from dataclasses import dataclass, replace
 
-from .kernels.launch import (ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST_STRIDE, SPLIT_PRODUCTS, Launch, TmaMap,
+from .kernels.launch import (ELEMENT, ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST_STRIDE, SPLIT_PRODUCTS, Launch, TmaMap,
                              arch_number, depthwise_channel_blocks, flat_elements, flat_planes, forward_direct_launch,
                              forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, grad_input_direct_launch,
                              grad_input_launch, grad_weight_depthwise_launch, grad_weight_flat_tma_launch,
@@ -568,6 +568,29 @@ def tma_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
     return narrow
 
 
+def tma_forward_shared_bytes(p: ConvProblem, tiles: TileConfig) -> int:
+    """Shared memory of the persistent TMA forward kernel (kernels/tma.forward_tma_persistent): its ring of
+    copies (a window and a weight tile a stage, fp8 compute in fp8), the result tile it stores from, and a
+    barrier per stage with room for alignment."""
+    operand = 1 if p.fp8_compute else ELEMENT_BYTES[ELEMENT[p.dtype]]
+    ring = tiles.stages * (tiles.block_m + tiles.block_n) * tiles.block_k * operand
+    return ring + tiles.block_m * tiles.block_n * ELEMENT_BYTES[ELEMENT[p.dtype]] + 8 * tiles.stages + 128
+
+
+def tma_forward_programs(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
+    """Programs of the TMA forward kernel (and of the stride-1 grad_inputs it runs): as many as the SMs hold at
+    once (two where two fit their shared memory), each taking tiles in turn, so that a tile's copies are in
+    flight while the tile before it finishes and stores; 0 (a program per tile) where the tiles are no more than
+    that, and in one-pass TF32, which ran 2-7% slower persistent (docs/decisions.md#tma-persistent)."""
+    if p.dtype == "f32":
+        return 0
+    gpu = target.gpu
+    per_sm = min(2, gpu.shared_per_sm // (tma_forward_shared_bytes(p, tiles) + gpu.shared_reserved_per_block))
+    programs = gpu.sm_count * max(per_sm, 1)
+    count = -(-p.batch * math.prod(p.output) // tiles.block_m) * -(-p.out_channels // tiles.block_n) * p.groups
+    return programs if count > programs else 0
+
+
 def grad_input_as_forward(p: ConvProblem) -> Optional[ConvProblem]:
     """Stride-1 grad_input (and transposed) as a forward convolution over dY, or None where p has a stride.
 
@@ -642,15 +665,16 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
         staging = tuple((round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}", as_fp8=True), shape)
                         for i, (shape, dtype, kind) in enumerate(zip(p.arg_shapes, p.arg_dtypes, p.compute))
                         ) if p.fp8_compute else ()
-        return TmaPlan(*forward_tma_launch(p, tiles, base, promote=tma_fp8_promote(p, tiles)), False, (), tiles,
-                       staging)
+        return TmaPlan(*forward_tma_launch(p, tiles, base, promote=tma_fp8_promote(p, tiles),
+                                           programs=tma_forward_programs(p, tiles, target)), False, (), tiles, staging)
     q = grad_input_as_forward(p)
     # f32 and fp8 keep their cp.async grad_input: the flipped weight tiles are N-major, which TF32 and fp8 wgmma
     # cannot read
     if q is not None and _weight_rows(p) and p.dtype != "f32" and not p.fp8_compute \
             and tma_forward_reason(q, target) is None:
         tiles = tma_forward_tiles(q, target)
-        return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True), True, (), tiles)
+        programs = tma_forward_programs(q, tiles, target)
+        return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True, programs=programs), True, (), tiles)
     split = tma_split_grad_weight(p, target)
     if split is not None:  # X's parts as operand A, dY's as B, one stacked block per product
         stacked, how = split

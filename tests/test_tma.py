@@ -57,11 +57,16 @@ def _im2col_tile(x: np.ndarray, coord: tuple[int, ...], offsets: tuple[int, ...]
     return tile
 
 
-def _emulated_forward(p: ConvProblem, x: np.ndarray, w: np.ndarray, flipped: bool = False) -> np.ndarray:
+def _emulated_forward(p: ConvProblem, x: np.ndarray, w: np.ndarray, flipped: bool = False,
+                      programs: int | None = None) -> np.ndarray:
     """forward_tma's tiles, copies and stores, in float64, through _im2col_tile.  flipped: p is a grad_input as
-    forward and w grad_input's own weight, read as the kernel's FLIPPED form reads it."""
+    forward and w grad_input's own weight, read as the kernel's FLIPPED form reads it.  programs: those of the
+    persistent kernel (None: the rule's, policy.tma_forward_programs), whose schedule is replayed as it runs:
+    each program's tiles in turn, and each copy made where the kernel's loop says its tile starts."""
     tiles = policy.tma_forward_tiles(p, HOPPER)
-    launch, maps = forward_tma_launch(p, tiles, "k", flipped)
+    if programs is None:
+        programs = policy.tma_forward_programs(p, tiles, HOPPER)
+    launch, maps = forward_tma_launch(p, tiles, "k", flipped, programs=programs)
     consts = dict(launch.constants)
     x_map, w_map, y_map = maps
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
@@ -72,36 +77,69 @@ def _emulated_forward(p: ConvProblem, x: np.ndarray, w: np.ndarray, flipped: boo
     out, s, d, lo = consts["O"], consts["S"], consts["D"], consts["LO"]
     taps_3d = consts["F"]
     c, k = consts["C"], consts["K"]
+    steps = math.prod(taps_3d) * (c // bk)
+
+    def product(off_m: int, off_k: int, g: int, step: int) -> np.ndarray:
+        # the [bm, bn] product of the copies of `step` made for the tile at (off_m, off_k, g)
+        o2 = off_m % out[2]
+        o1 = (off_m // out[2]) % out[1]
+        o0 = (off_m // (out[2] * out[1])) % out[0]
+        n = off_m // (out[2] * out[1] * out[0])
+        corner = (o0 * s[0] - lo[0], o1 * s[1] - lo[1], o2 * s[2] - lo[2])[3 - dims:]
+        t, cb = divmod(step, c // bk)
+        t2, t1, t0 = t % taps_3d[2], (t // taps_3d[2]) % taps_3d[1], t // (taps_3d[2] * taps_3d[1])
+        offsets = (t0 * d[0], t1 * d[1], t2 * d[2])[3 - dims:]
+        a = _im2col_tile(xs, (n, *corner, g * c + cb * bk), offsets, x_map.lower, x_map.upper,
+                         x_map.element_strides[1:-1], bm, bk)
+        if flipped:  # [BLOCK_K, BLOCK_N] of tap F-1-t in grad_input's [G*K, taps*C] weight
+            b = np.zeros((bk, bn))
+            col = (math.prod(taps_3d) - 1 - t) * k + off_k
+            tile = w2[g * c + cb * bk:g * c + cb * bk + bk, col:col + bn]
+            b[:tile.shape[0], :tile.shape[1]] = tile
+            return a @ b
+        b = np.zeros((bn, bk))
+        rows = w2[g * k + off_k:g * k + off_k + bn, t * c + cb * bk:t * c + cb * bk + bk]
+        b[:rows.shape[0], :rows.shape[1]] = rows
+        return a @ b.T
+
+    def store(off_m: int, off_k: int, g: int, acc: np.ndarray) -> None:
+        stored = y2[off_m:off_m + bm, g * k + off_k:g * k + off_k + bn]  # TMA clips at the bounds
+        stored[...] = acc[:stored.shape[0], :stored.shape[1]]
+
     grid = launch.grid
-    for g in range(grid[2]):
-        for pm in range(grid[0]):
-            for pn in range(grid[1]):
-                off_m, off_k = pm * bm, pn * bn
-                o2 = off_m % out[2]
-                o1 = (off_m // out[2]) % out[1]
-                o0 = (off_m // (out[2] * out[1])) % out[0]
-                n = off_m // (out[2] * out[1] * out[0])
-                corner = (o0 * s[0] - lo[0], o1 * s[1] - lo[1], o2 * s[2] - lo[2])[3 - dims:]
-                acc = np.zeros((bm, bn))
-                for step in range(math.prod(taps_3d) * (c // bk)):
-                    t, cb = divmod(step, c // bk)
-                    t2, t1, t0 = t % taps_3d[2], (t // taps_3d[2]) % taps_3d[1], t // (taps_3d[2] * taps_3d[1])
-                    offsets = (t0 * d[0], t1 * d[1], t2 * d[2])[3 - dims:]
-                    a = _im2col_tile(xs, (n, *corner, g * c + cb * bk), offsets, x_map.lower, x_map.upper,
-                                     x_map.element_strides[1:-1], bm, bk)
-                    if flipped:  # [BLOCK_K, BLOCK_N] of tap F-1-t in grad_input's [G*K, taps*C] weight
-                        b = np.zeros((bk, bn))
-                        col = (math.prod(taps_3d) - 1 - t) * k + off_k
-                        tile = w2[g * c + cb * bk:g * c + cb * bk + bk, col:col + bn]
-                        b[:tile.shape[0], :tile.shape[1]] = tile
-                        acc += a @ b
-                    else:
-                        b = np.zeros((bn, bk))
-                        rows = w2[g * k + off_k:g * k + off_k + bn, t * c + cb * bk:t * c + cb * bk + bk]
-                        b[:rows.shape[0], :rows.shape[1]] = rows
-                        acc += a @ b.T
-                stored = y2[off_m:off_m + bm, g * k + off_k:g * k + off_k + bn]  # TMA clips at the bounds
-                stored[...] = acc[:stored.shape[0], :stored.shape[1]]
+    if launch.kernel == "forward_tma":
+        for g in range(grid[2]):
+            for pm in range(grid[0]):
+                for pn in range(grid[1]):
+                    store(pm * bm, pn * bn, g, sum(product(pm * bm, pn * bn, g, step) for step in range(steps)))
+        return y2.reshape(p.y_shape)
+    assert launch.kernel == "forward_tma_persistent" and grid[1:] == (1, 1)
+    col_tiles, row_tiles = -(-k // bn), -(-consts["ROWS"] // bm)
+    count = col_tiles * row_tiles * consts["G"]
+    stages, progs = consts["STAGES"], grid[0]
+
+    def origin(tile: int) -> tuple[int, int, int]:  # column tiles innermost, then row tiles, then groups
+        return ((tile // col_tiles) % row_tiles) * bm, (tile % col_tiles) * bn, tile // (col_tiles * row_tiles)
+
+    for pid in range(progs):
+        total = -(-(count - pid) // progs) * steps
+        # the copies in flight: step j's, made for the tile origin the kernel had for it
+        copies = {i: (origin(pid + (i // steps) * progs), i % steps) for i in range(min(stages - 1, total))}
+        kept = origin(pid + ((stages - 1) // steps) * progs)
+        j = 0
+        for tile in range(pid, count, progs):
+            acc = np.zeros((bm, bn))
+            for _ in range(steps):
+                at, step = copies.pop(j)
+                acc += product(*at, step)
+                nxt = j + stages - 1
+                if nxt < total:
+                    if nxt % steps == 0:
+                        kept = origin(pid + (nxt // steps) * progs)
+                    copies[nxt] = (kept, nxt % steps)
+                j += 1
+            store(*origin(tile), acc)
+        assert not copies
     return y2.reshape(p.y_shape)
 
 
@@ -266,6 +304,55 @@ def test_stride_one_grad_input_runs_as_forward_reading_the_weight_flipped(p):
     if gluon_tma_im2col():  # a GKCYX weight keeps its taps inside: no tile of it is a box
         assert policy.tma_stream_launch(p.with_(weight_layout="GKCYX"), HOPPER, Knobs()) is None
         assert policy.tma_stream_launch(p, HOPPER, Knobs())[2] is True
+
+
+PERSISTENT_CASES = [
+    BASE.with_(batch=8, input=(9, 10)),  # 6 row tiles, K = 24 < BLOCK_N
+    BASE.with_(batch=5, input=(9, 10), out_channels=200),  # two column tiles, innermost in a program's turn
+    BASE.with_(batch=4, input=(9, 10), groups=2, in_channels=16, out_channels=64),  # groups outermost
+    # one step a tile: the ring's copies run three tiles ahead of the products
+    BASE.with_(batch=6, dims=1, input=(50,), filter=(1,), stride=(1,), dilation=(1,), pad_lo=(0,), pad_hi=(0,),
+               in_channels=16),
+    DGRAD.with_(batch=8, input=(9, 10)),  # a stride-1 grad_input, run as a forward reading the weight flipped
+]
+
+
+@pytest.mark.parametrize("programs", [1, 2, 5])
+@pytest.mark.parametrize("p", PERSISTENT_CASES)
+def test_emulated_persistent_forward_matches_the_reference(p, programs):
+    # forward_tma_persistent's schedule (kernels/tma.py): each program's tiles in turn, its copies issued
+    # across the tiles' boundaries from the tile origin the loop keeps
+    flipped = p.op == "grad_input"
+    q = policy.grad_input_as_forward(p) if flipped else p
+    tiles = policy.tma_forward_tiles(q, HOPPER)
+    launch, _ = forward_tma_launch(q, tiles, "k", flipped, programs=programs)
+    count = -(-q.batch * math.prod(q.output) // tiles.block_m) * -(-q.out_channels // tiles.block_n) * q.groups
+    assert launch.kernel == "forward_tma_persistent" and launch.grid == (min(programs, count), 1, 1)
+    x, w = random_inputs(p, seed=3)
+    got = _emulated_forward(q, x, w, flipped=flipped, programs=programs)
+    assert not np.isnan(got).any(), "some outputs were never stored"
+    assert relative_error(got.reshape(p.result_shape), reference(p, x, w)) < 1e-12
+
+
+def test_persistent_forward_programs():
+    # as many programs as the SMs hold at once, where there are more tiles than that
+    hopper = HOPPER.gpu
+    big = BASE.with_(batch=64, input=(56, 56), in_channels=64, out_channels=64)  # 128 x 64 tiles: two an SM
+    tiles = policy.tma_forward_tiles(big, HOPPER)
+    assert (tiles.block_m, tiles.block_n) == (128, 64)
+    assert 2 * (policy.tma_forward_shared_bytes(big, tiles) + hopper.shared_reserved_per_block) <= hopper.shared_per_sm
+    assert policy.tma_forward_programs(big, tiles, HOPPER) == 2 * hopper.sm_count
+    wide = big.with_(out_channels=128)  # 128 x 128 tiles: one an SM
+    assert policy.tma_forward_programs(wide, policy.tma_forward_tiles(wide, HOPPER), HOPPER) == hopper.sm_count
+    # no more tiles than programs, and one-pass TF32: a program per tile
+    small = big.with_(batch=4)
+    assert policy.tma_forward_programs(small, policy.tma_forward_tiles(small, HOPPER), HOPPER) == 0
+    tf32 = big.with_(dtype="f32", compute="tf32")
+    assert policy.tma_forward_programs(tf32, policy.tma_forward_tiles(tf32, HOPPER), HOPPER) == 0
+    plan = policy.tma_stream_launch(big, HOPPER, Knobs())
+    assert plan.launch.kernel == "forward_tma_persistent" and plan.launch.grid == (2 * hopper.sm_count, 1, 1)
+    dgrad = policy.tma_stream_launch(big.with_(op="grad_input"), HOPPER, Knobs())
+    assert dgrad.flipped and dgrad.launch.kernel == "forward_tma_persistent"
 
 
 @needs_gluon

@@ -471,7 +471,8 @@ def im2col_box(p: ConvProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bool = False, promote: int = 0,
-                       specialised: bool = False, swapped: bool = False) -> tuple[Launch, tuple[TmaMap, ...]]:
+                       specialised: bool = False, swapped: bool = False, programs: int = 0
+                       ) -> tuple[Launch, tuple[TmaMap, ...]]:
     """Forward (NHWGC, GKYXC) on kernels/tma.forward_tma: X through an im2col map over (N, *spatial, G*C), W as a
     [G*K, taps*C] matrix, Y as [N*O, G*K]; one program per (row tile, column tile, group).  flipped: p is a
     stride-1 grad_input as forward (policy.grad_input_as_forward), whose weight the kernel reads as grad_input's
@@ -480,7 +481,8 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
     accumulator before adding them to the f32 one (0: all; policy.tma_fp8_promote).  specialised: a warp of its
     own issues the copies (measured no faster on the suite's forwards; the rules leave it off,
     docs/decisions.md#tma-wgrad-specialised).  swapped (16-bit): the product transposed, the weight tile as wgmma's A
-    (measured no faster; the rules leave it off, docs/decisions.md#tma-narrow)."""
+    (measured no faster; the rules leave it off, docs/decisions.md#tma-narrow).  programs: at most that many
+    programs, each taking tiles in turn (kernels/tma.forward_tma_persistent; 0: one program per tile)."""
     c, k, g = p.in_channels, p.out_channels, p.groups
     rows = p.batch * math.prod(p.output)
     lower, upper = im2col_box(p)
@@ -496,9 +498,17 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
                   LO=pad3(p.pad_lo, 0), C=c, K=k, DIMS=p.dims, STAGES=tiles.stages, FLIPPED=flipped,
                   PROMOTE=promote, SPECIALISED=specialised, SWAPPED=swapped)
     grid = check_grid(base, (-(-rows // tiles.block_m), -(-k // tiles.block_n), g))
+    kernel = "forward_tma"
+    if programs and (specialised or swapped):
+        raise ValueError(f"{base}: the persistent TMA forward kernel has no copy warp and no transposed product")
+    if programs:
+        kernel = "forward_tma_persistent"
+        consts = {name: v for name, v in consts.items() if name not in ("SPECIALISED", "SWAPPED")}
+        consts.update(G=g, ROWS=rows)
+        grid = (min(math.prod(grid), programs), 1, 1)
     elem = ELEMENT[p.dtype]
     x_elem, w_elem = (FP8_ELEMENT[p.compute[0]], FP8_ELEMENT[p.compute[1]]) if p.fp8_compute else (elem, elem)
-    return Launch("forward_tma", f"{base}_forward_tma", (x_elem, w_elem, elem), tuple(consts.items()), grid,
+    return Launch(kernel, f"{base}_{kernel}", (x_elem, w_elem, elem), tuple(consts.items()), grid,
                   tiles.warps, tiles.stages), maps
 
 

@@ -157,6 +157,101 @@ def _forward_loads(x_desc, w_desc, a_bufs, b_bufs, ready, empty, steps, n, c0, c
 
 
 @gluon.jit
+def _tile_origin(tile, O: gl.constexpr, S: gl.constexpr, LO: gl.constexpr, K: gl.constexpr, ROWS: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    # a persistent program's tile number -> its first row off_m, column off_k, group g, and where its window
+    # starts in X (n, c0, c1, c2).  Column tiles innermost, then row tiles, then groups: the programs resident
+    # together read the same windows
+    COL_TILES: gl.constexpr = (K + BLOCK_N - 1) // BLOCK_N
+    ROW_TILES: gl.constexpr = (ROWS + BLOCK_M - 1) // BLOCK_M
+    off_k = (tile % COL_TILES) * BLOCK_N
+    off_m = ((tile // COL_TILES) % ROW_TILES) * BLOCK_M
+    g = tile // (COL_TILES * ROW_TILES)
+    o2 = off_m % O[2]
+    o1 = (off_m // O[2]) % O[1]
+    o0 = (off_m // (O[2] * O[1])) % O[0]
+    n = off_m // (O[2] * O[1] * O[0])
+    return off_m, off_k, g, n, o0 * S[0] - LO[0], o1 * S[1] - LO[1], o2 * S[2] - LO[2]
+
+
+@gluon.jit
+def _issue_flat_step(x_desc, w_desc, a_buf, b_buf, bar, j, pid, programs,
+                     O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
+                     C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr, ROWS: gl.constexpr, STEPS: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, FLIPPED: gl.constexpr):
+    # the copies of a persistent program's j-th step: step j % STEPS of its (j // STEPS)-th tile
+    off_m, off_k, g, n, c0, c1, c2 = _tile_origin(pid + (j // STEPS) * programs, O, S, LO, K, ROWS, BLOCK_M, BLOCK_N)
+    _issue(x_desc, w_desc, a_buf, b_buf, bar, j % STEPS, n, c0, c1, c2, g, off_k, F, D, C, K, DIMS, BLOCK_K, FLIPPED)
+
+
+@gluon.jit
+def forward_tma_persistent(x_desc, w_desc, y_desc,
+                           O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
+                           C: gl.constexpr, K: gl.constexpr, G: gl.constexpr, ROWS: gl.constexpr,
+                           DIMS: gl.constexpr, STAGES: gl.constexpr, FLIPPED: gl.constexpr, PROMOTE: gl.constexpr,
+                           num_warps: gl.constexpr):
+    # forward_tma with fewer programs than tiles (ROWS output pixels x K columns x G groups of them), each taking
+    # tiles pid, pid + programs, ...: a program's steps over all its tiles are one sequence j, so that the copies
+    # of its next tile's first steps are in flight while this tile's last products finish and its result is
+    # stored (that store waited for only when the next result reuses its buffer)
+    BLOCK_M: gl.constexpr = y_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = y_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    dtype: gl.constexpr = x_desc.dtype
+    STEPS: gl.constexpr = F[0] * F[1] * F[2] * (C // BLOCK_K)
+    TILES: gl.constexpr = ((ROWS + BLOCK_M - 1) // BLOCK_M) * ((K + BLOCK_N - 1) // BLOCK_N) * G
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+    total = ((TILES - pid + programs - 1) // programs) * STEPS
+
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    if FLIPPED:
+        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
+    else:
+        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    y_smem = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
+    bars = _barriers(STAGES)
+
+    for i in gl.static_range(STAGES - 1):
+        if i < total:
+            _issue_flat_step(x_desc, w_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i), i, pid, programs,
+                             O, F, S, D, LO, C, K, DIMS, ROWS, STEPS, BLOCK_M, BLOCK_N, BLOCK_K, FLIPPED)
+    # a loop over the program's tiles around one over a tile's steps (ptxas keeps a product in flight only where
+    # the accumulator is read outside the loop that issues the products); j counts steps over all tiles
+    # where the copies are: the origin of the tile of step STAGES - 1, the first the loop issues, worked out again
+    # only when the copies move on to the next tile
+    _m, ld_k, ld_g, ld_n, ld_c0, ld_c1, ld_c2 = _tile_origin(pid + ((STAGES - 1) // STEPS) * programs, O, S, LO, K,
+                                                             ROWS, BLOCK_M, BLOCK_N)
+    j = 0
+    for tile in range(pid, TILES, programs):
+        acc = _zero_accumulator(BLOCK_M, BLOCK_N, 256 // dtype.primitive_bitwidth, num_warps)
+        for step in range(STEPS):
+            s = j % STAGES
+            mbarrier.wait(bars.index(s), (j // STAGES) & 1)
+            acc = _forward_product(a_bufs.index(s), b_bufs.index(s), acc, FLIPPED, PROMOTE, False)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            nxt = j + STAGES - 1
+            if nxt < total:
+                nstep = nxt % STEPS
+                if nstep == 0:
+                    _m, ld_k, ld_g, ld_n, ld_c0, ld_c1, ld_c2 = _tile_origin(pid + (nxt // STEPS) * programs, O, S,
+                                                                             LO, K, ROWS, BLOCK_M, BLOCK_N)
+                ns = nxt % STAGES
+                _issue(x_desc, w_desc, a_bufs.index(ns), b_bufs.index(ns), bars.index(ns), nstep, ld_n, ld_c0, ld_c1,
+                       ld_c2, ld_g, ld_k, F, D, C, K, DIMS, BLOCK_K, FLIPPED)
+            j += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        off_m, off_k, g, n, c0, c1, c2 = _tile_origin(tile, O, S, LO, K, ROWS, BLOCK_M, BLOCK_N)
+        tma.store_wait(pendings=0)  # the previous tile's result has left y_smem
+        y_smem.store(acc.to(y_desc.dtype))
+        fence_async_shared()
+        tma.async_store(y_desc, [off_m, g * K + off_k], y_smem)
+    tma.store_wait(pendings=0)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
 def forward_tma(x_desc, w_desc, y_desc,
                 # output pixels, filter, stride, dilation, low padding per spatial dimension (3 each; 2D: first 1)
                 O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,

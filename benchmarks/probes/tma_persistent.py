@@ -1,0 +1,106 @@
+"""Probe: the TMA forward kernel (kernels/tma.forward_tma: forwards, and stride-1 grad_inputs run as forwards of dY)
+persistent (kernels/tma.forward_tma_persistent: a grid of one or two programs per SM, each taking tiles in turn,
+the copies of its next tile in flight while a tile's last products finish and its result is stored), against the
+rule's one program per tile and against cuDNN.
+
+    python3 benchmarks/probes/tma_persistent.py build P.convk      # where Triton 3.9 is (no GPU needed)
+    python3 benchmarks/probes/tma_persistent.py run P.convk OUT.json   # on an H100/H200
+
+Why: a program per tile fills its ring of copies from empty and drains it before storing its result; with tens
+of waves of short tiles (U-Net's 3D grad_input: 27 steps of 64 channels a tile) that fill and drain is paid once a
+tile.  cuDNN's Hopper kernels are persistent.
+Problems: the suite's kernels on the TMA forward kernel (forwards and stride-1 grad_inputs, every compute type)
+and ResNet-50's stride-1 3x3 grad_input at other sizes.  Variants: "rule" (policy.tma_forward_tiles, one program
+per tile), "p<n>" (the rule's tiles, n programs per SM of an H100's 132).
+"""
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
+from functools import partial
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = ("rule", "p1", "p2")
+SMS = 132
+
+
+def _compile(job):
+    from convdsl import policy
+    from convdsl.kernels import launch
+    from convdsl.stream import plan_stream_kernel
+    from convdsl.targets import Target
+    from convdsl.tuning.knobs import Knobs
+
+    p, variant = job
+    programs = SMS * int(variant[1:]) if variant.startswith("p") else 0
+    with ExitStack() as patches:
+        patches.enter_context(mock.patch.object(policy, "forward_tma_launch", partial(
+            launch.forward_tma_launch, programs=programs)))
+        try:
+            return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
+                                      compile=True, tma=True)
+        except Exception as e:  # a ring too deep for shared memory, a layout the kernel cannot take
+            print(f"{p.name}:{variant}: not built ({str(e).splitlines()[0][:160]})", flush=True)
+            return None
+
+
+def _takes_forward_tma(p) -> bool:
+    from convdsl import policy
+    from convdsl.targets import Target
+
+    hopper = Target("cuda", "sm_90")
+    if p.op == "forward":
+        return policy.tma_forward_reason(p, hopper) is None
+    # stride-1 grad_inputs as forwards: 16-bit only (policy.tma_stream_launch)
+    q = policy.grad_input_as_forward(p)
+    return q is not None and p.dtype in ("f16", "bf16") and not p.fp8_compute \
+        and policy.tma_forward_reason(q, hopper) is None
+
+
+def build(out: Path) -> None:
+    from benchmarks.torch_bench import problems
+    from convdsl import stream
+    from convdsl.targets import Target
+
+    found = [p for p in problems([]) if _takes_forward_tma(p)]
+    # 2D stride-1 grad_inputs with 64 output channels outside the suite: ResNet's first stage at other sizes and
+    # batches, 128 -> 64 channels, and a VGG-like 112x112 layer
+    base = next(p for p in found if p.name == "r50_3x3_s1_dgrad")
+    found += [base.with_(name=f"dgrad2d_k{k}_c64_{size}_n{n}", batch=n, out_channels=k, input=(size, size))
+              for k, size, n in ((64, 56, 32), (64, 112, 16), (128, 56, 64), (128, 28, 64), (64, 28, 128))]
+    found += [base.with_(name="dgrad2d_k64_c64_5x5_56_n32", batch=32, filter=(5, 5), pad_lo=(2, 2), pad_hi=(2, 2))]
+    # 3D shapes outside the suite: a 128-channel forward and grad_input, and a grouped forward with fewer groups
+    by_name = {p.name: p for p in found}
+    found += [by_name["ck15_dgrad_3d_f16_fwd"].with_(name="fwd3d_c128_k128_16_n16", batch=16, in_channels=128,
+                                                      out_channels=128, input=(16, 16, 16)),
+              by_name["ck15_dgrad_3d_f16"].with_(name="dgrad3d_c128_k128_24_n4", batch=4, in_channels=128,
+                                                  out_channels=128, input=(24, 24, 24)),
+              by_name["ck11_wgrad_3d_g8_f16_fwd"].with_(name="fwd3d_g4_n32", batch=32, groups=4)]
+    print("problems:", [p.name for p in found], flush=True)
+    with ProcessPoolExecutor(2) as pool:
+        kernels = [k for k in pool.map(_compile, [(p, v) for p in found for v in VARIANTS]) if k is not None]
+    hopper = Target("cuda", "sm_90").gpu
+    kernels = [k for k in kernels if all(sl.binary.shared_bytes <= hopper.workgroup_memory for sl in k.launches)]
+    stream.save_bundle(kernels, out)
+    print(f"wrote {out}: {len(kernels)} kernels")
+
+
+def run(bundle: Path, result: Path) -> None:
+    from benchmarks.probes.tma_forward import timed_rows, write_record
+
+    write_record(result, "python3 benchmarks/probes/tma_persistent.py run P.convk OUT.json", timed_rows(bundle))
+
+
+def main(argv=None) -> int:
+    from benchmarks.probes.tma_forward import probe_main
+
+    return probe_main(__doc__, build, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
