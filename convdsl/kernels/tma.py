@@ -22,6 +22,11 @@ SWAPPED (forward_tma, 16-bit): the product transposed, Y^T[k, m] = sum W[k, (t, 
 tile as wgmma's A and the window as its N-major B; its accumulator is the tile transposed, stored transposed.
 Measured no faster than the rule's tiles (docs/decisions.md#tma-narrow); the rules leave it off.
 
+forward_tma_persistent: forward_tma with as many programs as the SMs hold at once (policy.tma_forward_programs),
+each taking tiles t = pid, pid + programs, ... (column tiles innermost, then row tiles, then groups); a program's
+steps over all its tiles are one sequence, so the ring holds the next tile's first copies while a tile's last
+products finish and its result is stored.
+
 SPECIALISED (grad_weight_tma, forward_tma): the copies are issued by a warp of its own (gl.warp_specialize) that
 waits on each stage's `empty` barrier, which the product warps arrive at once the stage's product is done; without
 it the product warps issue the copies themselves, after a barrier of all of them.
