@@ -16,7 +16,6 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from unittest import mock
 
@@ -43,8 +42,10 @@ def _compile(job):
 
     with ExitStack() as patches:
         patches.enter_context(mock.patch.object(policy, "tma_forward_tiles", tiles))
-        patches.enter_context(mock.patch.object(policy, "forward_tma_launch", partial(
-            launch.forward_tma_launch, specialised=variant.startswith("ws"))))
+        on = variant.startswith("ws")
+        # the persistent kernel (the rule's where its tiles outnumber the SMs) has no such option: a program per tile
+        patches.enter_context(mock.patch.object(policy, "forward_tma_launch", lambda *args, **kw: (
+            launch.forward_tma_launch(*args, **{**kw, "specialised": on, "programs": 0 if on else kw.get("programs", 0)}))))
         try:
             return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
                                       compile=True, tma=True)

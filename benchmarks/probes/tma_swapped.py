@@ -18,7 +18,6 @@ from __future__ import annotations
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
-from functools import partial
 from pathlib import Path
 from unittest import mock
 
@@ -43,8 +42,10 @@ def _compile(job):
     with ExitStack() as patches:
         patches.enter_context(mock.patch.object(policy, "tma_forward_tiles",
                                                 lambda q, target: forced or rule_tiles(q, target)))
-        patches.enter_context(mock.patch.object(policy, "forward_tma_launch", partial(
-            launch.forward_tma_launch, swapped=forced is not None)))
+        on = forced is not None
+        # the persistent kernel (the rule's where its tiles outnumber the SMs) has no such option: a program per tile
+        patches.enter_context(mock.patch.object(policy, "forward_tma_launch", lambda *args, **kw: (
+            launch.forward_tma_launch(*args, **{**kw, "swapped": on, "programs": 0 if on else kw.get("programs", 0)}))))
         try:
             return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
                                       compile=True, tma=True)
