@@ -162,6 +162,29 @@ def _forward_loads(x_desc, w_desc, a_bufs, b_bufs, ready, empty, steps, n, c0, c
 
 
 @gluon.jit
+def _window_origin(off_m, O: gl.constexpr, S: gl.constexpr, LO: gl.constexpr):
+    # a tile's first output pixel (n, o0, o1, o2) from its first row, and where its window starts in X
+    o2 = off_m % O[2]
+    o1 = (off_m // O[2]) % O[1]
+    o0 = (off_m // (O[2] * O[1])) % O[0]
+    n = off_m // (O[2] * O[1] * O[0])
+    return n, o0 * S[0] - LO[0], o1 * S[1] - LO[1], o2 * S[2] - LO[2]
+
+
+@gluon.jit
+def _operand_ring(x_desc, w_desc, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, FLIPPED: gl.constexpr):
+    # the forward kernels' ring: X's [BLOCK_M, BLOCK_K] windows and the weight's tiles, [BLOCK_K, BLOCK_N] where
+    # FLIPPED, else [BLOCK_N, BLOCK_K]; fp8 compute: X and W in their own fp8 types (wgmma takes e4m3 x e5m2)
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    if FLIPPED:
+        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
+    else:
+        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    return a_bufs, b_bufs
+
+
+@gluon.jit
 def _tile_origin(tile, O: gl.constexpr, S: gl.constexpr, LO: gl.constexpr, K: gl.constexpr, ROWS: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     # a persistent program's tile number -> its first row off_m, column off_k, group g, and where its window
@@ -172,11 +195,8 @@ def _tile_origin(tile, O: gl.constexpr, S: gl.constexpr, LO: gl.constexpr, K: gl
     off_k = (tile % COL_TILES) * BLOCK_N
     off_m = ((tile // COL_TILES) % ROW_TILES) * BLOCK_M
     g = tile // (COL_TILES * ROW_TILES)
-    o2 = off_m % O[2]
-    o1 = (off_m // O[2]) % O[1]
-    o0 = (off_m // (O[2] * O[1])) % O[0]
-    n = off_m // (O[2] * O[1] * O[0])
-    return off_m, off_k, g, n, o0 * S[0] - LO[0], o1 * S[1] - LO[1], o2 * S[2] - LO[2]
+    n, c0, c1, c2 = _window_origin(off_m, O, S, LO)
+    return off_m, off_k, g, n, c0, c1, c2
 
 
 @gluon.jit
@@ -209,11 +229,7 @@ def forward_tma_persistent(x_desc, w_desc, y_desc,
     programs = gl.num_programs(0)
     total = ((TILES - pid + programs - 1) // programs) * STEPS
 
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    if FLIPPED:
-        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
-    else:
-        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    a_bufs, b_bufs = _operand_ring(x_desc, w_desc, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, FLIPPED)
     y_smem = gl.allocate_shared_memory(y_desc.dtype, [BLOCK_M, BLOCK_N], y_desc.layout)
     bars = _barriers(STAGES)
 
@@ -274,21 +290,8 @@ def forward_tma(x_desc, w_desc, y_desc,
     off_m = gl.program_id(0) * BLOCK_M
     off_k = gl.program_id(1) * BLOCK_N
     g = gl.program_id(2)
-    # the tile's first pixel (n, o0, o1, o2) and where its window starts in X
-    o2 = off_m % O[2]
-    o1 = (off_m // O[2]) % O[1]
-    o0 = (off_m // (O[2] * O[1])) % O[0]
-    n = off_m // (O[2] * O[1] * O[0])
-    c0 = o0 * S[0] - LO[0]
-    c1 = o1 * S[1] - LO[1]
-    c2 = o2 * S[2] - LO[2]
-
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    # fp8 compute: X and W in their own fp8 types (wgmma takes e4m3 x e5m2)
-    if FLIPPED:
-        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
-    else:
-        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    n, c0, c1, c2 = _window_origin(off_m, O, S, LO)
+    a_bufs, b_bufs = _operand_ring(x_desc, w_desc, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, FLIPPED)
     bars = _barriers(STAGES)
 
     if SWAPPED:
