@@ -12,6 +12,11 @@ tile.  cuDNN's Hopper kernels are persistent.
 Problems: the suite's kernels on the TMA forward kernel (forwards and stride-1 grad_inputs, every compute type)
 and ResNet-50's stride-1 3x3 grad_input at other sizes.  Variants: "rule" (policy.tma_forward_tiles, one program
 per tile), "p<n>" (the rule's tiles, n programs per SM of an H100's 132).
+
+    python3 benchmarks/probes/tma_persistent.py build P.convk --tiles t128x64x32w4s8 ...
+
+builds instead, for the problems on 64-column tiles, the rule as it is ("now") against those tiles, persistent as
+the rule says (policy.tma_forward_programs).
 """
 from __future__ import annotations
 
@@ -32,15 +37,20 @@ SMS = 132
 def _compile(job):
     from convdsl import policy
     from convdsl.kernels import launch
+    from convdsl.kernels.tiles import parse_tiles
     from convdsl.stream import plan_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
     p, variant = job
-    programs = SMS * int(variant[1:]) if variant.startswith("p") else 0
     with ExitStack() as patches:
-        patches.enter_context(mock.patch.object(policy, "forward_tma_launch", partial(
-            launch.forward_tma_launch, programs=programs)))
+        if variant.startswith("t"):  # these tiles, persistent as the rule says
+            forced = parse_tiles(variant)
+            patches.enter_context(mock.patch.object(policy, "tma_forward_tiles", lambda q, target: forced))
+        elif variant != "now":
+            programs = SMS * int(variant[1:]) if variant.startswith("p") else 0
+            patches.enter_context(mock.patch.object(policy, "forward_tma_launch", partial(
+                launch.forward_tma_launch, programs=programs)))
         try:
             return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
                                       compile=True, tma=True)
@@ -62,9 +72,9 @@ def _takes_forward_tma(p) -> bool:
         and policy.tma_forward_reason(q, hopper) is None
 
 
-def build(out: Path) -> None:
+def build(out: Path, tiles: list[str] | None = None) -> None:
     from benchmarks.torch_bench import problems
-    from convdsl import stream
+    from convdsl import policy, stream
     from convdsl.targets import Target
 
     found = [p for p in problems([]) if _takes_forward_tma(p)]
@@ -81,9 +91,14 @@ def build(out: Path) -> None:
               by_name["ck15_dgrad_3d_f16"].with_(name="dgrad3d_c128_k128_24_n4", batch=4, in_channels=128,
                                                   out_channels=128, input=(24, 24, 24)),
               by_name["ck11_wgrad_3d_g8_f16_fwd"].with_(name="fwd3d_g4_n32", batch=32, groups=4)]
+    variants = VARIANTS
+    if tiles:  # the rule now against other tiles, persistent as the rule says, where the rule takes 64 columns
+        variants = ("now", *tiles)
+        found = [p for p in found if policy.tma_forward_tiles(
+            p if p.op == "forward" else policy.grad_input_as_forward(p), Target("cuda", "sm_90")).block_n == 64]
     print("problems:", [p.name for p in found], flush=True)
     with ProcessPoolExecutor(2) as pool:
-        kernels = [k for k in pool.map(_compile, [(p, v) for p in found for v in VARIANTS]) if k is not None]
+        kernels = [k for k in pool.map(_compile, [(p, v) for p in found for v in variants]) if k is not None]
     hopper = Target("cuda", "sm_90").gpu
     kernels = [k for k in kernels if all(sl.binary.shared_bytes <= hopper.workgroup_memory for sl in k.launches)]
     stream.save_bundle(kernels, out)
@@ -99,7 +114,7 @@ def run(bundle: Path, result: Path) -> None:
 def main(argv=None) -> int:
     from benchmarks.probes.tma_forward import probe_main
 
-    return probe_main(__doc__, build, run, argv)
+    return probe_main(__doc__, build, run, argv, extra=[("--tiles", dict(nargs="+"))])
 
 
 if __name__ == "__main__":
