@@ -23,14 +23,13 @@ from __future__ import annotations
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
-from functools import partial
 from pathlib import Path
 from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("rule", "p1", "p2")
+VARIANTS = ("rule", "p1", "p2", "p4", "p8")
 SMS = 132
 
 
@@ -49,8 +48,9 @@ def _compile(job):
             patches.enter_context(mock.patch.object(policy, "tma_forward_tiles", lambda q, target: forced))
         elif variant != "now":
             programs = SMS * int(variant[1:]) if variant.startswith("p") else 0
-            patches.enter_context(mock.patch.object(policy, "forward_tma_launch", partial(
-                launch.forward_tma_launch, programs=programs)))
+            # in place of the rule's programs (policy.tma_forward_programs)
+            patches.enter_context(mock.patch.object(policy, "forward_tma_launch", lambda *args, **kw: (
+                launch.forward_tma_launch(*args, **{**kw, "programs": programs}))))
         try:
             return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
                                       compile=True, tma=True)
