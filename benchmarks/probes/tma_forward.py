@@ -6,8 +6,8 @@ cp.async stream kernels, on the suite's dense 16-bit forward shapes, per tile ca
 
     python3 benchmarks/probes/tma_forward.py build WIDE.convk --wide --from resnet50.convk
 
-`build` compiles the kernel for sm_90 per shape and tile candidate into a stream bundle (kernels named
-<case>:<tiles>), with the cp.async kernel the shape had before (<case>:cp.async, its rule's tiles).  `--wide`:
+`build` compiles the kernel for sm_90 per shape and tile candidate (persistent where the rule would make it so)
+into a stream bundle (kernels named <case>:<tiles>), with the cp.async kernel the shape had before (<case>:cp.async, its rule's tiles).  `--wide`:
 the candidates are the rule's tiles and the wide ones of two warp groups (128 x 256, 256 x 128), over the
 suite's shapes with at least 256 output channels and the TMA forwards (stride-1 grad_inputs included, as the
 forwards they run as) of the bundle named by `--from` (examples/train_resnet.py --bundle-out makes ResNet-50's).
@@ -34,24 +34,22 @@ WIDE_TILES = ["rule", "t128x256x64w8s3", "t256x128x64w8s3"]
 
 
 def _compile(job):
+    from convdsl import policy
     from convdsl.kernels.launch import compile_tma_launch, forward_tma_launch
     from convdsl.kernels.tiles import parse_tiles
-    from convdsl.stream import StreamKernel, StreamLaunch
+    from convdsl.stream import StreamKernel, StreamLaunch, plan_stream_kernel
+    from convdsl.targets import Target
+    from convdsl.tuning.knobs import Knobs
 
     p, label = job
     if label == "rule":
-        from convdsl import policy
-        from convdsl.targets import Target
-
         label = policy.tma_forward_tiles(p, Target("cuda", "sm_90")).label()
     if label == "cp.async":
-        from convdsl.stream import plan_stream_kernel
-        from convdsl.targets import Target
-        from convdsl.tuning.knobs import Knobs
-
         return plan_stream_kernel(p.with_(name=f"{p.name}:{label}"), Target("cuda", "sm_90"), Knobs(),
                                   compile=True, tma=False)
-    launch, maps = forward_tma_launch(p, parse_tiles(label), f"k_{label}")
+    tiles = parse_tiles(label)  # persistent where the rule makes these tiles so (policy.tma_forward_programs)
+    launch, maps = forward_tma_launch(p, tiles, f"k_{label}",
+                                      programs=policy.tma_forward_programs(p, tiles, Target("cuda", "sm_90")))
     binary, maps, kinds = compile_tma_launch(launch, maps, "sm_90")
     named = p.with_(name=f"{p.name}:{label}")
     return StreamKernel(named, "sm_90", named, (), (StreamLaunch(launch, binary),), (), label, "probe",
