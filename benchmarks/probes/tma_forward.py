@@ -7,10 +7,11 @@ cp.async stream kernels, on the suite's dense 16-bit forward shapes, per tile ca
     python3 benchmarks/probes/tma_forward.py build WIDE.convk --wide --from resnet50.convk
 
 `build` compiles the kernel for sm_90 per shape and tile candidate (persistent where the rule would make it so)
-into a stream bundle (kernels named <case>:<tiles>), with the cp.async kernel the shape had before (<case>:cp.async, its rule's tiles).  `--wide`:
-the candidates are the rule's tiles and the wide ones of two warp groups (128 x 256, 256 x 128), over the
-suite's shapes with at least 256 output channels and the TMA forwards (stride-1 grad_inputs included, as the
-forwards they run as) of the bundle named by `--from` (examples/train_resnet.py --bundle-out makes ResNet-50's).
+into a stream bundle (kernels named <case>:<tiles>), with the cp.async kernel the shape had before
+(<case>:cp.async, its rule's tiles).  `--wide`: the candidates are the rule's tiles and the wide ones of two warp
+groups (128 x 256, 256 x 128), over the suite's shapes with at least 256 output channels and the TMA forwards
+(stride-1 grad_inputs included, as the forwards they run as) of the bundle named by `--from`
+(examples/train_resnet.py --bundle-out makes ResNet-50's).
 `run` calls each through the stream runner, checks it against cuDNN on the same tensors and times both by
 CUDA-graph replay.
 """

@@ -45,7 +45,8 @@ def _compile(job):
         on = variant.startswith("ws")
         # the persistent kernel (the rule's where its tiles outnumber the SMs) has no such option: a program per tile
         patches.enter_context(mock.patch.object(policy, "forward_tma_launch", lambda *args, **kw: (
-            launch.forward_tma_launch(*args, **{**kw, "specialised": on, "programs": 0 if on else kw.get("programs", 0)}))))
+            launch.forward_tma_launch(*args, **{**kw, "specialised": on,
+                                                "programs": 0 if on else kw.get("programs", 0)}))))
         try:
             return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
                                       compile=True, tma=True)

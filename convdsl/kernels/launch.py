@@ -498,9 +498,9 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
                   LO=pad3(p.pad_lo, 0), C=c, K=k, DIMS=p.dims, STAGES=tiles.stages, FLIPPED=flipped,
                   PROMOTE=promote, SPECIALISED=specialised, SWAPPED=swapped)
     grid = check_grid(base, (-(-rows // tiles.block_m), -(-k // tiles.block_n), g))
-    kernel = "forward_tma"
     if programs and (specialised or swapped):
         raise ValueError(f"{base}: the persistent TMA forward kernel has no copy warp and no transposed product")
+    kernel = "forward_tma"
     if programs:
         kernel = "forward_tma_persistent"
         consts = {name: v for name, v in consts.items() if name not in ("SPECIALISED", "SWAPPED")}
