@@ -94,6 +94,30 @@ def build(out: Path, wide: bool = False, source: Path | None = None) -> None:
     print(f"wrote {out}: {len(kernels)} kernels")
 
 
+def narrow_grad_inputs_2d(base) -> list:
+    """2D stride-1 grad_inputs with 64 output channels outside the suite, from ResNet-50's 3x3 one (`base`): its
+    first stage at other sizes and batches, 128 -> 64 channels, and a VGG-like 112x112 layer."""
+    return [base.with_(name=f"dgrad2d_k{k}_c64_{size}_n{n}", batch=n, out_channels=k, input=(size, size))
+            for k, size, n in ((64, 56, 32), (64, 112, 16), (128, 56, 64), (128, 28, 64), (64, 28, 128))] + [
+        base.with_(name="dgrad2d_k64_c64_5x5_56_n32", batch=32, filter=(5, 5), pad_lo=(2, 2), pad_hi=(2, 2))]
+
+
+def build_variants(out: Path, found: list, variants, compile_job) -> None:
+    """Each problem of `found` in each variant, compiled on two processes by compile_job((problem, variant)) (None
+    where it cannot be built), saved as a bundle at `out`; a ring too deep for the SM's shared memory compiles but
+    would not launch, so such kernels are left out."""
+    from convdsl import stream
+    from convdsl.targets import Target
+
+    print("problems:", [p.name for p in found], flush=True)
+    with ProcessPoolExecutor(2) as pool:
+        kernels = [k for k in pool.map(compile_job, [(p, v) for p in found for v in variants]) if k is not None]
+    hopper = Target("cuda", "sm_90").gpu
+    kernels = [k for k in kernels if all(sl.binary.shared_bytes <= hopper.workgroup_memory for sl in k.launches)]
+    stream.save_bundle(kernels, out)
+    print(f"wrote {out}: {len(kernels)} kernels")
+
+
 def timed_rows(bundle: Path) -> list[dict]:
     """Each kernel of the bundle (named <case>:<label>) called through the stream runner on random inputs,
     checked against cuDNN on the same tensors, both timed by CUDA-graph replay."""

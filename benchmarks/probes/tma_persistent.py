@@ -21,7 +21,6 @@ the rule says (policy.tma_forward_programs).
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from unittest import mock
@@ -74,16 +73,12 @@ def _takes_forward_tma(p) -> bool:
 
 def build(out: Path, tiles: list[str] | None = None) -> None:
     from benchmarks.torch_bench import problems
-    from convdsl import policy, stream
+    from benchmarks.probes.tma_forward import build_variants, narrow_grad_inputs_2d
+    from convdsl import policy
     from convdsl.targets import Target
 
     found = [p for p in problems([]) if _takes_forward_tma(p)]
-    # 2D stride-1 grad_inputs with 64 output channels outside the suite: ResNet's first stage at other sizes and
-    # batches, 128 -> 64 channels, and a VGG-like 112x112 layer
-    base = next(p for p in found if p.name == "r50_3x3_s1_dgrad")
-    found += [base.with_(name=f"dgrad2d_k{k}_c64_{size}_n{n}", batch=n, out_channels=k, input=(size, size))
-              for k, size, n in ((64, 56, 32), (64, 112, 16), (128, 56, 64), (128, 28, 64), (64, 28, 128))]
-    found += [base.with_(name="dgrad2d_k64_c64_5x5_56_n32", batch=32, filter=(5, 5), pad_lo=(2, 2), pad_hi=(2, 2))]
+    found += narrow_grad_inputs_2d(next(p for p in found if p.name == "r50_3x3_s1_dgrad"))
     # 3D shapes outside the suite: a 128-channel forward and grad_input, and a grouped forward with fewer groups
     by_name = {p.name: p for p in found}
     found += [by_name["ck15_dgrad_3d_f16_fwd"].with_(name="fwd3d_c128_k128_16_n16", batch=16, in_channels=128,
@@ -96,13 +91,7 @@ def build(out: Path, tiles: list[str] | None = None) -> None:
         variants = ("now", *tiles)
         found = [p for p in found if policy.tma_forward_tiles(
             p if p.op == "forward" else policy.grad_input_as_forward(p), Target("cuda", "sm_90")).block_n == 64]
-    print("problems:", [p.name for p in found], flush=True)
-    with ProcessPoolExecutor(2) as pool:
-        kernels = [k for k in pool.map(_compile, [(p, v) for p in found for v in variants]) if k is not None]
-    hopper = Target("cuda", "sm_90").gpu
-    kernels = [k for k in kernels if all(sl.binary.shared_bytes <= hopper.workgroup_memory for sl in k.launches)]
-    stream.save_bundle(kernels, out)
-    print(f"wrote {out}: {len(kernels)} kernels")
+    build_variants(out, found, variants, _compile)
 
 
 def run(bundle: Path, result: Path) -> None:

@@ -13,7 +13,6 @@ out where the ring does not fit shared memory).
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -69,20 +68,13 @@ def _takes_forward_tma(p) -> bool:
 
 def build(out: Path) -> None:
     from benchmarks.torch_bench import problems
-    from convdsl import stream
-    from convdsl.targets import Target
+    from benchmarks.probes.tma_forward import build_variants
 
     found = [p for p in problems([]) if _takes_forward_tma(p)]
     base = next(p for p in found if p.name == "r50_3x3_s1_dgrad")
     found += [base.with_(name=f"r50_dgrad_c{c}_{size}", in_channels=c, out_channels=c, input=(size, size))
               for c, size in ((128, 28), (256, 14), (512, 7))]
-    with ProcessPoolExecutor(2) as pool:
-        kernels = [k for k in pool.map(_compile, [(p, v) for p in found for v in VARIANTS]) if k is not None]
-    # a ring too deep for the SM's shared memory compiles, but would not launch
-    hopper = Target("cuda", "sm_90").gpu
-    kernels = [k for k in kernels if all(sl.binary.shared_bytes <= hopper.workgroup_memory for sl in k.launches)]
-    stream.save_bundle(kernels, out)
-    print(f"wrote {out}: {len(kernels)} kernels")
+    build_variants(out, found, VARIANTS, _compile)
 
 
 def run(bundle: Path, result: Path) -> None:

@@ -16,7 +16,6 @@ output columns); a variant that does not fit shared memory is left out.
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from unittest import mock
@@ -68,23 +67,11 @@ def _takes_forward_tma(p) -> bool:
 
 def build(out: Path) -> None:
     from benchmarks.torch_bench import problems
-    from convdsl import stream
-    from convdsl.targets import Target
+    from benchmarks.probes.tma_forward import build_variants, narrow_grad_inputs_2d
 
     found = [p for p in problems([]) if _takes_forward_tma(p)]
-    # 2D stride-1 grad_inputs with 64 output channels outside the suite: ResNet's first stage at other sizes and
-    # batches, 128 -> 64 channels, and a VGG-like 112x112 layer
-    base = next(p for p in found if p.name == "r50_3x3_s1_dgrad")
-    found += [base.with_(name=f"dgrad2d_k{k}_c64_{size}_n{n}", batch=n, out_channels=k, input=(size, size))
-              for k, size, n in ((64, 56, 32), (64, 112, 16), (128, 56, 64), (128, 28, 64), (64, 28, 128))]
-    found += [base.with_(name="dgrad2d_k64_c64_5x5_56_n32", batch=32, filter=(5, 5), pad_lo=(2, 2), pad_hi=(2, 2))]
-    print("problems:", [p.name for p in found], flush=True)
-    with ProcessPoolExecutor(2) as pool:
-        kernels = [k for k in pool.map(_compile, [(p, v) for p in found for v in VARIANTS]) if k is not None]
-    hopper = Target("cuda", "sm_90").gpu
-    kernels = [k for k in kernels if all(sl.binary.shared_bytes <= hopper.workgroup_memory for sl in k.launches)]
-    stream.save_bundle(kernels, out)
-    print(f"wrote {out}: {len(kernels)} kernels")
+    found += narrow_grad_inputs_2d(next(p for p in found if p.name == "r50_3x3_s1_dgrad"))
+    build_variants(out, found, VARIANTS, _compile)
 
 
 def run(bundle: Path, result: Path) -> None:
