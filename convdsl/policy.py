@@ -13,13 +13,15 @@ from typing import NamedTuple, Optional, Sequence
 
 from dataclasses import dataclass, replace
 
+from .algebra import grad_input_phases
 from .kernels.launch import (ELEMENT, ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST_STRIDE, SPLIT_PRODUCTS, Launch, TmaMap,
                              arch_number, depthwise_channel_blocks, flat_elements, flat_planes, forward_direct_launch,
                              forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, grad_input_direct_launch,
-                             grad_input_launch, grad_weight_depthwise_launch, grad_weight_flat_tma_launch,
-                             grad_weight_launch, grad_weight_tma_launch, im2col_box, output_tiles, pad3, packable,
-                             packed_sizes, pad_planes_launch, reduction_steps, round_fp8_launch, split_bf16_launch,
-                             split_chunks, tiles_within_images, triton_version)
+                             grad_input_launch, grad_input_phases_tma_launch, grad_weight_depthwise_launch,
+                             grad_weight_flat_tma_launch, grad_weight_launch, grad_weight_tma_launch, im2col_box,
+                             output_tiles, pad3, packable, packed_sizes, pad_planes_launch, phases_window,
+                             reduction_steps, round_fp8_launch, split_bf16_launch, split_chunks, tiles_within_images,
+                             triton_version)
 from .kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
 from .problem import ConvProblem, weight_axes
 from .targets import Target
@@ -609,6 +611,58 @@ def grad_input_as_forward(p: ConvProblem) -> Optional[ConvProblem]:
                    pad_hi=hi, weight_layout=FAST_WEIGHT_LAYOUT)
 
 
+def phases_forward(p: ConvProblem) -> ConvProblem:
+    """The forward of dY the TMA phases kernel runs for a strided grad_input's phases, as the tile and program
+    rules see it (launch.grad_input_phases_tma_launch): dY's channels in, dX's out, the most taps of any phase
+    over a window of QM positions per dimension (launch.phases_window)."""
+    most, lom = phases_window(p)
+    phases = grad_input_phases(p)
+    taps = tuple(max(ph.dims[i].J for ph in phases) for i in range(p.dims))
+    step = tuple(ph.o_step for ph in phases[0].dims)
+    hi = tuple(max(0, q - o - lo + d * (j - 1)) for q, o, lo, d, j in zip(most, p.output, lom, step, taps))
+    return p.with_(op="forward", in_channels=p.out_channels, out_channels=p.in_channels, input=p.output, filter=taps,
+                   stride=(1,) * p.dims, dilation=step, pad_lo=lom, pad_hi=hi, weight_layout=FAST_WEIGHT_LAYOUT)
+
+
+def tma_grad_input_phases_reason(p: ConvProblem, target: Target) -> Optional[str]:
+    """Why a strided grad_input does not run its stride phases on the TMA kernel (kernels/tma.grad_input_phases_tma;
+    None: it does).  Measured against the cp.async phases kernel in docs/decisions.md#tma-phases."""
+    if p.op not in ("grad_input", "transposed") or all(s == 1 for s in p.stride) or p.out_dtype is not None:
+        return "the TMA phases kernel runs strided grad_inputs in the operands' dtype"
+    if p.dtype not in ("f16", "bf16") or p.compute is not None:
+        return "the TMA phases kernel reads the weight in N-major tiles, which only 16-bit wgmma takes"
+    if not _weight_rows(p):
+        return "the TMA kernel reads GKYXC weights"
+    if p.epilogue.kind != "none":
+        return "the TMA kernel has no epilogue"
+    phases = grad_input_phases(p)
+    if len(phases) < math.prod(p.stride) or any(ph.empty for ph in phases):
+        return "a stride phase without taps or positions (the cp.async phases kernel writes its zeros)"
+    q = phases_forward(p)
+    reason = _tma_common_reason(q, target)
+    if reason is not None:
+        return reason
+    most, lom = phases_window(p)
+    low, high = IM2COL_CORNERS[p.dims + 2]
+    if any(not low <= v <= high for v in (*(-v for v in lom), *(m - o - v for m, o, v in zip(most, p.output, lom)))):
+        return f"the phases' window past TMA im2col's range (corners {low}..{high})"
+    tiles = tma_forward_tiles(q, target)
+    if p.out_channels % tiles.block_k or p.in_channels % 8:
+        return (f"the TMA kernel reads channels in whole {tiles.block_k}-element steps (dY's channels a multiple of "
+                f"{tiles.block_k}, dX's of 8)")
+    if p.groups > 1 and p.in_channels % tiles.block_n:
+        return "with several groups the TMA kernel's column tiles must not cross into the next group"
+    return None
+
+
+def tma_grad_input_phases_programs(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
+    """Programs of the TMA phases kernel: as many as the SMs hold at once (tma_forward_programs), each taking
+    tiles of all the phases in turn."""
+    gpu = target.gpu
+    per_sm = gpu.shared_per_sm // (tma_forward_shared_bytes(phases_forward(p), tiles) + gpu.shared_reserved_per_block)
+    return gpu.sm_count * min(2, max(per_sm, 1))
+
+
 # space-to-depth: the regrouped channels, most (a few-channel strided forward; the stem's 3 x 2 x 2 = 12)
 SPACE_TO_DEPTH_MOST_CHANNELS = 16
 
@@ -675,6 +729,10 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
         tiles = tma_forward_tiles(q, target)
         programs = tma_forward_programs(q, tiles, target)
         return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True, programs=programs), True, (), tiles)
+    if tma_grad_input_phases_reason(p, target) is None:
+        tiles = tma_forward_tiles(phases_forward(p), target)
+        programs = tma_grad_input_phases_programs(p, tiles, target)
+        return TmaPlan(*grad_input_phases_tma_launch(p, tiles, base, programs), False, (), tiles)
     split = tma_split_grad_weight(p, target)
     if split is not None:  # X's parts as operand A, dY's as B, one stacked block per product
         stacked, how = split

@@ -88,6 +88,10 @@ class StreamKernel:
         if self.tma_maps:
             how = "; grad_input as the forward convolution of dY with the flipped weight" \
                 if self.tma_flipped_weight else ""
+            if names == "grad_input_phases_tma":
+                return (f"stream path: Gluon kernel {names} (every stride phase a forward of dY over its taps of the "
+                        f"weight, on TMA im2col copies and wgmma, all phases in one persistent launch, dX stored by "
+                        f"address; tiles {self.tiles}, {self.arch}); knobs from the {self.knobs_source}")
             if names == "grad_weight_flat_tma":
                 products = ("fp8 wgmma (f32 sums)" if self.problem.fp8_compute else "one-pass TF32 wgmma")
                 return (f"stream path: Gluon kernel {names} ({products} on TMA copies of X and dY laid "

@@ -19,8 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from convdsl import policy, stream
-from convdsl.kernels.launch import (IM2COL_CORNERS, forward_tma_launch, gluon_tma_im2col, grad_weight_tma_launch,
-                                    im2col_box)
+from convdsl.algebra import grad_input_phases
+from convdsl.kernels.launch import (IM2COL_CORNERS, forward_tma_launch, gluon_tma_im2col, grad_input_phases_tma_launch,
+                                    grad_weight_tma_launch, im2col_box)
 from convdsl.kernels.tiles import TileConfig
 from convdsl.problem import ConvProblem
 from convdsl.reference import random_inputs, reference, relative_error
@@ -353,6 +354,160 @@ def test_persistent_forward_programs():
     assert plan.launch.kernel == "forward_tma_persistent" and plan.launch.grid == (2 * hopper.sm_count, 1, 1)
     dgrad = policy.tma_stream_launch(big.with_(op="grad_input"), HOPPER, Knobs())
     assert dgrad.flipped and dgrad.launch.kernel == "forward_tma_persistent"
+
+
+def _emulated_grad_input_phases(p: ConvProblem, dy: np.ndarray, w: np.ndarray, programs: int) -> np.ndarray:
+    """grad_input_phases_tma in float64 through _im2col_tile, replayed as it runs: each program's tiles in turn
+    (phases outermost), its copies issued by the cursor (tile, step) that moves to the program's next tile when a
+    tile's steps are issued, and each tile's rows stored by address where its phase has positions."""
+    q = policy.phases_forward(p)
+    tiles = policy.tma_forward_tiles(q, HOPPER)
+    launch, maps = grad_input_phases_tma_launch(p, tiles, "k", programs)
+    cs = dict(launch.constants)
+    x_map, w_map = maps
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    dys = dy.reshape(x_map.shape).astype(np.float64)
+    w2 = w.reshape(w_map.shape).astype(np.float64)
+    dx = np.full((p.batch * math.prod(p.input), p.groups * p.in_channels), np.nan)
+    qm, lom, ts, os_, ff, size, stride = cs["QM"], cs["LOM"], cs["TS"], cs["OS"], cs["FF"], cs["I"], cs["S"]
+    c, k, g_count, rows, phases, stages = cs["C"], cs["K"], cs["G"], cs["ROWS"], cs["PHASES"], cs["STAGES"]
+    col_tiles, row_tiles = -(-k // bn), -(-rows // bm)
+    per_phase = col_tiles * row_tiles * g_count
+    count = phases * per_phase
+    dims = p.dims
+
+    def origin(tile: int) -> dict:  # _phase_tile
+        ph, rest = divmod(tile, per_phase)
+        off_m, off_k, g = ((rest // col_tiles) % row_tiles) * bm, (rest % col_tiles) * bn, rest // (col_tiles * row_tiles)
+        o2, o1, o0, n = off_m % qm[2], (off_m // qm[2]) % qm[1], (off_m // (qm[2] * qm[1])) % qm[0], \
+            off_m // math.prod(qm)
+        corner = (o0 - lom[0], o1 - lom[1], o2 - lom[2])[3 - dims:]
+        return dict(ph=ph, off_m=off_m, off_k=off_k, g=g, n=n, corner=corner, J=cs["PJ"][ph], Y=cs["PY"][ph],
+                    H=cs["PSH"][ph], steps=math.prod(cs["PJ"][ph]) * (c // bk))
+
+    def product(at: dict, step: int) -> np.ndarray:  # _issue_phase's copies, multiplied
+        t, cb = divmod(step, c // bk)
+        j = at["J"]
+        t3 = (t // (j[2] * j[1]), (t // j[2]) % j[1], t % j[2])
+        offsets = tuple(h + ti * o for h, ti, o in zip(at["H"], t3, os_))[3 - dims:]
+        ys = [y + (jj - 1 - ti) * st_ for y, jj, ti, st_ in zip(at["Y"], j, t3, ts)]
+        tap = (ys[0] * ff[1] + ys[1]) * ff[2] + ys[2]
+        channel = at["g"] * c + cb * bk
+        a = _im2col_tile(dys, (at["n"], *at["corner"], channel), offsets, x_map.lower, x_map.upper,
+                         x_map.element_strides[1:-1], bm, bk)
+        b = np.zeros((bk, bn))
+        block = w2[channel:channel + bk, tap * k + at["off_k"]:tap * k + at["off_k"] + bn]
+        b[:block.shape[0], :block.shape[1]] = block
+        return a @ b
+
+    def store(at: dict, acc: np.ndarray) -> None:  # _store_phase_rows
+        r, e = cs["PR"][at["ph"]], cs["PQ"][at["ph"]]
+        for i in range(bm):
+            row = at["off_m"] + i
+            q3 = ((row // (qm[2] * qm[1])) % qm[0], (row // qm[2]) % qm[1], row % qm[2])
+            n = row // math.prod(qm)
+            if row >= rows or any(qi >= ei for qi, ei in zip(q3, e)):
+                continue
+            pixel = ((n * size[0] + r[0] + stride[0] * q3[0]) * size[1] + r[1] + stride[1] * q3[1]) * size[2] \
+                + r[2] + stride[2] * q3[2]
+            cols = min(bn, k - at["off_k"])
+            dx[pixel, at["g"] * k + at["off_k"]:at["g"] * k + at["off_k"] + cols] = acc[i, :cols]
+
+    for pid in range(launch.grid[0]):
+        copies, j = {}, 0
+        cursor = [pid, 0, origin(pid)]  # tile, step, its origin
+
+        def issue(slot: int) -> None:
+            copies[slot] = (cursor[2], cursor[1])
+            cursor[1] += 1
+            if cursor[1] == cursor[2]["steps"]:
+                cursor[0] += launch.grid[0]
+                cursor[1] = 0
+                cursor[2] = origin(cursor[0]) if cursor[0] < count else None
+
+        for i in range(stages - 1):
+            if cursor[0] < count:
+                issue(i)
+        for tile in range(pid, count, launch.grid[0]):
+            at = origin(tile)
+            acc = np.zeros((bm, bn))
+            for _ in range(at["steps"]):
+                made_for, step = copies.pop(j)
+                acc += product(made_for, step)
+                if cursor[0] < count:
+                    issue(j + stages - 1)
+                j += 1
+            store(at, acc)
+    return dx.reshape(p.result_shape)
+
+
+PHASES_BASE = BASE.with_(op="grad_input", batch=2, in_channels=16, out_channels=32, input=(9, 10), stride=(2, 2))
+PHASES_CASES = [
+    PHASES_BASE,  # 3x3 stride 2, padding 1: phases of 4, 2, 2 and 1 taps; 5 and 4 positions in the first dimension
+    PHASES_BASE.with_(pad_lo=(0, 0), pad_hi=(0, 1)),  # phases whose windows start at different rows of dY
+    PHASES_BASE.with_(dims=1, input=(23,), filter=(5,), stride=(3,), dilation=(2,), pad_lo=(3,), pad_hi=(2,)),
+    PHASES_BASE.with_(dims=3, batch=1, input=(5, 4, 5), filter=(3, 2, 3), stride=(2, 2, 2), dilation=(1, 1, 1),
+                      pad_lo=(1, 0, 1), pad_hi=(1, 0, 1)),  # 3D, a 2-tap dimension: 8 phases
+    PHASES_BASE.with_(groups=2, in_channels=64, out_channels=16),  # groups: the column tile stays in its group
+    PHASES_BASE.with_(batch=3, in_channels=200),  # two column tiles, and several row tiles a phase
+]
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7])
+@pytest.mark.parametrize("p", PHASES_CASES)
+def test_emulated_grad_input_phases_match_the_reference(p, programs):
+    # grad_input_phases_tma's tables, window and schedule (kernels/tma.py, launch.grad_input_phases_tma_launch)
+    dy, w = random_inputs(p, seed=5)
+    got = _emulated_grad_input_phases(p, dy, w, programs)
+    assert not np.isnan(got).any(), "some positions of dX were never stored"
+    assert relative_error(got, reference(p, dy, w)) < 1e-12
+
+
+@given(dims=st.integers(1, 2), stride=st.integers(2, 3), filt=st.integers(2, 5), dilation=st.integers(1, 2),
+       size=st.integers(3, 8), lo=st.integers(0, 3), extra=st.integers(0, 2))
+@settings(max_examples=25, deadline=None)
+def test_emulated_grad_input_phases_property(dims, stride, filt, dilation, size, lo, extra):
+    # any strided grad_input the rule takes (every phase with taps) equals the reference when run as the kernel
+    # runs it; the rule refuses the rest with a reason
+    reach = dilation * (filt - 1)
+    lo = min(lo, reach)
+    out = (size + lo + min(extra, reach) - reach - 1) // stride + 1
+    if out < 1:
+        return
+    hi = (out - 1) * stride + reach + 1 - size - lo  # the padding that makes O's last window end inside it
+    if hi < 0:
+        return
+    p = PHASES_BASE.with_(dims=dims, batch=1, input=(size,) * dims, filter=(filt,) * dims, stride=(stride,) * dims,
+                          dilation=(dilation,) * dims, pad_lo=(lo,) * dims, pad_hi=(hi,) * dims)
+    reason = policy.tma_grad_input_phases_reason(p, HOPPER) if gluon_tma_im2col() else None
+    phases = grad_input_phases(p)
+    if len(phases) < stride ** dims or any(ph.empty for ph in phases):
+        assert reason is None or "phase" in reason
+        return
+    dy, w = random_inputs(p, seed=1)
+    got = _emulated_grad_input_phases(p, dy, w, 2)
+    assert not np.isnan(got).any()
+    assert relative_error(got, reference(p, dy, w)) < 1e-12
+
+
+@needs_gluon
+def test_which_grad_inputs_take_the_tma_phases_kernel():
+    assert policy.tma_grad_input_phases_reason(PHASES_BASE, HOPPER) is None
+    plan = policy.tma_stream_launch(PHASES_BASE, HOPPER, Knobs())
+    # 4 phases of one row tile each: no more tiles than programs, a program per tile
+    assert plan.launch.kernel == "grad_input_phases_tma" and plan.launch.grid == (4, 1, 1)
+    big = PHASES_BASE.with_(batch=64, input=(56, 56), in_channels=128, out_channels=128)
+    assert policy.tma_stream_launch(big, HOPPER, Knobs()).launch.grid == (HOPPER.gpu.sm_count, 1, 1)
+    refused = {
+        "stride 1": PHASES_BASE.with_(stride=(1, 1)),
+        "f32": PHASES_BASE.with_(dtype="f32", compute="tf32"),
+        "1x1 stride 2: three phases without taps": PHASES_BASE.with_(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0)),
+        "GKCYX weight": PHASES_BASE.with_(weight_layout="GKCYX"),
+        "dY channels not whole steps": PHASES_BASE.with_(out_channels=24),
+    }
+    for why, q in refused.items():
+        assert policy.tma_grad_input_phases_reason(q, HOPPER), why
+    assert "sm_90" in policy.tma_grad_input_phases_reason(PHASES_BASE, AMPERE)
 
 
 @needs_gluon

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
-from ..algebra import Phase, grad_input_phases
+from ..algebra import Phase, dy_padding, grad_input_phases
 from ..problem import FP8_FORMATS, ConvProblem, weight_axes
 from .tiles import TileConfig, matrix_block
 
@@ -512,6 +512,60 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
                   tiles.warps, tiles.stages), maps
 
 
+def phases_heaviest_first(p: ConvProblem) -> list[Phase]:
+    """The stride phases of a grad_input in the order the TMA phases kernel takes them: most taps first, so that
+    the persistent programs' last tiles are the shortest ones (ties in residue order)."""
+    return sorted(grad_input_phases(p), key=lambda ph: -math.prod(ph.taps))
+
+
+def phases_window(p: ConvProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The window every phase's copies walk (kernels/tma.grad_input_phases_tma): per spatial dimension the most
+    positions of any phase (QM) and the widest reach below dY's first position (LOM, algebra.dy_padding)."""
+    phases = grad_input_phases(p)
+    most = tuple(max(ph.dims[i].Q for ph in phases) for i in range(p.dims))
+    lo, _ = dy_padding(p, phases)
+    return most, lo
+
+
+def grad_input_phases_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, programs: int
+                                 ) -> tuple[Launch, tuple[TmaMap, ...]]:
+    """Strided grad_input (NHWGC, GKYXC) on kernels/tma.grad_input_phases_tma: every stride phase a forward of dY
+    with its taps of the weight, all of them in one persistent launch of `programs` programs.  dY through one
+    im2col map over (N, *O, G*K) whose pixel box holds QM positions per dimension from -LOM (phases_window); a
+    phase whose window starts higher reads it through larger im2col offsets (its shift LOM - LO_p).  W as its
+    own [G*K, taps*C] matrix in [BLOCK_K, BLOCK_N] tiles; dX stored by address (a phase's rows are every s-th
+    position, no box of dX), rows past the phase's own Q positions dropped.  Per-phase tables (residue r, Q,
+    taps J, first tap y0, shift) in phases_heaviest_first order, per dimension padded to 3 like the rest."""
+    phases = phases_heaviest_first(p)
+    most, lom = phases_window(p)
+    c, k, g = p.in_channels, p.out_channels, p.groups
+    rows = p.batch * math.prod(most)
+    lower = tuple(-v for v in lom)
+    upper = tuple(q - o - v for q, o, v in zip(most, p.output, lom))  # QM positions from -LOM: QM - 1 + 1 - O - LOM
+    maps = (
+        TmaMap(0, (p.batch, *p.output, g * k), (tiles.block_m, tiles.block_k), im2col=True, lower=lower, upper=upper,
+               element_strides=(1,) * (p.dims + 2)),
+        TmaMap(1, (g * k, math.prod(p.filter) * c), (tiles.block_k, tiles.block_n)),
+    )
+
+    consts = dict(
+        PHASES=len(phases),
+        PR=tuple(pad3(ph.residue, 0) for ph in phases),
+        PQ=tuple(pad3(ph.sizes, 1) for ph in phases),
+        PJ=tuple(pad3(ph.taps, 1) for ph in phases),
+        PY=tuple(pad3(tuple(d.y0 for d in ph.dims), 0) for ph in phases),
+        # a phase's window starts LO_p = (J - 1) * o_step - off below its q: LOM - LO_p above the box's start
+        PSH=tuple(pad3(tuple(v - ((d.J - 1) * d.o_step - d.off) for v, d in zip(lom, ph.dims)), 0) for ph in phases),
+        QM=pad3(most, 1), LOM=pad3(lom, 0), TS=pad3(tuple(d.tap_step for d in phases[0].dims), 1),
+        OS=pad3(tuple(d.o_step for d in phases[0].dims), 1), FF=pad3(p.filter, 1), I=pad3(p.input, 1),
+        S=pad3(p.stride, 1), C=k, K=c, G=g, ROWS=rows, DIMS=p.dims, STAGES=tiles.stages)
+    count = len(phases) * -(-rows // tiles.block_m) * -(-c // tiles.block_n) * g
+    grid = (min(count, programs), 1, 1)
+    elem = ELEMENT[p.dtype]
+    return Launch("grad_input_phases_tma", f"{base}_grad_input_phases_tma", (elem, elem, elem), tuple(consts.items()),
+                  grid, tiles.warps, tiles.stages), maps
+
+
 # the TMA grad_weight's f32 partials: columns per store box
 PARTIALS_BOX_MOST = 128
 
@@ -725,8 +779,8 @@ MOST_REGISTERS = 255
 def compile_tma_launch(launch: Launch, maps: tuple[TmaMap, ...], arch: str
                        ) -> tuple[Binary, tuple[TmaMap, ...], tuple[str, ...]]:
     """Compile a TMA launch with Triton's Gluon for `arch` (sm_90): its binary, the maps with the binary's boxes
-    and swizzles, and the kinds of its parameters in order ("map": a 128-byte CUtensorMap by value, "u32",
-    "u64")."""
+    and swizzles, and the kinds of its parameters in order ("map": a 128-byte CUtensorMap by value, "ptr<i>": the
+    device address of operand i (one no map reads), "u32", "u64")."""
     import triton  # optional dependencies: planned only where they are installed (policy.tma_forward_reason)
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -743,12 +797,18 @@ def compile_tma_launch(launch: Launch, maps: tuple[TmaMap, ...], arch: str
         kind = "tensordesc_im2col" if m.im2col else "tensordesc"
         signature[name] = f"{kind}<{launch.pointer_types[m.operand]}[{m.block[0]},{m.block[1]}],{layout!r}>"
     constexprs = dict(launch.constants, num_warps=launch.warps)
+    # the operands no map reads come as pointers, after the maps, in operand order (16-byte aligned)
+    pointers = [i for i in range(len(launch.pointer_types)) if i not in {m.operand for m in maps}]
+    pointer_names = [name for name in fn.arg_names[len(maps):] if name not in constexprs][:len(pointers)]
+    for name, operand in zip(pointer_names, pointers):
+        signature[name] = "*" + launch.pointer_types[operand]
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", POINTER_ALIGNMENT]] for name in pointer_names}
     signature.update({name: "constexpr" for name in constexprs})
     options = {"num_warps": launch.warps}
     if constexprs.get("SPECIALISED"):
         # a warp-specialised kernel runs a warp group more than num_warps: registers for all of them
         options["maxnreg"] = min(MOST_REGISTERS, REGISTERS_PER_SM // (32 * (launch.warps + 4))) // 8 * 8
-    kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constexprs),
+    kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", arch_number(arch), 32), options=options)
     meta = kernel.metadata
     if meta.global_scratch_size or meta.profile_scratch_size:
@@ -756,6 +816,12 @@ def compile_tma_launch(launch: Launch, maps: tuple[TmaMap, ...], arch: str
     head = kernel.asm["ptx"].split(")", 1)[0]
     kinds = tuple("map" if "[128]" in decl else "u32" if ".u32" in decl else "u64"
                   for decl in re.findall(r"\.param ([^\n,]*)", head))
+    if pointers:  # the pointers are the last parameters before Triton's trailing ones: "ptr<operand>"
+        at = len(kinds) - TRITON_TRAILING_PARAMS - len(pointers)
+        if kinds[at:at + len(pointers)] != ("u64",) * len(pointers):
+            raise RuntimeError(f"launch {launch.name}: expected {len(pointers)} pointer parameters before Triton's "
+                               f"trailing ones, got the parameter kinds {kinds}")
+        kinds = kinds[:at] + tuple(f"ptr{i}" for i in pointers) + kinds[at + len(pointers):]
     compiled = tuple(replace(m, box=tuple(d["block_size"]), swizzle=d["swizzle"])
                      for m, d in zip(maps, meta.tensordesc_meta))
     # meta.num_warps: the launch's warps plus a warp-specialised kernel's worker warps (in whole warp groups)

@@ -339,6 +339,162 @@ def forward_tma(x_desc, w_desc, y_desc,
     tma.store_wait(pendings=0)
 
 
+@constexpr_function
+def _lanes_n(block_n):
+    # lanes of a warp along a stored row: 8 elements (16 bytes) each, as many as the tile's columns take
+    return min(32, block_n // 8)
+
+
+@gluon.jit
+def _pick3(ph, TABLE: gl.constexpr, PHASES: gl.constexpr):
+    # phase ph's 3-tuple of a per-phase constexpr table (ph is known only at run time: summed over the phases)
+    v0 = ph * 0
+    v1 = ph * 0
+    v2 = ph * 0
+    for i in gl.static_range(PHASES):
+        hit = (ph == i).to(gl.int32)
+        v0 += hit * TABLE[i][0]
+        v1 += hit * TABLE[i][1]
+        v2 += hit * TABLE[i][2]
+    return v0, v1, v2
+
+
+@gluon.jit
+def _phase_tile(tile, PHASES: gl.constexpr, PJ: gl.constexpr, PY: gl.constexpr, PSH: gl.constexpr,
+                QM: gl.constexpr, LOM: gl.constexpr, K: gl.constexpr, G: gl.constexpr, ROWS: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    # a tile of grad_input_phases_tma -> its phase and, within the phase's forward, what _tile_origin gives, with
+    # the phase's taps J, first filter tap y0 and window shift per dimension.  Phases outermost (heaviest first)
+    TPP: gl.constexpr = ((ROWS + BLOCK_M - 1) // BLOCK_M) * ((K + BLOCK_N - 1) // BLOCK_N) * G
+    ph = tile // TPP
+    off_m, off_k, g, n, c0, c1, c2 = _tile_origin(tile % TPP, QM, (1, 1, 1), LOM, K, ROWS, BLOCK_M, BLOCK_N)
+    j0, j1, j2 = _pick3(ph, PJ, PHASES)
+    y0, y1, y2 = _pick3(ph, PY, PHASES)
+    h0, h1, h2 = _pick3(ph, PSH, PHASES)
+    return ph, off_m, off_k, g, n, c0, c1, c2, j0, j1, j2, y0, y1, y2, h0, h1, h2
+
+
+@gluon.jit
+def _issue_phase(x_desc, w_desc, a_buf, b_buf, bar, step, n, c0, c1, c2, g, off_k, j0, j1, j2, y0, y1, y2, h0, h1, h2,
+                 TS: gl.constexpr, OS: gl.constexpr, FF: gl.constexpr, C: gl.constexpr, K: gl.constexpr,
+                 DIMS: gl.constexpr, BLOCK_K: gl.constexpr):
+    # the copies of a phase's reduction step (tap t = (t0, t1, t2) of its J, channel block cb): dY's window at
+    # the phase's shift h + t * o_step, and of grad_input's [G*K, taps*C] weight the [BLOCK_K, BLOCK_N] tile of
+    # filter tap y0 + (J - 1 - t) * tap_step (the phase's taps flipped: algebra.phases_1d reads dY at
+    # q + off - j * o_step for tap j; t = J - 1 - j)
+    CB: gl.constexpr = C // BLOCK_K
+    t = step // CB
+    cb = step % CB
+    t2 = t % j2
+    t1 = (t // j2) % j1
+    t0 = t // (j2 * j1)
+    tap = ((y0 + (j0 - 1 - t0) * TS[0]) * FF[1] + y1 + (j1 - 1 - t1) * TS[1]) * FF[2] + y2 + (j2 - 1 - t2) * TS[2]
+    channel = g * C + cb * BLOCK_K
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    if DIMS == 3:
+        tma.async_load_im2col(x_desc, [n, c0, c1, c2, channel],
+                              [(h0 + t0 * OS[0]).to(gl.int16), (h1 + t1 * OS[1]).to(gl.int16),
+                               (h2 + t2 * OS[2]).to(gl.int16)], bar, a_buf)
+    elif DIMS == 2:
+        tma.async_load_im2col(x_desc, [n, c1, c2, channel],
+                              [(h1 + t1 * OS[1]).to(gl.int16), (h2 + t2 * OS[2]).to(gl.int16)], bar, a_buf)
+    else:
+        tma.async_load_im2col(x_desc, [n, c2, channel], [(h2 + t2 * OS[2]).to(gl.int16)], bar, a_buf)
+    tma.async_load(w_desc, [channel, tap * K + off_k], bar, b_buf)
+
+
+@gluon.jit
+def _store_phase_rows(dx_ptr, acc, ph, off_m, off_k, g, PHASES: gl.constexpr, PR: gl.constexpr, PQ: gl.constexpr,
+                      QM: gl.constexpr, I: gl.constexpr, S: gl.constexpr, K: gl.constexpr, G: gl.constexpr,
+                      ROWS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+    # a phase tile's rows into dX by address: row (n, q) is dX's position r + s * q; rows past the phase's own Q
+    # positions (the window holds QM) and past the last image are dropped
+    LANES_N: gl.constexpr = _lanes_n(BLOCK_N)
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANES_N, LANES_N], [num_warps, 1], [1, 0])
+    values = gl.convert_layout(acc.to(dx_ptr.dtype.element_ty), layout)
+    r0, r1, r2 = _pick3(ph, PR, PHASES)
+    e0, e1, e2 = _pick3(ph, PQ, PHASES)
+    rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    cols = off_k + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    q2 = rows % QM[2]
+    q1 = (rows // QM[2]) % QM[1]
+    q0 = (rows // (QM[2] * QM[1])) % QM[0]
+    n = rows // (QM[2] * QM[1] * QM[0])
+    pixel = ((n.to(gl.int64) * I[0] + r0 + S[0] * q0) * I[1] + r1 + S[1] * q1) * I[2] + r2 + S[2] * q2
+    kept = (rows < ROWS) & (q0 < e0) & (q1 < e1) & (q2 < e2)
+    addresses = dx_ptr + pixel[:, None] * (G * K) + (g * K + cols)[None, :]
+    gl.store(addresses, values, mask=kept[:, None] & (cols < K)[None, :])
+
+
+@gluon.jit
+def grad_input_phases_tma(x_desc, w_desc, dx_ptr,
+                          PHASES: gl.constexpr, PR: gl.constexpr, PQ: gl.constexpr, PJ: gl.constexpr,
+                          PY: gl.constexpr, PSH: gl.constexpr, QM: gl.constexpr, LOM: gl.constexpr,
+                          TS: gl.constexpr, OS: gl.constexpr, FF: gl.constexpr, I: gl.constexpr, S: gl.constexpr,
+                          C: gl.constexpr, K: gl.constexpr, G: gl.constexpr, ROWS: gl.constexpr,
+                          DIMS: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    # strided grad_input, every stride phase a stride-1 forward of dY (x_desc, K -> C here: this kernel's C is
+    # dY's channels, its K dX's) with the phase's taps of the weight, in one persistent launch: tiles (phase, group,
+    # row tile, column tile), each program taking tiles pid, pid + programs, ...  Phases differ in their taps,
+    # so a tile's steps (J0 * J1 * J2 * C / BLOCK_K) are read per tile; the copies run ahead through a cursor
+    # (tile, step) that moves on to the next tile of the program when a tile's steps are issued
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+    CB: gl.constexpr = C // BLOCK_K
+    TILES: gl.constexpr = PHASES * ((ROWS + BLOCK_M - 1) // BLOCK_M) * ((K + BLOCK_N - 1) // BLOCK_N) * G
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
+
+    a_bufs, b_bufs = _operand_ring(x_desc, w_desc, STAGES, BLOCK_M, BLOCK_N, BLOCK_K, True)
+    bars = _barriers(STAGES)
+
+    # the copy cursor: step ld_step of tile ld_tile, and that tile's origin and phase
+    ld_tile = pid
+    ld_step = pid * 0
+    (_p, _m, ld_k, ld_g, ld_n, ld_c0, ld_c1, ld_c2, ld_j0, ld_j1, ld_j2, ld_y0, ld_y1, ld_y2, ld_h0, ld_h1,
+     ld_h2) = _phase_tile(ld_tile, PHASES, PJ, PY, PSH, QM, LOM, K, G, ROWS, BLOCK_M, BLOCK_N)
+    for i in gl.static_range(STAGES - 1):
+        if ld_tile < TILES:
+            _issue_phase(x_desc, w_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i), ld_step, ld_n, ld_c0,
+                         ld_c1, ld_c2, ld_g, ld_k, ld_j0, ld_j1, ld_j2, ld_y0, ld_y1, ld_y2, ld_h0, ld_h1, ld_h2,
+                         TS, OS, FF, C, K, DIMS, BLOCK_K)
+            ld_step += 1
+            if ld_step == ld_j0 * ld_j1 * ld_j2 * CB:
+                ld_step = 0
+                ld_tile += programs
+                (_p, _m, ld_k, ld_g, ld_n, ld_c0, ld_c1, ld_c2, ld_j0, ld_j1, ld_j2, ld_y0, ld_y1, ld_y2, ld_h0, ld_h1,
+                 ld_h2) = _phase_tile(ld_tile, PHASES, PJ, PY, PSH, QM, LOM, K, G, ROWS, BLOCK_M, BLOCK_N)
+    # as in forward_tma_persistent: a loop over the tiles around one over a tile's steps; j counts all steps
+    j = 0
+    for tile in range(pid, TILES, programs):
+        (ph, off_m, off_k, g, _n, _c0, _c1, _c2, j0, j1, j2, _y0, _y1, _y2, _h0, _h1,
+         _h2) = _phase_tile(tile, PHASES, PJ, PY, PSH, QM, LOM, K, G, ROWS, BLOCK_M, BLOCK_N)
+        acc = _zero_accumulator(BLOCK_M, BLOCK_N, 256 // x_desc.dtype.primitive_bitwidth, num_warps)
+        for step in range(j0 * j1 * j2 * CB):
+            s = j % STAGES
+            mbarrier.wait(bars.index(s), (j // STAGES) & 1)
+            acc = _forward_product(a_bufs.index(s), b_bufs.index(s), acc, True, 0, False)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            if ld_tile < TILES:
+                ns = (j + STAGES - 1) % STAGES
+                _issue_phase(x_desc, w_desc, a_bufs.index(ns), b_bufs.index(ns), bars.index(ns), ld_step, ld_n,
+                             ld_c0, ld_c1, ld_c2, ld_g, ld_k, ld_j0, ld_j1, ld_j2, ld_y0, ld_y1, ld_y2, ld_h0, ld_h1,
+                             ld_h2, TS, OS, FF, C, K, DIMS, BLOCK_K)
+                ld_step += 1
+                if ld_step == ld_j0 * ld_j1 * ld_j2 * CB:
+                    ld_step = 0
+                    ld_tile += programs
+                    (_p, _m, ld_k, ld_g, ld_n, ld_c0, ld_c1, ld_c2, ld_j0, ld_j1, ld_j2, ld_y0, ld_y1, ld_y2, ld_h0,
+                     ld_h1, ld_h2) = _phase_tile(ld_tile, PHASES, PJ, PY, PSH, QM, LOM, K, G, ROWS, BLOCK_M, BLOCK_N)
+            j += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        _store_phase_rows(dx_ptr, acc, ph, off_m, off_k, g, PHASES, PR, PQ, QM, I, S, K, G, ROWS, BLOCK_M, BLOCK_N,
+                          num_warps)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
 @gluon.jit
 def _weight_tile(F: gl.constexpr, COL_TILES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     # a grad_weight program's output tile: program_id(0) = (K tile, tap t, C tile), C tiles innermost

@@ -86,9 +86,11 @@ class TmaDriverLaunch:
                 self.tensor_maps.prepare_tiled(i, element, m.shape, size, m.box, m.swizzle)
         self._operands = [m.operand for m in self.maps]
         self._addresses: list[Optional[int]] = [None] * len(self.maps)
-        # the maps' bytes in place; every other parameter (a map's shape and strides, which the kernel does not
-        # read, and Triton's scratch pointers, size 0) passed as zero
+        # the maps' bytes in place; an operand no map reads ("ptr<i>") as its device address, set per call; every
+        # other parameter (a map's shape and strides, which the kernel does not read, and Triton's scratch
+        # pointers, size 0) passed as zero
         self._zeros = [ctypes.c_uint64(0) for _ in kinds]
+        self._pointers = [(int(kind[3:]), value) for kind, value in zip(kinds, self._zeros) if kind.startswith("ptr")]
         slots, it = [], iter(self.tensor_maps.addresses)
         for kind, zero in zip(kinds, self._zeros):
             slots.append(next(it) if kind == "map" else ctypes.addressof(zero))
@@ -102,6 +104,8 @@ class TmaDriverLaunch:
             if address != addresses[i]:
                 self.tensor_maps.encode(i, address)
                 addresses[i] = address
+        for operand, value in self._pointers:
+            value.value = tensors[operand].data_ptr()
         self._launch(stream)
 
 
