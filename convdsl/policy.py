@@ -646,13 +646,21 @@ def tma_grad_input_phases_reason(p: ConvProblem, target: Target) -> Optional[str
     low, high = IM2COL_CORNERS[p.dims + 2]
     if any(not low <= v <= high for v in (*(-v for v in lom), *(m - o - v for m, o, v in zip(most, p.output, lom)))):
         return f"the phases' window past TMA im2col's range (corners {low}..{high})"
-    tiles = tma_forward_tiles(q, target)
+    tiles = tma_grad_input_phases_tiles(p)
     if p.out_channels % tiles.block_k or p.in_channels % 8:
         return (f"the TMA kernel reads channels in whole {tiles.block_k}-element steps (dY's channels a multiple of "
                 f"{tiles.block_k}, dX's of 8)")
     if p.groups > 1 and p.in_channels % tiles.block_n:
         return "with several groups the TMA kernel's column tiles must not cross into the next group"
     return None
+
+
+def tma_grad_input_phases_tiles(p: ConvProblem) -> TileConfig:
+    """The TMA phases kernel's tiles: 128 rows, 64 columns where dX has at most 64 channels, else 128; 128 bytes of
+    dY's channels a step, 4 stages and 4 warps.  The forward's wide (128 x 256) and narrow (256 x 64) tiles of two
+    warp groups ran slower here (docs/decisions.md#tma-phases)."""
+    block_k = next((b for b in (64, 32, 16) if p.out_channels % b == 0), 16)
+    return TileConfig(128, 64 if p.in_channels <= 64 else 128, block_k, warps=4, stages=4)
 
 
 def tma_grad_input_phases_programs(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
@@ -730,7 +738,7 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
         programs = tma_forward_programs(q, tiles, target)
         return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True, programs=programs), True, (), tiles)
     if tma_grad_input_phases_reason(p, target) is None:
-        tiles = tma_forward_tiles(phases_forward(p), target)
+        tiles = tma_grad_input_phases_tiles(p)
         programs = tma_grad_input_phases_programs(p, tiles, target)
         return TmaPlan(*grad_input_phases_tma_launch(p, tiles, base, programs), False, (), tiles)
     split = tma_split_grad_weight(p, target)

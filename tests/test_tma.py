@@ -360,8 +360,7 @@ def _emulated_grad_input_phases(p: ConvProblem, dy: np.ndarray, w: np.ndarray, p
     """grad_input_phases_tma in float64 through _im2col_tile, replayed as it runs: each program's tiles in turn
     (phases outermost), its copies issued by the cursor (tile, step) that moves to the program's next tile when a
     tile's steps are issued, and each tile's rows stored by address where its phase has positions."""
-    q = policy.phases_forward(p)
-    tiles = policy.tma_forward_tiles(q, HOPPER)
+    tiles = policy.tma_grad_input_phases_tiles(p)
     launch, maps = grad_input_phases_tma_launch(p, tiles, "k", programs)
     cs = dict(launch.constants)
     x_map, w_map = maps

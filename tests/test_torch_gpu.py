@@ -259,6 +259,58 @@ def test_specialised_grad_weights_against_float64():
         assert err < 1e-2, f"{p.name}: {err:.2e} ({kernel.describe()})"
 
 
+# strided grad_inputs on Hopper's TMA phases kernel (kernels/tma.grad_input_phases_tma): phases of different
+# taps and positions, windows starting at different rows of dY, 3D, dilation coprime to the stride, groups, a
+# second column tile, several waves of persistent programs.
+# (dims, groups, batch, C, K, spatial, filter, stride, dilation, pad_lo, pad_hi, dtype)
+PHASE_GRAD_INPUTS = [
+    (2, 1, 16, 128, 256, (35, 35), 3, 2, 1, 1, 1, "f16"),  # CK 17's shape, smaller
+    (2, 1, 8, 64, 64, (28, 27), 3, 2, 1, 0, 1, "bf16"),
+    (3, 1, 2, 64, 128, (9, 12, 11), 3, 2, 1, 1, 1, "bf16"),
+    (1, 1, 4, 96, 64, (301,), 5, 3, 2, 3, 2, "f16"),
+    (2, 2, 4, 128, 128, (20, 20), 4, 2, 1, 1, 1, "f16"),
+    (2, 1, 4, 200, 64, (17, 17), 3, 2, 1, 1, 1, "f16"),
+]
+
+
+def phase_grad_input_problems() -> list:
+    from convdsl.problem import ConvProblem
+
+    return [ConvProblem(op="grad_input", dims=dims, groups=groups, batch=batch, in_channels=c, out_channels=k,
+                        input=spatial, filter=(f,) * dims, stride=(s,) * dims, dilation=(d,) * dims,
+                        pad_lo=(lo,) * dims, pad_hi=(hi,) * dims, layout="NHWGC", weight_layout="GKYXC", dtype=dtype,
+                        name=f"phases_grad_input_{i}")
+            for i, (dims, groups, batch, c, k, spatial, f, s, d, lo, hi, dtype) in enumerate(PHASE_GRAD_INPUTS)]
+
+
+def test_phase_grad_inputs_against_float64():
+    from convdsl import stream
+    from convdsl.torch.stream import StreamRunner
+
+    runtime._register_bundles()
+    target = runtime._cuda_target(torch.device("cuda"))
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    for p in phase_grad_input_problems():
+        kernel = stream.stream_kernel(p, target)
+        assert ("grad_input_phases_tma" in kernel.describe()) == hopper, kernel.describe()
+        torch.manual_seed(6)
+        dy, w = (torch.randn(shape, device="cuda").to(DTYPES[p.dtype]) for shape in p.arg_shapes)
+        dx = torch.full(p.result_shape, float("nan"), device="cuda", dtype=DTYPES[p.dtype])
+        got = StreamRunner(kernel, torch.device("cuda"))(dy, w, out=dx)
+        # float64 in PyTorch's layouts, dY (N, G*K, *S) and W (G*K, C, *taps): the transposed convolution gives dX
+        # padded by pad_lo below (and up to the last window's reach above), cropped or zero-extended to I here
+        weight = w.double().flatten(0, 1).movedim(-1, 1)
+        full = getattr(torch.nn.functional, f"conv_transpose{p.dims}d")(
+            _channel_first(dy.double()), weight, stride=p.stride, dilation=p.dilation, groups=p.groups)
+        crop = [v for lo, i, f in zip(reversed(p.pad_lo), reversed(p.input), reversed(full.shape[2:]))
+                for v in (-lo, i + lo - f)]
+        want = torch.nn.functional.pad(full, crop)
+        want = want.unflatten(1, (p.groups, p.in_channels)).movedim(1, -1).movedim(1, -1)  # (N, *S, G, C)
+        assert not got.isnan().any(), f"{p.name}: positions of dX never stored ({kernel.describe()})"
+        err = _rel(got, want)
+        assert err < 1e-2, f"{p.name}: {err:.2e} ({kernel.describe()})"
+
+
 def _channel_first(a: torch.Tensor) -> torch.Tensor:
     # NHWGC (N, *S, G, C) -> PyTorch's (N, G*C, *S); GKYXC (G, K, *taps, C) -> (G*K, C, *taps)
     return a.movedim(-2, 1).movedim(-1, 2).flatten(1, 2) if a.dim() > 3 else a
