@@ -17,11 +17,11 @@ from .algebra import grad_input_phases
 from .kernels.launch import (ELEMENT, ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST_STRIDE, SPLIT_PRODUCTS, Launch, TmaMap,
                              arch_number, depthwise_channel_blocks, flat_elements, flat_planes, forward_direct_launch,
                              forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, grad_input_direct_launch,
-                             grad_input_launch, grad_input_phases_tma_launch, grad_weight_depthwise_launch,
-                             grad_weight_flat_tma_launch, grad_weight_launch, grad_weight_tma_launch, im2col_box,
-                             output_tiles, pad3, packable, packed_sizes, pad_planes_launch, phases_window,
-                             reduction_steps, round_fp8_launch, split_bf16_launch, split_chunks, tiles_within_images,
-                             triton_version)
+                             grad_input_launch, grad_input_phases_tiles, grad_input_phases_tma_launch,
+                             grad_weight_depthwise_launch, grad_weight_flat_tma_launch, grad_weight_launch,
+                             grad_weight_tma_launch, im2col_box, output_tiles, pad3, packable, packed_sizes,
+                             pad_planes_launch, phases_window, reduction_steps, round_fp8_launch, split_bf16_launch,
+                             split_chunks, tiles_within_images, triton_version)
 from .kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
 from .problem import ConvProblem, weight_axes
 from .targets import Target
@@ -652,6 +652,11 @@ def tma_grad_input_phases_reason(p: ConvProblem, target: Target) -> Optional[str
                 f"{tiles.block_k}, dX's of 8)")
     if p.groups > 1 and p.in_channels % tiles.block_n:
         return "with several groups the TMA kernel's column tiles must not cross into the next group"
+    programs = tma_grad_input_phases_programs(p, tiles, target)
+    if grad_input_phases_tiles(p, tiles) < 2 * programs:
+        # what a persistent program gains is the overlap of its tiles; with fewer, two cp.async programs an SM
+        # ran faster (DCGAN's 4x4 grad_input, 1.94 tiles a program: docs/decisions.md#tma-phases)
+        return f"fewer than two tiles a program ({programs} programs): the cp.async phases kernel"
     return None
 
 
@@ -715,7 +720,7 @@ class TmaPlan(NamedTuple):
 
 def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[TmaPlan]:
     """The TMA plan of p for the stream runner; None where the kernel keeps its cp.async form
-    (tma_forward_reason, tma_grad_weight_reason, tma_flat_grad_weight_reason).  Tiles in the knobs
+    (tma_forward_reason, tma_grad_input_phases_reason, tma_grad_weight_reason, tma_flat_grad_weight_reason).  Tiles in the knobs
     (the tuning database's, or a sweep's) are the cp.async kernel's: the TMA kernel takes tma_forward_tiles, and
     a sweep of cp.async tiles plans without it (stream.plan_stream_kernel's `tma`)."""
     if knobs.extern is False:

@@ -491,22 +491,26 @@ def test_emulated_grad_input_phases_property(dims, stride, filt, dilation, size,
 
 @needs_gluon
 def test_which_grad_inputs_take_the_tma_phases_kernel():
-    assert policy.tma_grad_input_phases_reason(PHASES_BASE, HOPPER) is None
-    plan = policy.tma_stream_launch(PHASES_BASE, HOPPER, Knobs())
-    # 4 phases of one row tile each: no more tiles than programs, a program per tile
-    assert plan.launch.kernel == "grad_input_phases_tma" and plan.launch.grid == (4, 1, 1)
+    # ResNet-50's stride-2 3x3 grad_input: 4 phases x 98 row tiles of 128 x 128, 132 programs
     big = PHASES_BASE.with_(batch=64, input=(56, 56), in_channels=128, out_channels=128)
-    assert policy.tma_stream_launch(big, HOPPER, Knobs()).launch.grid == (HOPPER.gpu.sm_count, 1, 1)
+    assert policy.tma_grad_input_phases_reason(big, HOPPER) is None
+    plan = policy.tma_stream_launch(big, HOPPER, Knobs())
+    assert plan.launch.kernel == "grad_input_phases_tma" and plan.launch.grid == (HOPPER.gpu.sm_count, 1, 1)
+    assert plan.tiles == policy.tma_grad_input_phases_tiles(big) and plan.tiles.block_n == 128
     refused = {
-        "stride 1": PHASES_BASE.with_(stride=(1, 1)),
-        "f32": PHASES_BASE.with_(dtype="f32", compute="tf32"),
-        "1x1 stride 2: three phases without taps": PHASES_BASE.with_(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0)),
-        "GKCYX weight": PHASES_BASE.with_(weight_layout="GKCYX"),
-        "dY channels not whole steps": PHASES_BASE.with_(out_channels=24),
+        "stride 1": big.with_(stride=(1, 1)),
+        "f32": big.with_(dtype="f32", compute="tf32"),
+        "1x1 stride 2: three phases without taps": big.with_(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0)),
+        "GKCYX weight": big.with_(weight_layout="GKCYX"),
+        "dY channels not whole steps": big.with_(out_channels=24),
+        "a program's tiles fewer than two": big.with_(batch=8),
     }
     for why, q in refused.items():
         assert policy.tma_grad_input_phases_reason(q, HOPPER), why
-    assert "sm_90" in policy.tma_grad_input_phases_reason(PHASES_BASE, AMPERE)
+    assert "sm_90" in policy.tma_grad_input_phases_reason(big, AMPERE)
+    # 64 dX channels: 128 x 64 tiles, two programs an SM
+    narrow = big.with_(in_channels=64, batch=128)
+    assert policy.tma_stream_launch(narrow, HOPPER, Knobs()).launch.grid == (2 * HOPPER.gpu.sm_count, 1, 1)
 
 
 @needs_gluon

@@ -261,15 +261,15 @@ def test_specialised_grad_weights_against_float64():
 
 # strided grad_inputs on Hopper's TMA phases kernel (kernels/tma.grad_input_phases_tma): phases of different
 # taps and positions, windows starting at different rows of dY, 3D, dilation coprime to the stride, groups, a
-# second column tile, several waves of persistent programs.
+# second column tile; each with at least two tiles a persistent program (policy.tma_grad_input_phases_reason).
 # (dims, groups, batch, C, K, spatial, filter, stride, dilation, pad_lo, pad_hi, dtype)
 PHASE_GRAD_INPUTS = [
-    (2, 1, 16, 128, 256, (35, 35), 3, 2, 1, 1, 1, "f16"),  # CK 17's shape, smaller
-    (2, 1, 8, 64, 64, (28, 27), 3, 2, 1, 0, 1, "bf16"),
-    (3, 1, 2, 64, 128, (9, 12, 11), 3, 2, 1, 1, 1, "bf16"),
-    (1, 1, 4, 96, 64, (301,), 5, 3, 2, 3, 2, "f16"),
-    (2, 2, 4, 128, 128, (20, 20), 4, 2, 1, 1, 1, "f16"),
-    (2, 1, 4, 200, 64, (17, 17), 3, 2, 1, 1, 1, "f16"),
+    (2, 1, 48, 128, 256, (35, 35), 3, 2, 1, 1, 1, "f16"),  # CK 17's shape at a smaller batch
+    (2, 1, 96, 64, 64, (28, 27), 3, 2, 1, 0, 1, "bf16"),
+    (3, 1, 48, 64, 128, (9, 12, 11), 3, 2, 1, 1, 1, "bf16"),
+    (1, 1, 112, 96, 64, (301,), 5, 3, 2, 3, 2, "f16"),
+    (2, 2, 48, 128, 128, (20, 20), 4, 2, 1, 1, 1, "f16"),
+    (2, 1, 56, 200, 64, (17, 17), 3, 2, 1, 1, 1, "f16"),
 ]
 
 

@@ -527,6 +527,13 @@ def phases_window(p: ConvProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return most, lo
 
 
+def grad_input_phases_tiles(p: ConvProblem, tiles: TileConfig) -> int:
+    """The TMA phases kernel's tiles: per phase, row tiles over the phases' common window, column tiles, groups."""
+    most, _ = phases_window(p)
+    rows = p.batch * math.prod(most)
+    return len(grad_input_phases(p)) * -(-rows // tiles.block_m) * -(-p.in_channels // tiles.block_n) * p.groups
+
+
 def grad_input_phases_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, programs: int
                                  ) -> tuple[Launch, tuple[TmaMap, ...]]:
     """Strided grad_input (NHWGC, GKYXC) on kernels/tma.grad_input_phases_tma: every stride phase a forward of dY
@@ -559,8 +566,7 @@ def grad_input_phases_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, p
         QM=pad3(most, 1), LOM=pad3(lom, 0), TS=pad3(tuple(d.tap_step for d in phases[0].dims), 1),
         OS=pad3(tuple(d.o_step for d in phases[0].dims), 1), FF=pad3(p.filter, 1), I=pad3(p.input, 1),
         S=pad3(p.stride, 1), C=k, K=c, G=g, ROWS=rows, DIMS=p.dims, STAGES=tiles.stages)
-    count = len(phases) * -(-rows // tiles.block_m) * -(-c // tiles.block_n) * g
-    grid = (min(count, programs), 1, 1)
+    grid = (min(grad_input_phases_tiles(p, tiles), programs), 1, 1)
     elem = ELEMENT[p.dtype]
     return Launch("grad_input_phases_tma", f"{base}_grad_input_phases_tma", (elem, elem, elem), tuple(consts.items()),
                   grid, tiles.warps, tiles.stages), maps

@@ -27,6 +27,11 @@ each taking tiles t = pid, pid + programs, ... (column tiles innermost, then row
 steps over all its tiles are one sequence, so the ring holds the next tile's first copies while a tile's last
 products finish and its result is stored.
 
+grad_input_phases_tma: strided grad_input, each stride phase (docs/algebra.md) a stride-1 forward of dY over the
+phase's taps of the weight, flipped, all phases in one persistent launch: one im2col map over dY whose box holds
+the most positions of any phase, a phase whose window starts higher reading it through larger im2col offsets,
+and dX stored by address (a phase's rows are every s-th position of dX, not a box of it).
+
 SPECIALISED (grad_weight_tma, forward_tma): the copies are issued by a warp of its own (gl.warp_specialize) that
 waits on each stage's `empty` barrier, which the product warps arrive at once the stage's product is done; without
 it the product warps issue the copies themselves, after a barrier of all of them.
