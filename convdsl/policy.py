@@ -653,26 +653,42 @@ def tma_grad_input_phases_reason(p: ConvProblem, target: Target) -> Optional[str
     if p.groups > 1 and p.in_channels % tiles.block_n:
         return "with several groups the TMA kernel's column tiles must not cross into the next group"
     programs = tma_grad_input_phases_programs(p, tiles, target)
-    if grad_input_phases_tiles(p, tiles) < 2 * programs:
-        # what a persistent program gains is the overlap of its tiles; with fewer, two cp.async programs an SM
-        # ran faster (DCGAN's 4x4 grad_input, 1.94 tiles a program: docs/decisions.md#tma-phases)
-        return f"fewer than two tiles a program ({programs} programs): the cp.async phases kernel"
+    if grad_input_phases_tiles(p, tiles) <= programs:
+        # what a persistent program gains is the overlap of its tiles; with a tile a program the cp.async kernel's
+        # smaller programs ran faster (DCGAN's 4x4 grad_input: docs/decisions.md#tma-phases)
+        return f"no more tiles than programs ({programs}): the cp.async phases kernel"
     return None
 
 
 def tma_grad_input_phases_tiles(p: ConvProblem) -> TileConfig:
-    """The TMA phases kernel's tiles: 128 rows, 64 columns where dX has at most 64 channels, else 128; 128 bytes of
-    dY's channels a step, 4 stages and 4 warps.  The forward's wide (128 x 256) and narrow (256 x 64) tiles of two
-    warp groups ran slower here (docs/decisions.md#tma-phases)."""
+    """The TMA phases kernel's tiles: 128 rows x 128 columns in 3 stages, two programs an SM (one program's stores
+    overlap the other's products), or 128 x 64 in 4 stages where dX has at most 64 channels (two an SM as well);
+    128 bytes of dY's channels a step, 4 warps.  128 x 128 in 4 stages (one program an SM), and the forward's wide
+    (128 x 256) and narrow (256 x 64) tiles of two warp groups, ran slower (docs/decisions.md#tma-phases)."""
     block_k = next((b for b in (64, 32, 16) if p.out_channels % b == 0), 16)
-    return TileConfig(128, 64 if p.in_channels <= 64 else 128, block_k, warps=4, stages=4)
+    if p.in_channels <= 64:
+        return TileConfig(128, 64, block_k, warps=4, stages=4)
+    return TileConfig(128, 128, block_k, warps=4, stages=3)
+
+
+# shared memory the phases kernel's store takes besides its ring: convert_layout's staging of the result tile to
+# 16-byte rows a thread, which Triton does in slabs of 8 KiB (sm_90 binaries of 128 x 64 and 128 x 128 tiles)
+PHASES_STORE_SCRATCH = 8192
+
+
+def tma_grad_input_phases_shared_bytes(p: ConvProblem, tiles: TileConfig) -> int:
+    """Shared memory of the TMA phases kernel: its ring of copies (a window of dY and a weight tile a stage), the
+    store's staging, and a barrier per stage with room for alignment."""
+    operand = ELEMENT_BYTES[ELEMENT[p.dtype]]
+    ring = tiles.stages * (tiles.block_m + tiles.block_n) * tiles.block_k * operand
+    return ring + PHASES_STORE_SCRATCH + 8 * tiles.stages + 128
 
 
 def tma_grad_input_phases_programs(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
-    """Programs of the TMA phases kernel: as many as the SMs hold at once (tma_forward_programs), each taking
-    tiles of all the phases in turn."""
+    """Programs of the TMA phases kernel: as many as the SMs hold at once (two where two fit), each taking tiles of
+    all the phases in turn."""
     gpu = target.gpu
-    per_sm = gpu.shared_per_sm // (tma_forward_shared_bytes(phases_forward(p), tiles) + gpu.shared_reserved_per_block)
+    per_sm = gpu.shared_per_sm // (tma_grad_input_phases_shared_bytes(p, tiles) + gpu.shared_reserved_per_block)
     return gpu.sm_count * min(2, max(per_sm, 1))
 
 

@@ -495,15 +495,16 @@ def test_which_grad_inputs_take_the_tma_phases_kernel():
     big = PHASES_BASE.with_(batch=64, input=(56, 56), in_channels=128, out_channels=128)
     assert policy.tma_grad_input_phases_reason(big, HOPPER) is None
     plan = policy.tma_stream_launch(big, HOPPER, Knobs())
-    assert plan.launch.kernel == "grad_input_phases_tma" and plan.launch.grid == (HOPPER.gpu.sm_count, 1, 1)
-    assert plan.tiles == policy.tma_grad_input_phases_tiles(big) and plan.tiles.block_n == 128
+    # 128 x 128 tiles in 3 stages: two programs an SM
+    assert plan.launch.kernel == "grad_input_phases_tma" and plan.launch.grid == (2 * HOPPER.gpu.sm_count, 1, 1)
+    assert plan.tiles == policy.tma_grad_input_phases_tiles(big) and (plan.tiles.block_n, plan.tiles.stages) == (128, 3)
     refused = {
         "stride 1": big.with_(stride=(1, 1)),
         "f32": big.with_(dtype="f32", compute="tf32"),
         "1x1 stride 2: three phases without taps": big.with_(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0)),
         "GKCYX weight": big.with_(weight_layout="GKCYX"),
         "dY channels not whole steps": big.with_(out_channels=24),
-        "a program's tiles fewer than two": big.with_(batch=8),
+        "no more tiles than programs": big.with_(batch=8),
     }
     for why, q in refused.items():
         assert policy.tma_grad_input_phases_reason(q, HOPPER), why
@@ -511,6 +512,22 @@ def test_which_grad_inputs_take_the_tma_phases_kernel():
     # 64 dX channels: 128 x 64 tiles, two programs an SM
     narrow = big.with_(in_channels=64, batch=128)
     assert policy.tma_stream_launch(narrow, HOPPER, Knobs()).launch.grid == (2 * HOPPER.gpu.sm_count, 1, 1)
+
+
+@needs_gluon
+def test_tma_phases_kernel_takes_the_shared_memory_the_rule_counts():
+    # the programs an SM follow from policy.tma_grad_input_phases_shared_bytes: the compiled binaries must take no more
+    for channels in (128, 64):
+        p = PHASES_BASE.with_(batch=64, input=(56, 56), in_channels=channels, out_channels=128)
+        kernel = stream.plan_stream_kernel(p, HOPPER, Knobs(), compile=True)
+        (launch,) = kernel.launches
+        assert launch.launch.kernel == "grad_input_phases_tma"
+        tiles = policy.tma_grad_input_phases_tiles(p)
+        assert launch.binary.shared_bytes <= policy.tma_grad_input_phases_shared_bytes(p, tiles)
+        gpu = HOPPER.gpu
+        assert 2 * (launch.binary.shared_bytes + gpu.shared_reserved_per_block) <= gpu.shared_per_sm
+        assert kernel.tma_params.count("map") == 2 and kernel.tma_params.count("ptr2") == 1
+        assert "all phases in one persistent launch" in kernel.describe()
 
 
 @needs_gluon

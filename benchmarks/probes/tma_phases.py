@@ -6,7 +6,7 @@ phases kernel and cuDNN, per tile and store variant.
 
 Variants: "cp.async" (the one-launch phases kernel of igemm.py, its rule's tiles), "rule" (the TMA kernel with
 the rule's tiles), tiles t<M>x<N>x<K>w<warps>s<stages> (programs as the shared memory of those tiles allows:
-policy.tma_grad_input_phases_programs).  Cases: the suite's strided 16-bit grad_inputs and strided
+policy.tma_grad_input_phases_programs; with a suffix p<n>, n programs an SM whatever the rule's estimate).  Cases: the suite's strided 16-bit grad_inputs and strided
 grad_inputs outside it (ResNet-50's later stride-2 layers, a 3D one, a 4x4 stride-2 one of a U-Net decoder).
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 SUITE = ["ck17_dgrad_2d_s2", "r50_3x3_s2_dgrad", "w2v2_conv1d_s2_dgrad", "dcgan_4x4_s2_dgrad"]
-VARIANTS = ("cp.async", "rule", "t128x64x64w4s4", "t128x128x64w4s2", "t128x256x64w8s3", "t256x64x64w8s4")
+VARIANTS = ("cp.async", "rule", "t128x128x64w4s4", "t128x64x64w4s4", "t128x256x64w8s3", "t256x64x64w8s4")
+# further variants on the command line: --variants rule t128x128x64w4s3p2 ... (p<n>: n programs an SM, forced)
 
 
 def problems() -> list:
@@ -53,20 +54,21 @@ def _compile(job):
     if reason is not None:
         print(f"{p.name}: not on the TMA phases kernel ({reason})", flush=True)
         return None
-    tiles = policy.tma_grad_input_phases_tiles(p) if variant == "rule" else parse_tiles(variant)
+    label, _, per_sm = variant.partition("p")
+    tiles = policy.tma_grad_input_phases_tiles(p) if label == "rule" else parse_tiles(label)
     if p.out_channels % tiles.block_k or (p.groups > 1 and p.in_channels % tiles.block_n):
         return None
-    launch, maps = grad_input_phases_tma_launch(p, tiles, f"k_{variant.replace('.', '_')}",
-                                                policy.tma_grad_input_phases_programs(p, tiles, hopper))
+    programs = hopper.gpu.sm_count * int(per_sm) if per_sm else policy.tma_grad_input_phases_programs(p, tiles, hopper)
+    launch, maps = grad_input_phases_tma_launch(p, tiles, f"k_{variant.replace('.', '_')}", programs)
     binary, maps, kinds = compile_tma_launch(launch, maps, "sm_90")
     return StreamKernel(named, "sm_90", named, (), (StreamLaunch(launch, binary),), (), tiles.label(), "probe",
                         tma_maps=maps, tma_params=kinds)
 
 
-def build(out: Path) -> None:
+def build(out: Path, variants: list[str] | None = None) -> None:
     from benchmarks.probes.tma_forward import build_variants
 
-    build_variants(out, problems(), VARIANTS, _compile)
+    build_variants(out, problems(), variants or VARIANTS, _compile)
 
 
 def run(bundle: Path, result: Path) -> None:
@@ -74,7 +76,7 @@ def run(bundle: Path, result: Path) -> None:
 
     rows = timed_rows(bundle)
     by_case = ms_by_case(rows)
-    summary = {v: geomean_ratio(by_case, "cp.async", v) for v in VARIANTS[1:]}
+    summary = {v: geomean_ratio(by_case, "cp.async", v) for v in sorted({r["kernel"] for r in rows} - {"cp.async"})}
     print("cp.async time / variant time, geomean:", summary)
     write_record(result, "python3 benchmarks/probes/tma_phases.py run P.convk OUT.json", rows, summary)
 
@@ -82,7 +84,7 @@ def run(bundle: Path, result: Path) -> None:
 def main(argv=None) -> int:
     from benchmarks.probes.tma_forward import probe_main
 
-    return probe_main(__doc__, build, run, argv)
+    return probe_main(__doc__, build, run, argv, extra=[("--variants", dict(nargs="+"))])
 
 
 if __name__ == "__main__":
