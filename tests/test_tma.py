@@ -377,7 +377,8 @@ def _emulated_grad_input_phases(p: ConvProblem, dy: np.ndarray, w: np.ndarray, p
 
     def origin(tile: int) -> dict:  # _phase_tile
         ph, rest = divmod(tile, per_phase)
-        off_m, off_k, g = ((rest // col_tiles) % row_tiles) * bm, (rest % col_tiles) * bn, rest // (col_tiles * row_tiles)
+        off_m, off_k = ((rest // col_tiles) % row_tiles) * bm, (rest % col_tiles) * bn
+        g = rest // (col_tiles * row_tiles)
         o2, o1, o0, n = off_m % qm[2], (off_m // qm[2]) % qm[1], (off_m // (qm[2] * qm[1])) % qm[0], \
             off_m // math.prod(qm)
         corner = (o0 - lom[0], o1 - lom[1], o2 - lom[2])[3 - dims:]
@@ -449,6 +450,7 @@ PHASES_CASES = [
                       pad_lo=(1, 0, 1), pad_hi=(1, 0, 1)),  # 3D, a 2-tap dimension: 8 phases
     PHASES_BASE.with_(groups=2, in_channels=64, out_channels=16),  # groups: the column tile stays in its group
     PHASES_BASE.with_(batch=3, in_channels=200),  # two column tiles, and several row tiles a phase
+    PHASES_BASE.with_(op="transposed"),  # the transposed convolution: grad_input's arithmetic
 ]
 
 

@@ -1,13 +1,15 @@
-"""Probe: strided grad_inputs on the TMA phases kernel (kernels/tma.grad_input_phases_tma) against the cp.async
-phases kernel and cuDNN, per tile and store variant.
+"""Probe: strided grad_inputs on the TMA phases kernel (kernels/tma.grad_input_phases_tma) against the cp.async phases
+kernel and cuDNN, per tile variant.
 
     python3 benchmarks/probes/tma_phases.py build P.convk      # where Triton 3.9 is (no GPU needed)
     python3 benchmarks/probes/tma_phases.py run P.convk OUT.json   # on an H100/H200
+    python3 benchmarks/probes/tma_phases.py build P.convk --variants cp.async rule t128x128x64w4s3p2
 
-Variants: "cp.async" (the one-launch phases kernel of igemm.py, its rule's tiles), "rule" (the TMA kernel with
-the rule's tiles), tiles t<M>x<N>x<K>w<warps>s<stages> (programs as the shared memory of those tiles allows:
-policy.tma_grad_input_phases_programs; with a suffix p<n>, n programs an SM whatever the rule's estimate).  Cases: the suite's strided 16-bit grad_inputs and strided
-grad_inputs outside it (ResNet-50's later stride-2 layers, a 3D one, a 4x4 stride-2 one of a U-Net decoder).
+Variants: "cp.async" (the one-launch phases kernel of igemm.py, its rule's tiles), "rule" (the TMA kernel with the
+rule's tiles), tiles t<M>x<N>x<K>w<warps>s<stages> (programs as the shared memory of those tiles allows:
+policy.tma_grad_input_phases_programs; with a suffix p<n>, n programs an SM whatever the rule's estimate). Cases:
+the suite's strided 16-bit grad_inputs and strided grad_inputs outside it (ResNet-50's later stride-2 layers, a 3D
+one, a 4x4 stride-2 one of a U-Net decoder).
 """
 from __future__ import annotations
 
