@@ -610,3 +610,110 @@ def grad_weight_depthwise_rows(
     out = partials + (s * G + ch) * (F[0] * F[1] * F[2])
     for t in tl.static_range(F[0] * F[1] * F[2]):
         tl.store(out + t, accs[t], mask=ch_ok)
+
+
+@triton.jit
+def _x_flat_row(x_n, i0, i1, jj, j_ok, zero, I: tl.constexpr, F: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
+                G: tl.constexpr, X: tl.constexpr):
+    # grad_weight_depthwise_flat: X row (i0, i1) read at jj shifted by each tap f2, as f32 (zeros outside X), one
+    # tensor per f2.  Shifting the flat index by G moves one position along the row, so X's position i2 lies in
+    # [0, I[2]) exactly where the shifted index lies in [0, I[2] * G).
+    row_ok = j_ok & (zero + i0 >= 0) & (zero + i0 < I[0]) & (zero + i1 >= 0) & (zero + i1 < I[1])
+    xs = ()
+    for f2 in tl.static_range(F[2]):
+        k = jj + (f2 * D[2] - LO[2]) * G
+        xs = xs + (tl.load(x_n + i0 * X[3] + i1 * X[4] + k, mask=row_ok & (k >= 0) & (k < I[2] * G),
+                           other=0.0).to(tl.float32),)
+    return xs
+
+
+@triton.jit
+def grad_weight_depthwise_flat(
+    x, dy, partials,
+    # depthwise (C = K = 1 per group) grad_weight along rows flattened with their channels.  Channels-last, a row
+    # (n, i0, i1) of X is I[2] x G contiguous elements j = i2 * G + g, and with stride 1 along it the tap f2 pairs
+    # dY's element j of row (n, o0, o1) with X's element j + (f2 * D[2] - LO[2]) * G.  A program owns a slab of
+    # REP x G elements of the dY rows of one segment (SEG rows o1 of a plane (n, o0)), held as one [BLOCK] tensor
+    # (BLOCK >= REP x G, 16 bytes a thread): its loads are whole contiguous lines, where a block of channels reads
+    # a sliver of every position, and slot j always holds channel j % G.  As grad_weight_depthwise_rows it slides
+    # along o1 (stride and dilation 1 there): the F[0] x (F[1] - 1) X rows the next dY row shares stay in
+    # registers, each as its F[2] shifted copies, and F[0] x F[2] are loaded for the new row.  At the end the REP
+    # slots of each channel are summed (tl.gather) into partials[p, g, f0, f1, f2], p = segment x SLABS + slab.
+    G: tl.constexpr, N: tl.constexpr,
+    # sizes per spatial dimension, padded to 3 (I: X, O: dY, F: filter; S stride, D dilation, LO low padding)
+    I: tl.constexpr, O: tl.constexpr, F: tl.constexpr, S: tl.constexpr, D: tl.constexpr, LO: tl.constexpr,
+    # element strides: X (n, g, c, i0, i1, i2), dY (n, g, k, o0, o1, o2); channels-last: g's stride 1, i2's G
+    X: tl.constexpr, DY: tl.constexpr,
+    SEG: tl.constexpr, BLOCK: tl.constexpr, REP: tl.constexpr, GP: tl.constexpr, SLIDE: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    SLAB: tl.constexpr = REP * G
+    SLABS: tl.constexpr = (O[2] + REP - 1) // REP  # slabs per row
+    SEGS: tl.constexpr = (O[1] + SEG - 1) // SEG  # segments per plane (n, o0)
+    KEPT: tl.constexpr = F[1] - 1  # X rows per f0 a dY row shares with the next
+    TAPS: tl.constexpr = F[0] * F[1] * F[2]
+    slab = wide_index(tl.program_id(0), WIDE)
+    s = wide_index(tl.program_id(1), WIDE)
+    j = tl.arange(0, BLOCK)
+    zero = j * 0  # scalar conditions as vectors (Triton's interpreter makes a scalar's bool an int32)
+    jj = slab * SLAB + j
+    j_ok = (j < SLAB) & (jj < O[2] * G)
+    plane = s // SEGS
+    first = (s % SEGS) * SEG
+    last = tl.minimum(first + SEG, O[1])
+    o0 = plane % O[0]
+    n = plane // O[0]
+    x_n = x + n * X[0]
+    dy_row = dy + n * DY[0] + o0 * DY[3]
+    accs = ()
+    for t in tl.static_range(TAPS):
+        accs = accs + (tl.zeros((BLOCK,), dtype=tl.float32),)
+    # the X rows i1 = first + f1 - LO[1] (f1 < KEPT) of every f0, F[2] shifts each: index (f0 * KEPT + f1) * F[2] + f2
+    kept = ()
+    for f0 in tl.static_range(F[0]):
+        for f1 in tl.static_range(KEPT):
+            kept = kept + _x_flat_row(x_n, o0 * S[0] + f0 * D[0] - LO[0], first + (f1 - LO[1]), jj, j_ok, zero,
+                                      I, F, D, LO, G, X)
+    for o1 in range(first, last):
+        dyv = tl.load(dy_row + o1 * DY[4] + jj, mask=j_ok, other=0.0).to(tl.float32)
+        if not SLIDE:
+            kept = ()
+            for f0 in tl.static_range(F[0]):
+                for f1 in tl.static_range(KEPT):
+                    kept = kept + _x_flat_row(x_n, o0 * S[0] + f0 * D[0] - LO[0], o1 + (f1 - LO[1]), jj, j_ok, zero,
+                                              I, F, D, LO, G, X)
+        # the new X row of every f0: i1 = o1 + KEPT - LO[1]
+        fresh = ()
+        for f0 in tl.static_range(F[0]):
+            fresh = fresh + _x_flat_row(x_n, o0 * S[0] + f0 * D[0] - LO[0], o1 + (KEPT - LO[1]), jj, j_ok, zero,
+                                        I, F, D, LO, G, X)
+        new = ()
+        for f0 in tl.static_range(F[0]):
+            for f1 in tl.static_range(F[1]):
+                for f2 in tl.static_range(F[2]):
+                    acc = accs[(f0 * F[1] + f1) * F[2] + f2]
+                    if f1 < KEPT:
+                        acc += kept[(f0 * KEPT + f1) * F[2] + f2] * dyv
+                    else:
+                        acc += fresh[f0 * F[2] + f2] * dyv
+                    new = new + (acc,)
+        accs = new
+        # slide: row f1 + 1 becomes row f1 for the next dY row
+        slid = ()
+        for f0 in tl.static_range(F[0]):
+            for f1 in tl.static_range(KEPT):
+                for f2 in tl.static_range(F[2]):
+                    if f1 + 1 < KEPT:
+                        slid = slid + (kept[(f0 * KEPT + f1 + 1) * F[2] + f2],)
+                    else:
+                        slid = slid + (fresh[f0 * F[2] + f2],)
+        kept = slid
+    # channel g's slots are r * G + g, r < REP (slots past SLAB hold zeros and are never gathered)
+    g = tl.arange(0, GP)
+    g_ok = g < G
+    out = partials + ((s * SLABS + slab) * G + g) * TAPS
+    for t in tl.static_range(TAPS):
+        total = tl.zeros((GP,), dtype=tl.float32)
+        for r in tl.static_range(REP):
+            total += tl.gather(accs[t], tl.minimum(r * G + g, BLOCK - 1), 0)
+        tl.store(out + t, total, mask=g_ok)
