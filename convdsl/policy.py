@@ -18,11 +18,9 @@ from .kernels.launch import (ELEMENT, ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST
                              arch_number, depthwise_channel_blocks, flat_elements, flat_planes, forward_direct_launch,
                              forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, grad_input_direct_launch,
                              grad_input_launch, grad_input_phases_tiles, grad_input_phases_tma_launch,
-                             grad_weight_depthwise_flat_launch, grad_weight_depthwise_launch,
-                             grad_weight_flat_tma_launch, grad_weight_launch,
+                             grad_weight_depthwise_launch, grad_weight_flat_tma_launch, grad_weight_launch,
                              grad_weight_tma_launch, im2col_box, output_tiles, pad3, packable, packed_sizes,
-                             operand_element, pad_planes_launch, phases_window, reduction_steps, round_fp8_launch,
-                             split_bf16_launch,
+                             pad_planes_launch, phases_window, reduction_steps, round_fp8_launch, split_bf16_launch,
                              split_chunks, tiles_within_images, triton_version)
 from .kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
 from .problem import ConvProblem, weight_axes
@@ -978,10 +976,7 @@ def tap_rows(p: ConvProblem) -> int:
 def depthwise_grad_weight_tiles(p: ConvProblem) -> TileConfig:
     """grad_weight_depthwise: chunks of at most block_m positions along the innermost dimension (unrolled, cut
     evenly: depthwise_chunk) x block_n channels, one element of the [TAP_ROWS, block_n] tensors per thread.
-    (docs/decisions.md#depthwise-tiles).  Where rows flatten with their channels (flat_depthwise_rows): block_m 1
-    and block_n the flat slab's BLOCK (flat_depthwise_tiles)."""
-    if flat_depthwise_rows(p):
-        return flat_depthwise_tiles(p)
+    (docs/decisions.md#depthwise-tiles)."""
     rows = tap_rows(p)
     return TileConfig(8 if rows == 1 else 32, 32, 1, warps=min(16, rows), stages=1)
 
@@ -991,39 +986,6 @@ def depthwise_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Targe
     latency: many loads in flight, and the partials few enough for one linalg sum)."""
     blocks = depthwise_channel_blocks(p, tiles)
     return tiles.split or 16 * target.gpu.sm_count // (blocks * tiles.warps)
-
-
-# grad_weight_depthwise_flat keeps every tap's accumulator and every X row it shares with the next dY row in each
-# thread, 16 bytes of each: filters up to this many taps (a 3x3: 18 such tensors, about 150 registers)
-FLAT_TAPS_MOST = 9
-# its slab of REP x G elements fills at least this share of the [BLOCK] tensor with the fewest warps that reach it
-FLAT_FILL_LEAST = 0.9
-
-
-def flat_depthwise_rows(p: ConvProblem) -> bool:
-    """grad_weight_depthwise_flat applies: depthwise grad_weight in NHWGC (a row of X is its positions x G
-    contiguous channels), stride 1 along the row (a tap shifts the flat row by G), stride and dilation 1 along
-    the rows it slides over, at most FLAT_TAPS_MOST taps and G within one slab of 8 warps
-    (docs/decisions.md#depthwise-flat)."""
-    if not (p.op == "grad_weight" and p.depthwise and p.layout == "NHWGC"):
-        return False
-    g = geometry(p)
-    return (g["S"][2] == 1 and g["S"][1] == 1 and g["D"][1] == 1 and math.prod(p.filter) <= FLAT_TAPS_MOST
-            and p.groups <= flat_block(p, 8))
-
-
-def flat_block(p: ConvProblem, warps: int) -> int:
-    """grad_weight_depthwise_flat's BLOCK for `warps`: 16 bytes per thread."""
-    return 32 * warps * (16 // ELEMENT_BYTES[operand_element(p)])
-
-
-def flat_depthwise_tiles(p: ConvProblem) -> TileConfig:
-    """The fewest warps (1 to 8) whose slab REP x G fills FLAT_FILL_LEAST of BLOCK, else the fullest; block_m 1
-    marks the flat kernel's tiles."""
-    fills = [(w, (flat_block(p, w) // p.groups) * p.groups / flat_block(p, w)) for w in (1, 2, 4, 8)]
-    fills = [(w, f) for w, f in fills if f > 0]
-    warps = next((w for w, f in fills if f >= FLAT_FILL_LEAST), max(fills, key=lambda wf: wf[1])[0])
-    return TileConfig(1, flat_block(p, warps), 1, warps=warps, stages=1)
 
 
 def slides_along_rows(p: ConvProblem) -> bool:
@@ -1066,10 +1028,6 @@ def plan_launches(p: ConvProblem, tiles: Optional[TileConfig], target: Target, x
     if x_layout and (p.op != "grad_weight" or (p.depthwise and not packed)):
         raise ValueError(f"x_layout: only grad_weight's GEMM kernel reads a copy of X ({p.name})")
     tiles = kernel_tiles(p, tiles)
-    if p.op == "grad_weight" and p.depthwise and not packed and tiles.block_m == 1 and flat_depthwise_rows(p):
-        launch, partials = grad_weight_depthwise_flat_launch(p, tiles, base,
-                                                             depthwise_grad_weight_parts(p, tiles, target))
-        return tiles, (launch,), partials
     if p.op == "grad_weight" and p.depthwise and not packed:
         launch, partials = grad_weight_depthwise_launch(p, tiles, base, depthwise_grad_weight_parts(p, tiles, target),
                                                         slides_along_rows(p), tap_rows(p))

@@ -26,8 +26,6 @@ from convdsl.passes.explain import describe_plan
 from convdsl.policy import (
     default_pack,
     dy_read_in_place,
-    flat_depthwise_rows,
-    flat_depthwise_tiles,
     fullest_split,
     grad_weight_parts,
     grad_weight_split,
@@ -343,51 +341,6 @@ def test_interpreted_depthwise_rows_kernel_matches_the_reference(tiles):
     # stride 2 along the rows, or too many taps for one thread: the general kernel
     assert not slides_along_rows(_dw(op="grad_weight", stride=(2, 1)))
     assert not slides_along_rows(_dw(op="grad_weight", filter=(5, 5)))
-
-
-# rows flattened with their channels: stride 1 along the row (a dilation there shifts the flat row by 2G),
-# 1D, 3D with stride and dilation across planes, a filter shorter than the padding, fewer rows than a segment
-FLAT = [
-    _dw(op="grad_weight", stride=(1, 1), name="dw-w-flat"),
-    _dw(op="grad_weight", dims=1, input=(23,), filter=(7,), stride=(1,), dilation=(1,), pad_lo=(3,), pad_hi=(3,),
-        name="dw-w-flat-1d"),
-    _dw(op="grad_weight", dims=3, input=(5, 4, 9), filter=(2, 2, 2), stride=(2, 1, 1), dilation=(2, 1, 2),
-        pad_lo=(1, 1, 2), pad_hi=(0, 1, 1), name="dw-w-flat-3d"),
-    _dw(op="grad_weight", input=(6, 11), filter=(3, 2), stride=(1, 1), dilation=(1, 1), pad_lo=(2, 0),
-        pad_hi=(0, 1), name="dw-w-flat-asym"),
-]
-
-
-@pytest.mark.parametrize("tiles", ["t1x64x1w1s1", "t1x32x1w1s1k3", "t1x128x1w2s1k200", "t1x64x1w1s2k7"])
-def test_interpreted_depthwise_flat_kernel_matches_the_reference(tiles):
-    for p in FLAT:
-        assert flat_depthwise_rows(p), p.name
-        _, (launch,), partials = plan_launches(p, parse_tiles(tiles), HOPPER)
-        consts = dict(launch.constants)
-        assert launch.kernel == "grad_weight_depthwise_flat" and math.prod(launch.grid) == partials[0]
-        # the slabs cover every dY row, the segments every row of every plane, each once
-        out = (1,) * (3 - p.dims) + p.output
-        assert launch.grid[0] == -(-out[2] // consts["REP"]) and consts["REP"] * p.groups <= consts["BLOCK"]
-        assert launch.grid[1] == p.batch * out[0] * -(-out[1] // consts["SEG"])
-    _check(FLAT, _interpret(FLAT, tiles=tiles))
-
-
-def test_flat_depthwise_rule():
-    mbv2 = _dw(op="grad_weight", dtype="f16", groups=144, batch=64, input=(56, 56), stride=(1, 1), dilation=(1, 1),
-               pad_lo=(1, 1), pad_hi=(1, 1))
-    assert flat_depthwise_rows(mbv2)
-    tiles, (launch,), _ = plan_launches(mbv2, None, HOPPER)
-    # 16 bytes a thread; 4 warps: 7 x 144 of 1024 slots (2 warps: 3 x 144 of 512, under FLAT_FILL_LEAST)
-    assert launch.kernel == "grad_weight_depthwise_flat" and (tiles.block_n, tiles.warps) == (1024, 4)
-    assert dict(launch.constants)["REP"] == 7 and launch.grid[0] == 8
-    f32 = mbv2.with_(dtype="f32", groups=32)
-    assert flat_depthwise_tiles(f32).block_n == 128 and flat_depthwise_tiles(f32).warps == 1
-    # chunks of positions along the row keep the sliding kernel
-    assert plan_launches(mbv2, parse_tiles("t8x32x1w1s1"), HOPPER)[1][0].kernel == "grad_weight_depthwise_rows"
-    for other in (mbv2.with_(stride=(1, 2)), mbv2.with_(stride=(2, 1)), mbv2.with_(filter=(5, 5), pad_lo=(2, 2),
-                  pad_hi=(2, 2)), mbv2.with_(layout="NGCHW", weight_layout="GKCYX"), mbv2.with_(groups=4096)):
-        assert not flat_depthwise_rows(other), other.describe()
-        assert plan_launches(other, None, HOPPER)[1][0].kernel != "grad_weight_depthwise_flat"
 
 
 @settings(max_examples=300, deadline=None)

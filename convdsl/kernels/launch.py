@@ -353,33 +353,6 @@ def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str, p
     return launch, (parts, p.groups, 1, *pad3(p.filter, 1), 1)
 
 
-def grad_weight_depthwise_flat_launch(p: ConvProblem, tiles: TileConfig, base: str,
-                                      parts: int) -> tuple[Launch, tuple[int, ...]]:
-    """Depthwise grad_weight along rows flattened with their channels (grad_weight_depthwise_flat): programs of
-    one slab of REP x G elements (tiles.block_n = BLOCK of them, REP = BLOCK // G) of every dY row in a segment
-    of rows o1 of one plane (n, o0), about `parts` programs, segments cut evenly within a plane.  f32 partials
-    [segments x slabs, G, 1, taps, 1], summed like grad_weight_launch's."""
-    out3 = pad3(p.output, 1)
-    block = tiles.block_n
-    rep = block // p.groups
-    if rep < 1:
-        raise ValueError(f"launch {base}: {p.groups} channels do not fit a slab of {block} elements")
-    slabs = -(-out3[2] // rep)
-    planes = p.batch * out3[0]
-    per_plane = min(out3[1], max(1, parts // (slabs * planes)))
-    seg = -(-out3[1] // per_plane)
-    segments = planes * -(-out3[1] // seg)  # no segment empty
-    programs = segments * slabs
-    consts = dict(G=p.groups, N=p.batch, **geometry(p), X=activation_strides(p, p.input, 1),
-                  DY=activation_strides(p, p.output, 1), SEG=seg, BLOCK=block, REP=rep,
-                  GP=1 << (p.groups - 1).bit_length(), SLIDE=tiles.stages == 1,
-                  WIDE=needs_wide(p, programs * p.groups * math.prod(p.filter)))
-    elem = operand_element(p)
-    launch = Launch("grad_weight_depthwise_flat", f"{base}_depthwise", (elem, elem, "fp32"), tuple(consts.items()),
-                    check_grid(base, (slabs, segments, 1)), tiles.warps, tiles.stages)
-    return launch, (programs, p.groups, 1, *pad3(p.filter, 1), 1)
-
-
 def depthwise_channel_blocks(p: ConvProblem, tiles: TileConfig) -> int:
     """Programs across the channels of a depthwise kernel: blocks of BLOCK_CH channels."""
     return -(-p.groups // tiles.block_n)
