@@ -383,6 +383,32 @@ def tma_grad_weight_specialised(tiles: TileConfig) -> bool:
     return tiles.warps == 8
 
 
+# rows of the reduction wgmma sums before the TMA grad_weight adds them in f32 (promoted sums)
+PROMOTED_ROWS = 512
+# f32 registers a thread may give each of the two accumulators of promoted sums
+PROMOTED_ACCUMULATOR_MOST = 64
+
+
+def tma_grad_weight_promote(p: ConvProblem, tiles: TileConfig) -> int:
+    """Steps wgmma sums at a time before the TMA grad_weight adds them in f32 (0: wgmma's accumulator
+    throughout): PROMOTED_ROWS rows of the reduction for f32-accurate splits (exact f32 as bf16x6, compute =
+    "bf16x3"), never for one-pass TF32 or 16-bit operands.  wgmma's own long sums drift from f32's: bf16x6 was 15x
+    further from cuDNN's f32 result than three-pass TF32 on CK 11's 3D grad_weight, and as close with its runs
+    summed in f32, at 1.8x three-pass TF32's speed (docs/decisions.md#promoted-sums)."""
+    if p.dtype != "f32" or p.tf32:
+        return 0
+    return max(1, PROMOTED_ROWS // tiles.block_k)
+
+
+def promoted_tiles(tiles: TileConfig) -> TileConfig:
+    """Tiles whose two accumulators (wgmma's runs and their f32 sum) fit: at most PROMOTED_ACCUMULATOR_MOST
+    registers a thread each; wider ones become 128 x 128 over two product warp groups (the 128 x 256 and the
+    one-warp-group 128 x 128 tiles, where K and C are multiples of 128)."""
+    if tiles.block_m * tiles.block_n // (32 * tiles.warps) <= PROMOTED_ACCUMULATOR_MOST:
+        return tiles
+    return TileConfig(128, 128, 64, warps=8, stages=4)
+
+
 def tma_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
     """The TMA grad_weight's split-K chunks S: forced (tiles.split, then the problem's split_k), or the S of least
     estimated time, waves x chunk steps of products at the SM's peak plus S f32 partials of the weight written
@@ -498,19 +524,21 @@ def tma_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]:
 
 
 def tma_split_grad_weight(p: ConvProblem, target: Target) -> Optional[tuple[ConvProblem, str]]:
-    """An f32 grad_weight in one-pass TF32 (compute = "tf32", PyTorch's default) or bf16x3 as the 16-bit TMA
-    grad_weight over bf16 parts of X and dY stacked along N, three products per product (launch.SPLIT_PRODUCTS):
-    the stacked problem and the split, or None where the TMA kernel does not take it.  Closer to f32 than
-    TF32's one product (about 2^-16 against 2^-11), and on the 16-bit kernel with its copy warp faster than the
-    TF32 kernels, whose operands TF32 wgmma must read K-major: CK 11's 3D TF32 grad_weight 7.39 -> 5.24 ms (cuDNN
-    in TF32 5.56).  Stride 1 only: the split copies all of X, s^dims times the positions a strided problem's
-    products read (ResNet-50's stride-2 3x3 0.158 -> 0.196 ms).  Exact f32 keeps three-pass TF32: bf16x6 was
-    1.2-2.2x faster but 3-15x further from cuDNN's f32 (docs/decisions.md#bf16x3-grad-weight-tma)."""
+    """An f32 grad_weight as the 16-bit TMA grad_weight over bf16 parts of X and dY stacked along N
+    (launch.SPLIT_PRODUCTS): one-pass TF32 (compute = "tf32", PyTorch's default) and compute = "bf16x3" as three
+    products per product, exact f32 as six (bf16x6, leaving out terms of about 2^-24 of a product, f32's own
+    rounding); the stacked problem and the split, or None where the TMA kernel does not take it.  On the 16-bit
+    kernel with its copy warp it is faster than the TF32 kernels, whose operands TF32 wgmma must read K-major: CK
+    11's 3D TF32 grad_weight 7.39 -> 5.24 ms (cuDNN in TF32 5.56); exact f32 18.9 -> 10.6 ms against three-pass
+    TF32, with wgmma's sums added in f32 every run of steps (tma_grad_weight_promote), as close to the exact result.
+    Stride 1 only: the split copies all of X, s^dims times the positions a strided problem's products read
+    (ResNet-50's stride-2 3x3 0.158 -> 0.196 ms) (docs/decisions.md#bf16x3-grad-weight-tma, #promoted-sums)."""
     if p.op != "grad_weight" or p.dtype != "f32" or p.dynamic_batch or any(s != 1 for s in p.stride) \
-            or not (p.tf32 or p.bf16x3):
+            or not (p.tf32 or p.bf16x3 or p.compute is None):
         return None
-    stacked = p.with_(batch=len(SPLIT_PRODUCTS["bf16x3"]) * p.batch, dtype="bf16", compute=None, out_dtype=None)
-    return (stacked, "bf16x3") if tma_grad_weight_reason(stacked, target) is None else None
+    split = "bf16x6" if p.compute is None else "bf16x3"
+    stacked = p.with_(batch=len(SPLIT_PRODUCTS[split]) * p.batch, dtype="bf16", compute=None, out_dtype=None)
+    return (stacked, split) if tma_grad_weight_reason(stacked, target) is None else None
 
 
 def _weight_rows(p: ConvProblem) -> bool:
@@ -766,9 +794,12 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
     if split is not None:  # X's parts as operand A, dY's as B, one stacked block per product
         stacked, how = split
         tiles = tma_grad_weight_tiles(stacked, target)
+        if tma_grad_weight_promote(p, tiles):
+            tiles = promoted_tiles(tiles)
         launch, maps, partials = grad_weight_tma_launch(stacked, tiles, base,
                                                         tma_grad_weight_parts(stacked, tiles, target),
-                                                        specialised=tma_grad_weight_specialised(tiles))
+                                                        specialised=tma_grad_weight_specialised(tiles),
+                                                        promote=tma_grad_weight_promote(p, tiles))
         staging = ((split_bf16_launch(math.prod(p.x_shape), how, 0, f"{base}_0"), stacked.x_shape),
                    (split_bf16_launch(math.prod(p.y_shape), how, 1, f"{base}_1"), stacked.y_shape))
         return TmaPlan(launch, maps, False, partials, tiles, staging)

@@ -25,6 +25,7 @@ from . import cache, policy
 from .backends.iree import iree_version
 from .kernels.launch import (Binary, Launch, TmaMap, compile_launch, compile_tma_launch, round_fp8_launch,
                              space_to_depth_launch, sum_partials_launch, transpose_launch, triton_version)
+from .kernels.tiles import parse_tiles
 from .problem import ConvProblem, problem_from_spec, problem_to_spec, weight_axes_name
 from .targets import Target
 from .tuning import db
@@ -101,6 +102,10 @@ class StreamKernel:
                 blocks = self.staged_shapes[0][0] // self.problem.batch if self.staged_shapes else 0
                 products = (f"16-bit wgmma over X and dY split into bf16 parts, {blocks} products per product "
                             f"(bf16x{blocks})")
+                # (a bundle's launches keep no constants: the rule says it, from the problem and the tiles)
+                promote = policy.tma_grad_weight_promote(self.problem, parse_tiles(self.tiles))
+                if promote:
+                    products += f", wgmma's sums added in f32 every {promote} steps"
             elif not self.problem.fp8_compute:
                 products = "wgmma"
             elif names == "grad_weight_tma":

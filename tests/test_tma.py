@@ -993,7 +993,7 @@ def _bf16_parts(a: np.ndarray) -> list[np.ndarray]:
     (F32_WGRAD.with_(in_channels=128, out_channels=128, batch=2, input=(5, 6)), "bf16x3", 2e-5),
     (F32_WGRAD.with_(compute="bf16x3", dims=3, groups=2, input=(3, 4, 5), filter=(2, 3, 3), stride=(1, 1, 1),
                      dilation=(1, 1, 1), pad_lo=(0, 1, 1), pad_hi=(1, 1, 1)), "bf16x3", 2e-5),
-    # six products, leaving out terms of about 2^-24 of a product (measured for exact f32, not taken by the rules)
+    # exact f32: six products, leaving out terms of about 2^-24 of a product
     (F32_WGRAD.with_(compute=None, in_channels=128, out_channels=64, batch=2, input=(5, 6)), "bf16x6", 1e-6),
 ])
 def test_f32_grad_weight_as_stacked_bf16_parts_on_the_tma_kernel(p, split, tolerance):
@@ -1005,16 +1005,24 @@ def test_f32_grad_weight_as_stacked_bf16_parts_on_the_tma_kernel(p, split, toler
     products = SPLIT_PRODUCTS[split]
     stacked = p.with_(batch=len(products) * p.batch, dtype="bf16", compute=None)
     if gluon_tma_im2col():
-        assert policy.tma_split_grad_weight(p, HOPPER) == ((stacked, split) if p.compute else None)
+        assert policy.tma_split_grad_weight(p, HOPPER) == (stacked, split)
     x, dy = random_inputs(p, seed=7)
     xs, dys = _bf16_parts(x), _bf16_parts(dy)
     got = _emulated_grad_weight(stacked, np.concatenate([xs[a] for a, _ in products]),
                                 np.concatenate([dys[b] for _, b in products]))
     err = relative_error(got, reference(p.with_(compute=None), x, dy))
     assert err < tolerance, err
-    if gluon_tma_im2col() and p.compute:  # exact f32 keeps three-pass TF32 on the cp.async kernel
+    if gluon_tma_im2col():
         plan = policy.tma_stream_launch(p, HOPPER, Knobs())
         assert plan.launch.kernel == "grad_weight_tma" and plan.launch.pointer_types == ("bf16", "bf16", "fp32")
+        # f32-accurate splits add wgmma's sums in f32 every PROMOTED_ROWS rows, within two accumulators of at most
+        # PROMOTED_ACCUMULATOR_MOST registers a thread; one-pass TF32 keeps wgmma's accumulator
+        promote = dict(plan.launch.constants)["PROMOTE"]
+        if p.tf32:
+            assert promote == 0
+        else:
+            assert promote * plan.tiles.block_k == policy.PROMOTED_ROWS
+            assert plan.tiles.block_m * plan.tiles.block_n <= 32 * plan.tiles.warps * policy.PROMOTED_ACCUMULATOR_MOST
         assert [(la.kernel, la.pointer_types, dict(la.constants)["ORDER"], shape) for la, shape in plan.staging] \
             == [("split_bf16", ("fp32", "bf16"), tuple(a for a, _ in products), stacked.x_shape),
                 ("split_bf16", ("fp32", "bf16"), tuple(b for _, b in products), stacked.y_shape)]

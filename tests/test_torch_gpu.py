@@ -259,6 +259,46 @@ def test_specialised_grad_weights_against_float64():
         assert err < 1e-2, f"{p.name}: {err:.2e} ({kernel.describe()})"
 
 
+# f32-accurate grad_weights on Hopper's TMA kernel (policy.tma_split_grad_weight): exact f32 as bf16x6 and compute =
+# "bf16x3", wgmma's sums added in f32 every PROMOTED_ROWS rows (policy.tma_grad_weight_promote).  Their
+# reductions are long (55,000 positions and more a weight element), so wgmma's own drifting sums would show: on an
+# H200 their errors against float64 were 4.8e-7, 4.7e-7 and 4.5e-6 promoted, 2.4e-5, 2.0e-5 and 2.5e-5 not (cuDNN's
+# f32: 1.5e-5, 4.0e-6, 1.6e-5).  (dims, batch, channels, spatial, compute, tolerance)
+F32_ACCURATE_WGRADS = [(2, 32, 64, (56, 56), None, 2e-6), (3, 4, 128, (24, 24, 24), None, 2e-6),
+                       (2, 128, 128, (28, 28), "bf16x3", 1e-5)]
+
+
+def f32_accurate_wgrad_problems() -> list:
+    from convdsl.problem import ConvProblem
+
+    return [ConvProblem(op="grad_weight", dims=dims, groups=1, batch=batch, in_channels=channels,
+                        out_channels=channels, input=spatial, filter=(3,) * dims, stride=(1,) * dims,
+                        dilation=(1,) * dims, pad_lo=(1,) * dims, pad_hi=(1,) * dims, layout="NHWGC",
+                        weight_layout="GKYXC", dtype="f32", compute=compute, name=f"f32_accurate_wgrad_{i}")
+            for i, (dims, batch, channels, spatial, compute, _) in enumerate(F32_ACCURATE_WGRADS)]
+
+
+def test_f32_accurate_grad_weights_against_float64():
+    from convdsl import stream
+    from convdsl.torch.stream import StreamRunner
+
+    runtime._register_bundles()
+    target = runtime._cuda_target(torch.device("cuda"))
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    for p, (*_, tolerance) in zip(f32_accurate_wgrad_problems(), F32_ACCURATE_WGRADS):
+        kernel = stream.stream_kernel(p, target)
+        assert ("wgmma's sums added in f32" in kernel.describe()) == hopper, kernel.describe()
+        torch.manual_seed(8)
+        x, dy = (torch.randn(shape, device="cuda") for shape in p.arg_shapes)
+        got = StreamRunner(kernel, torch.device("cuda"))(x, dy)
+        want = getattr(torch.nn.grad, f"conv{p.dims}d_weight")(
+            _channel_first(x.double()), (p.out_channels, p.in_channels, *p.filter), _channel_first(dy.double()),
+            stride=p.stride, padding=p.pad_lo)
+        want = want.unsqueeze(0).movedim(2, -1)  # GKYXC
+        err = _rel(got, want)
+        assert err < tolerance, f"{p.name}: {err:.2e} ({kernel.describe()})"
+
+
 # strided grad_inputs on Hopper's TMA phases kernel (kernels/tma.grad_input_phases_tma): phases of different
 # taps and positions, windows starting at different rows of dY, 3D, dilation coprime to the stride, groups, a
 # second column tile; each with at least two tiles a persistent program (policy.tma_grad_input_phases_reason).

@@ -23,7 +23,7 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("before", "split")
+VARIANTS = ("before", "split", "split-p1", "split-p2", "split-p4", "split-p8")
 
 
 def _compile(job):
@@ -39,6 +39,14 @@ def _compile(job):
         with mock.patch.object(policy, "tma_split_grad_weight", lambda q, target: None):
             return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
     rule = policy.tma_split_grad_weight
+    promote = int(variant.split("-p")[1]) if "-p" in variant else 0
+    tiles_rule = policy.tma_grad_weight_tiles
+
+    def tiles(q, target):  # promoted: at most 64 f32 registers a thread in each of the two accumulators
+        t = tiles_rule(q, target)
+        if promote and t.block_m * t.block_n // (32 * t.warps) > 64:
+            return policy.TileConfig(128, 128, 64, warps=8, stages=4)
+        return t
 
     def split(q, target):  # exact f32 as bf16x6, which the rules do not take
         if q.compute is not None:
@@ -46,7 +54,9 @@ def _compile(job):
         stacked = rule(q.with_(compute="bf16x3"), target)
         return stacked and (stacked[0].with_(batch=len(SPLIT_PRODUCTS["bf16x6"]) * q.batch), "bf16x6")
 
-    with mock.patch.object(policy, "tma_split_grad_weight", split):
+    with mock.patch.object(policy, "tma_split_grad_weight", split), \
+            mock.patch.object(policy, "tma_grad_weight_tiles", tiles), \
+            mock.patch.object(policy, "tma_grad_weight_promote", lambda q, t: promote):
         return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
 
 

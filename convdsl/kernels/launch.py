@@ -576,12 +576,13 @@ def grad_input_phases_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, p
 PARTIALS_BOX_MOST = 128
 
 
-def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int, specialised: bool = False
-                           ) -> tuple[Launch, tuple[TmaMap, ...], tuple[int, ...]]:
+def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int, specialised: bool = False,
+                           promote: int = 0) -> tuple[Launch, tuple[TmaMap, ...], tuple[int, ...]]:
     """grad_weight (NHWGC) on kernels/tma.grad_weight_tma: X through the im2col map of its forward (the same
     pixel box), dY as [N*O, G*K], f32 partials as [S*G*K, taps*C]; one program per (K tile, tap and C tile,
     group, chunk); a tile wider than C spans taps.  specialised: a warp of its own issues the copies
-    (policy.tma_grad_weight_specialised).  Returns the launch, its maps and the partials' shape
+    (policy.tma_grad_weight_specialised).  promote: wgmma sums this many steps at a time, each run then added in
+    f32 by the SM (0: wgmma's accumulator throughout).  Returns the launch, its maps and the partials' shape
     [S, G, K, F0, F1, F2, C]."""
     c, k, g = p.in_channels, p.out_channels, p.groups
     parts, chunk = split_chunks(p, tiles, parts)
@@ -598,7 +599,7 @@ def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: 
     )
     consts = dict(O=pad3(p.output, 1), F=pad3(p.filter, 1), S=pad3(p.stride, 1), D=pad3(p.dilation, 1),
                   LO=pad3(p.pad_lo, 0), C=c, K=k, G=g, L=rows, CHUNK=chunk, BLOCK_N=tiles.block_n, DIMS=p.dims,
-                  STAGES=tiles.stages, SPECIALISED=specialised)
+                  STAGES=tiles.stages, SPECIALISED=specialised, PROMOTE=promote)
     grid = check_grid(base, ((k // tiles.block_m) * -(-(taps * c) // tiles.block_n), g, parts))
     elem = operand_element(p)  # fp8 compute: X and dY rounded to fp8 values in f16 copies first
     launch = Launch("grad_weight_tma", f"{base}_grad_weight_tma", (elem, elem, "fp32"), tuple(consts.items()), grid,

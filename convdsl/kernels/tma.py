@@ -577,13 +577,30 @@ def _grad_weight_loads(x_desc, dy_desc, a_bufs, b_bufs, ready, empty, start, ste
 
 
 @gluon.jit
-def _grad_weight_products(a_bufs, b_bufs, ready, empty, steps, acc, STAGES: gl.constexpr):
+def _grad_weight_product(a_buf, b_buf, step, steps, acc, part, PROMOTE: gl.constexpr):
+    # one step's product, one in flight after it.  PROMOTE > 0: wgmma sums runs of PROMOTE steps in `part`, from
+    # zero, and each run is added to acc by the SM's f32 adds (wgmma's own long sums drift: bf16x6's error grew
+    # with the reduction's length, docs/decisions.md#promoted-sums); else acc is wgmma's accumulator
+    if PROMOTE > 0:
+        part = warpgroup_mma(a_buf.permute((1, 0)), b_buf, part, use_acc=step % PROMOTE != 0, is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=1, deps=(part, ))
+        if (step % PROMOTE == PROMOTE - 1) | (step == steps - 1):
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part, ))
+            acc = acc + part
+    else:
+        acc = warpgroup_mma(a_buf.permute((1, 0)), b_buf, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    return acc, part
+
+
+@gluon.jit
+def _grad_weight_products(a_bufs, b_bufs, ready, empty, steps, acc, STAGES: gl.constexpr, PROMOTE: gl.constexpr):
     # the product warp groups: one product in flight; once the step before is done its stage is released
+    part = acc
     for step in range(steps):
         st = step % STAGES
         mbarrier.wait(ready.index(st), (step // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(st).permute((1, 0)), b_bufs.index(st), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        acc, part = _grad_weight_product(a_bufs.index(st), b_bufs.index(st), step, steps, acc, part, PROMOTE)
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=step > 0)
     return warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
 
@@ -594,7 +611,7 @@ def grad_weight_tma(x_desc, dy_desc, p_desc,
                     O: gl.constexpr, F: gl.constexpr, S: gl.constexpr, D: gl.constexpr, LO: gl.constexpr,
                     C: gl.constexpr, K: gl.constexpr, G: gl.constexpr, L: gl.constexpr, CHUNK: gl.constexpr,
                     BLOCK_N: gl.constexpr, DIMS: gl.constexpr, STAGES: gl.constexpr, SPECIALISED: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    PROMOTE: gl.constexpr, num_warps: gl.constexpr):
     # dW's f32 split-K partials: partial[s, g, k, t, c] = sum over the pixels r = (n, o) of chunk s of
     # dY[r, g, k] * X[n, o*s - lo + t*d, g, c].  One program per (K tile, column tile, group, chunk), the columns
     # (t, c) of the [G*K, taps*C] weight matrix: the GEMM's A is dY's [BLOCK_R, BLOCK_M] box read M-major, its B
@@ -628,7 +645,7 @@ def grad_weight_tma(x_desc, dy_desc, p_desc,
     if SPECIALISED:
         empty = _barriers(STAGES)
         acc = gl.warp_specialize([
-            (_grad_weight_products, (a_bufs, b_bufs, bars, empty, steps, acc, STAGES)),
+            (_grad_weight_products, (a_bufs, b_bufs, bars, empty, steps, acc, STAGES, PROMOTE)),
             (_grad_weight_loads, (x_desc, dy_desc, a_bufs, b_bufs, bars, empty, start, steps, g, col0, off_k,
                                   O, F, S, D, LO, C, K, DIMS, BLOCK_N, BLOCK_R, STAGES)),
         ], [1], [40])
@@ -639,11 +656,11 @@ def grad_weight_tma(x_desc, dy_desc, p_desc,
             if i < steps:
                 _issue_grad_weight(x_desc, dy_desc, a_bufs.index(i), b_bufs.index(i), bars.index(i),
                                    start + i * BLOCK_R, g, col0, off_k, O, F, S, D, LO, C, K, DIMS, BLOCK_N)
+        part = acc
         for step in range(steps):
             st = step % STAGES
             mbarrier.wait(bars.index(st), (step // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(st).permute((1, 0)), b_bufs.index(st), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            acc, part = _grad_weight_product(a_bufs.index(st), b_bufs.index(st), step, steps, acc, part, PROMOTE)
             nxt = step + STAGES - 1
             if nxt < steps:
                 ns = nxt % STAGES

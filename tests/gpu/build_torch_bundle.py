@@ -21,7 +21,7 @@ from convdsl import stream  # noqa: E402
 from convdsl.targets import Target  # noqa: E402
 from convdsl.torch import runtime  # noqa: E402
 from test_torch_gpu import (BIG_GRAD_INPUT, DTYPES, MODULES, NUMERIC, PRECISIONS, _format,  # noqa: E402
-                            big_grad_input_call, fp8_problems, numeric_ops,
+                            big_grad_input_call, f32_accurate_wgrad_problems, fp8_problems, numeric_ops,
                             phase_grad_input_problems, specialised_wgrad_problems)
 
 
@@ -68,7 +68,8 @@ def main() -> int:
         x, dy = (torch.empty((n, c, s, s), dtype=torch.half).to(memory_format=torch.channels_last) for _ in range(2))
         numeric_ops(x, torch.empty((c, c, 3, 3), dtype=torch.half).to(memory_format=torch.channels_last), dy)
     problems += seen
-    problems += fp8_problems() + specialised_wgrad_problems() + phase_grad_input_problems()
+    problems += (fp8_problems() + specialised_wgrad_problems() + phase_grad_input_problems()
+                 + f32_accurate_wgrad_problems())
     target = Target("cuda", args.arch)
     unique = list(dict.fromkeys(problems))
     kernels = [stream.stream_kernel(p, target) for p in unique if stream.unsupported_reason(p, target) is None]
