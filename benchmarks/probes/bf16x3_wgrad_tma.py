@@ -8,10 +8,10 @@ and cuDNN with TF32 allowed.
 
 Problems: CK 11's 3D grouped grad_weight in TF32 and in bf16x3, U-Net's 3D one, ResNet-50's 3x3 grad_weights
 (batch 64, 64 to 512 channels, and 128 at stride 2) and DeepLab's dilated shape, all f32 with compute = tf32.
-Variants: "before" (no bf16 splits on the TMA kernel), "split" (the plan now; named "bf16x3" in the first run's
-result file).  `--exact` (build and run):
-the same problems in exact f32 (TF32 off on both sides), "split" as bf16x6 (which the rules do not take) against
-the three-pass TF32 they keep.
+Variants: "before" (no bf16 splits on the TMA kernel), "split" (the splits with wgmma's accumulator throughout;
+named "bf16x3" in the first run's result file), "split-p<n>" (wgmma's sums added in f32 every n steps, on tiles
+whose two accumulators fit: policy.promoted_tiles).  `--exact` (build and run): the same problems in exact f32
+(TF32 off on both sides), the splits as bf16x6, against three-pass TF32 on the cp.async kernel ("before").
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ VARIANTS = ("before", "split", "split-p1", "split-p2", "split-p4", "split-p8")
 
 def _compile(job):
     from convdsl import policy
-    from convdsl.kernels.launch import SPLIT_PRODUCTS
     from convdsl.stream import plan_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
@@ -38,24 +37,13 @@ def _compile(job):
     if variant == "before":
         with mock.patch.object(policy, "tma_split_grad_weight", lambda q, target: None):
             return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
-    rule = policy.tma_split_grad_weight
     promote = int(variant.split("-p")[1]) if "-p" in variant else 0
     tiles_rule = policy.tma_grad_weight_tiles
 
-    def tiles(q, target):  # promoted: at most 64 f32 registers a thread in each of the two accumulators
-        t = tiles_rule(q, target)
-        if promote and t.block_m * t.block_n // (32 * t.warps) > 64:
-            return policy.TileConfig(128, 128, 64, warps=8, stages=4)
-        return t
+    def tiles(q, target):  # promoted: tiles whose two accumulators fit
+        return policy.promoted_tiles(tiles_rule(q, target)) if promote else tiles_rule(q, target)
 
-    def split(q, target):  # exact f32 as bf16x6, which the rules do not take
-        if q.compute is not None:
-            return rule(q, target)
-        stacked = rule(q.with_(compute="bf16x3"), target)
-        return stacked and (stacked[0].with_(batch=len(SPLIT_PRODUCTS["bf16x6"]) * q.batch), "bf16x6")
-
-    with mock.patch.object(policy, "tma_split_grad_weight", split), \
-            mock.patch.object(policy, "tma_grad_weight_tiles", tiles), \
+    with mock.patch.object(policy, "tma_grad_weight_tiles", tiles), \
             mock.patch.object(policy, "tma_grad_weight_promote", lambda q, t: promote):
         return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
 
