@@ -568,6 +568,10 @@ def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
     return None
 
 
+# one-pass TF32 forward with at most 64 columns: reduction steps a tile from which 256-row tiles pay
+TF32_NARROW_STEPS = 32
+
+
 def tma_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
     """128 rows, columns as wide as K up to 128 (a wider tile than K doubles the products for nothing), 128
     bytes of channels a step where C allows (64 of 16-bit, 32 of f32), 4 stages and 4 warps
@@ -575,7 +579,8 @@ def tma_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
     stages to fit) where the waves they take, each WIDE_TILE_GAIN faster per product, beat 128 x 128's: they
     lose where the wide tiles leave SMs idle (ResNet-50's 512-channel 7x7 layers: 50 tiles on 132 SMs)
     (docs/decisions.md#tma-wide).  16-bit with K <= 64 over C >= 128: 256 x 64 tiles of two warp groups
-    (docs/decisions.md#tma-narrow)."""
+    (docs/decisions.md#tma-narrow); one-pass TF32 likewise where a tile's reduction takes TF32_NARROW_STEPS steps
+    or more (#tf32-grad-input-tma)."""
     # 128 bytes of channels a step where C allows; fp8 wgmma takes at least 32 bytes a product
     steps = (32, 16, 8) if p.dtype == "f32" else (128, 64, 32) if p.fp8_compute else (64, 32, 16)
     block_k = next((b for b in steps if p.in_channels % b == 0), steps[-1])
@@ -584,6 +589,12 @@ def tma_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
     if sixteen_bit and p.groups == 1 and p.out_channels <= 64 and p.in_channels >= 128:
         # 64 columns over a reduction of 128 channels a tap or more: 256 rows in two warp groups, CK 15's 3D
         # grad_input 12% faster; over 64 channels a tap no change (docs/decisions.md#tma-narrow)
+        return replace(narrow, block_m=256, warps=8)
+    if p.dtype == "f32" and p.groups == 1 and p.out_channels <= 64 \
+            and math.prod(p.filter) * (p.in_channels // block_k) >= TF32_NARROW_STEPS:
+        # one-pass TF32, 64 columns over a long reduction: 256 rows in two warp groups, CK 15's and U-Net's 3D
+        # grad_inputs (108 and 54 steps) 13% and 9% faster, ResNet-50's 3x3 (18) 4% slower
+        # (docs/decisions.md#tf32-grad-input-tma)
         return replace(narrow, block_m=256, warps=8)
     if p.dtype == "f32" or p.out_channels < 256 or (p.groups > 1 and p.out_channels % 256):
         return narrow
@@ -750,9 +761,9 @@ def space_to_depth_forward(p: ConvProblem) -> Optional[ConvProblem]:
 
 class TmaPlan(NamedTuple):
     """A TMA kernel for the stream runner: its launch and maps, whether it reads the weight flipped
-    (grad_input_as_forward), grad_weight's partials shape (else ()), the tiles the rule chose, and the copies its
+    (grad_input_as_forward), grad_weight's partials shape (else ()), the tiles the rule chose, the copies its
     operands are staged through first (per operand in order: the copy's launch and its shape; empty: the operands
-    as they come)."""
+    as they come), and the axis order of the weight copy it reads (weight_copy_axes; empty: the weight itself)."""
 
     launch: Launch
     maps: tuple[TmaMap, ...]
@@ -760,6 +771,7 @@ class TmaPlan(NamedTuple):
     partials: tuple[int, ...]
     tiles: TileConfig
     staging: tuple[tuple[Launch, tuple[int, ...]], ...] = ()
+    weight_axes: tuple[str, ...] = ()
 
 
 def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[TmaPlan]:
@@ -786,6 +798,13 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
         tiles = tma_forward_tiles(q, target)
         programs = tma_forward_programs(q, tiles, target)
         return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True, programs=programs), True, (), tiles)
+    # one-pass TF32 reads B K-major only: the same forward over the weight's K-innermost copy, which the cp.async
+    # kernel reads too (weight_copy_axes), its taps taken in reverse: CK 15's 3D grad_input 3.33 -> 3.07 ms (cuDNN
+    # 2.76), U-Net's 0.640 -> 0.527 (docs/decisions.md#tf32-grad-input-tma)
+    if q is not None and p.tf32 and p.weight_layout == FAST_WEIGHT_LAYOUT and tma_forward_reason(q, target) is None:
+        tiles = tma_forward_tiles(q, target)
+        return TmaPlan(*forward_tma_launch(q, tiles, base, reversed_copy=True), True, (), tiles,
+                       weight_axes=weight_copy_axes(p))
     if tma_grad_input_phases_reason(p, target) is None:
         tiles = tma_grad_input_phases_tiles(p)
         programs = tma_grad_input_phases_programs(p, tiles, target)

@@ -89,6 +89,8 @@ class StreamKernel:
         if self.tma_maps:
             how = "; grad_input as the forward convolution of dY with the flipped weight" \
                 if self.tma_flipped_weight else ""
+            if self.weight_axes:  # one-pass TF32: the weight's K-innermost copy, its tap tiles read in reverse
+                how += f"; w copied to {weight_axes_name(self.problem, self.weight_axes)}, read taps reversed"
             if names == "grad_input_phases_tma":
                 return (f"stream path: Gluon kernel {names} (every stride phase a forward of dY over its taps of the "
                         f"weight, on TMA im2col copies and wgmma, all phases in one persistent launch, dX stored by "
@@ -161,7 +163,7 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
     whether a TMA kernel may be chosen (Triton's interpreter runs none)."""
     tma_plan = policy.tma_stream_launch(p, target, knobs) if tma else None
     if tma_plan is not None:
-        launch, maps, flipped, partials, tiles, staging = tma_plan
+        launch, maps, flipped, partials, tiles, staging, weight_copy = tma_plan
         kinds: tuple[str, ...] = ()
         if compile:
             binary, maps, kinds = compile_tma_launch(launch, maps, target.arch)
@@ -175,7 +177,8 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
         summed = compiled_plain(sum_partials_launch(p, partials, launch.name)) if p.op == "grad_weight" else None
         label = replace(tiles, split=partials[0]).label() if partials else tiles.label()
         return StreamKernel(p, target.arch, p, (), (StreamLaunch(launch, binary),), partials, label, source,
-                            summed, tma_maps=maps, tma_params=kinds, tma_flipped_weight=flipped,
+                            summed, weight_axes=weight_copy, tma_maps=maps, tma_params=kinds,
+                            tma_flipped_weight=flipped,
                             staging=tuple(compiled_plain(la) for la, _ in staging),
                             staged_shapes=tuple(shape for _, shape in staging))
     # a few-channel strided forward runs stride 1 over its operands regrouped space-to-depth (two copies first)

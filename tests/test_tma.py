@@ -59,15 +59,17 @@ def _im2col_tile(x: np.ndarray, coord: tuple[int, ...], offsets: tuple[int, ...]
 
 
 def _emulated_forward(p: ConvProblem, x: np.ndarray, w: np.ndarray, flipped: bool = False,
-                      programs: int | None = None) -> np.ndarray:
+                      programs: int | None = None, reversed_copy: bool = False) -> np.ndarray:
     """forward_tma's tiles, copies and stores, in float64, through _im2col_tile.  flipped: p is a grad_input as
-    forward and w grad_input's own weight, read as the kernel's FLIPPED form reads it.  programs: those of the
+    forward and w grad_input's own weight, read as the kernel's FLIPPED form reads it; reversed_copy: w is that
+    weight's K-innermost copy, read as FLIPPED 2 reads it (boxes past a tap's rows read the next tap's, whose
+    products land in columns past K, clipped at the store).  programs: those of the
     persistent kernel (None: the rule's, policy.tma_forward_programs), whose schedule is replayed as it runs:
     each program's tiles in turn, and each copy made where the kernel's loop says its tile starts."""
     tiles = policy.tma_forward_tiles(p, HOPPER)
     if programs is None:
         programs = policy.tma_forward_programs(p, tiles, HOPPER)
-    launch, maps = forward_tma_launch(p, tiles, "k", flipped, programs=programs)
+    launch, maps = forward_tma_launch(p, tiles, "k", flipped, programs=programs, reversed_copy=reversed_copy)
     consts = dict(launch.constants)
     x_map, w_map, y_map = maps
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
@@ -99,6 +101,11 @@ def _emulated_forward(p: ConvProblem, x: np.ndarray, w: np.ndarray, flipped: boo
             b[:tile.shape[0], :tile.shape[1]] = tile
             return a @ b
         b = np.zeros((bn, bk))
+        if reversed_copy:  # [BLOCK_N, BLOCK_K] at row (g * taps + taps - 1 - t) * K + off_k of [G*taps*K, C]
+            row = (g * math.prod(taps_3d) + math.prod(taps_3d) - 1 - t) * k + off_k
+            rows = w2[row:row + bn, cb * bk:cb * bk + bk]
+            b[:rows.shape[0], :rows.shape[1]] = rows
+            return a @ b.T
         rows = w2[g * k + off_k:g * k + off_k + bn, t * c + cb * bk:t * c + cb * bk + bk]
         b[:rows.shape[0], :rows.shape[1]] = rows
         return a @ b.T
@@ -178,9 +185,10 @@ def test_emulated_tma_forward_matches_the_reference(p):
 
 
 def test_tf32_forward_maps_round_their_operands_and_f32_gradients_keep_their_kernels():
-    # forward's X and W copies are TFLOAT32 maps (rounded by TMA); f32 grad_input keeps cp.async (its flipped
-    # weight tiles are N-major, which TF32 wgmma cannot read) and f32 grad_weight runs as bf16x3 on the 16-bit
-    # kernel (NHWGC, stride 1) or on the flat-plane kernel (other layouts)
+    # forward's X and W copies are TFLOAT32 maps (rounded by TMA); f32 grad_input with stride 1 runs as the forward
+    # over its weight's K-innermost copy (the flipped weight's own tiles are N-major, which TF32 wgmma cannot read),
+    # strided ones keep cp.async; f32 grad_weight runs as bf16x3 on the 16-bit kernel (NHWGC, stride 1) or on the
+    # flat-plane kernel (other layouts)
     p = BASE.with_(dtype="f32", compute="tf32", in_channels=64, out_channels=128)
     _, maps = forward_tma_launch(p, policy.tma_forward_tiles(p, HOPPER), "k")
     assert [m.round_tf32 for m in maps] == [True, True, False]
@@ -189,7 +197,12 @@ def test_tf32_forward_maps_round_their_operands_and_f32_gradients_keep_their_ker
     if gluon_tma_im2col():
         assert policy.tma_stream_launch(p, HOPPER, Knobs()).launch.kernel == "forward_tma"
         dgrad = p.with_(op="grad_input", in_channels=128, out_channels=128)
-        assert policy.tma_stream_launch(dgrad, HOPPER, Knobs()) is None
+        plan = policy.tma_stream_launch(dgrad, HOPPER, Knobs())
+        assert plan.launch.kernel == "forward_tma" and dict(plan.launch.constants)["FLIPPED"] == 2
+        assert plan.weight_axes == policy.weight_copy_axes(dgrad) == ("g", "t0", "t1", "c", "k")
+        assert [m.round_tf32 for m in plan.maps] == [True, True, False]
+        assert policy.tma_stream_launch(dgrad.with_(stride=(2, 2)), HOPPER, Knobs()) is None
+        assert policy.tma_stream_launch(dgrad.with_(compute=None), HOPPER, Knobs()) is None  # three-pass TF32
         wgrad = p.with_(op="grad_weight", in_channels=128, out_channels=128)
         assert policy.tma_stream_launch(wgrad, HOPPER, Knobs()).launch.kernel == "grad_weight_tma"
         assert policy.tma_stream_launch(wgrad.with_(layout="GNHWC"), HOPPER, Knobs()).launch.kernel == \
@@ -305,6 +318,52 @@ def test_stride_one_grad_input_runs_as_forward_reading_the_weight_flipped(p):
     if gluon_tma_im2col():  # a GKCYX weight keeps its taps inside: no tile of it is a box
         assert policy.tma_stream_launch(p.with_(weight_layout="GKCYX"), HOPPER, Knobs()) is None
         assert policy.tma_stream_launch(p, HOPPER, Knobs())[2] is True
+
+
+@pytest.mark.parametrize("p", [
+    DGRAD.with_(dtype="f32", compute="tf32"),
+    DGRAD.with_(dtype="f32", compute="tf32", op="transposed", in_channels=64, out_channels=32, groups=2,
+                filter=(2, 3), pad_lo=(0, 1), pad_hi=(1, 1)),
+    DGRAD.with_(dtype="f32", compute="tf32", dims=3, input=(4, 5, 3), filter=(3, 1, 3), dilation=(1, 1, 1),
+                stride=(1, 1, 1), pad_lo=(1, 0, 1), pad_hi=(1, 0, 1), in_channels=48),
+])
+def test_tf32_grad_input_runs_as_forward_over_the_reversed_weight_copy(p):
+    # one-pass TF32 grad_input: the forward of dY over grad_input's weight copied K-innermost (the copy the runner
+    # makes, weight_copy_axes), its tap tiles read in reverse; products in float64 (TMA's TF32 rounding aside)
+    q = policy.grad_input_as_forward(p)
+    assert policy.tma_forward_reason(q, HOPPER) in (None, "the installed Triton has no Gluon TMA im2col copies "
+                                                          "(Triton 3.9 has)"), q.describe()
+    dy, w = random_inputs(p.with_(compute=None), seed=3)
+    axes = policy.weight_copy_axes(p)
+    names = ["g", "k", *(f"t{i}" for i in range(p.dims)), "c"]  # GKYXC
+    copy = np.ascontiguousarray(w.reshape(p.w_shape).transpose([names.index(a) for a in axes]))
+    got = _emulated_forward(q, dy, copy, reversed_copy=True)
+    assert not np.isnan(got).any(), "some outputs were never stored"
+    assert relative_error(got.reshape(p.result_shape), reference(p.with_(compute=None), dy, w)) < 1e-12
+    with pytest.raises(ValueError, match="either from itself or from its copy"):
+        forward_tma_launch(q, policy.tma_forward_tiles(q, HOPPER), "k", flipped=True, reversed_copy=True)
+
+
+def test_tf32_narrow_forwards_take_256_rows_over_long_reductions():
+    # one-pass TF32 with at most 64 columns: 256 x 64 tiles of two warp groups where a tile's reduction takes
+    # TF32_NARROW_STEPS steps (32 channels each) or more: CK 15's and U-Net's 3D grad_inputs as forwards, not
+    # ResNet-50's 3x3 over 64 channels (18 steps) nor wider outputs
+    def tiles(op, c, k, dims):
+        p = BASE.with_(op=op, dtype="f32", compute="tf32", in_channels=c, out_channels=k, dims=dims,
+                       input=(6,) * dims, filter=(3,) * dims, stride=(1,) * dims, dilation=(1,) * dims,
+                       pad_lo=(1,) * dims, pad_hi=(1,) * dims)
+        q = policy.grad_input_as_forward(p) or p
+        return policy.tma_forward_tiles(q, HOPPER)
+
+    assert tiles("grad_input", 64, 128, 3).label() == "t256x64x32w8s4"  # 27 taps x 4 steps
+    assert tiles("grad_input", 64, 64, 3).label() == "t256x64x32w8s4"  # 27 x 2
+    assert tiles("grad_input", 64, 64, 2).label() == "t128x64x32w4s4"  # 9 x 2
+    assert tiles("grad_input", 128, 64, 3).block_m == 128  # 128 columns
+    assert tiles("forward", 128, 64, 3).label() == "t256x64x32w8s4"  # a forward alike
+    # 16-bit keeps its own rule: 128 reduction channels a tap or more
+    assert policy.tma_forward_tiles(BASE.with_(in_channels=64, out_channels=64, dims=3, input=(6,) * 3,
+                                               filter=(3,) * 3, stride=(1,) * 3, dilation=(1,) * 3,
+                                               pad_lo=(1,) * 3, pad_hi=(1,) * 3), HOPPER).block_m == 128
 
 
 PERSISTENT_CASES = [

@@ -173,8 +173,8 @@ def test_the_stream_path_is_taken():
 
 def test_f32_in_tf32_takes_bf16x3_or_the_flat_planes_and_the_tma_forward(monkeypatch):
     # Hopper: TF32 grad_weight in NHWGC as three bf16 products on the 16-bit TMA kernel, in NGCHW on TMA copies
-    # of X and dY laid channel-first (kernels/tma.py); its results are checked in test_against_cudnn_and_float64
-    # (MODULES[-1], f32 with TF32, both memory formats)
+    # of X and dY laid channel-first (kernels/tma.py); forward and grad_input in NHWGC on the TMA forward kernel;
+    # their results are checked in test_against_cudnn_and_float64 (MODULES[-1], f32 with TF32, both memory formats)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
     name, kwargs, shape = MODULES[-1]
     for fmt in (torch.channels_last, torch.contiguous_format):
@@ -194,6 +194,13 @@ def test_f32_in_tf32_takes_bf16x3_or_the_flat_planes_and_the_tma_forward(monkeyp
                       and p.input == shape[2:] and p.out_channels == kwargs["out_channels"]]
         tma = "TMA im2col" in forward.kernel.describe()
         assert tma == (torch.cuda.get_device_capability() == (9, 0) and layout == "NHWGC"), forward.kernel.describe()
+        # its grad_input in NHWGC as that forward over dY, the weight copied K-innermost and read taps reversed
+        (grad_input,) = [r for (p, _), r in runtime._runners.items()
+                         if p.op == "grad_input" and p.tf32 and p.layout == layout and p.batch == shape[0]
+                         and p.input == shape[2:] and p.out_channels == kwargs["out_channels"]]
+        described = grad_input.kernel.describe()
+        tma = "TMA im2col" in described and "flipped weight" in described and "w copied to" in described
+        assert tma == (torch.cuda.get_device_capability() == (9, 0) and layout == "NHWGC"), described
 
 
 # fp8 compute ([A, B] rounded as CK 11's [bf8, fp8]; from the JIT API or a .conv module, PyTorch has no such

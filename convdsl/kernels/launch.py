@@ -471,8 +471,8 @@ def im2col_box(p: ConvProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bool = False, promote: int = 0,
-                       specialised: bool = False, swapped: bool = False, programs: int = 0
-                       ) -> tuple[Launch, tuple[TmaMap, ...]]:
+                       specialised: bool = False, swapped: bool = False, programs: int = 0,
+                       reversed_copy: bool = False) -> tuple[Launch, tuple[TmaMap, ...]]:
     """Forward (NHWGC, GKYXC) on kernels/tma.forward_tma: X through an im2col map over (N, *spatial, G*C), W as a
     [G*K, taps*C] matrix, Y as [N*O, G*K]; one program per (row tile, column tile, group).  flipped: p is a
     stride-1 grad_input as forward (policy.grad_input_as_forward), whose weight the kernel reads as grad_input's
@@ -482,7 +482,10 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
     own issues the copies (measured no faster on the suite's forwards; the rules leave it off,
     docs/decisions.md#tma-wgrad-specialised).  swapped (16-bit): the product transposed, the weight tile as wgmma's A
     (measured no faster; the rules leave it off, docs/decisions.md#tma-narrow).  programs: at most that many
-    programs, each taking tiles in turn (kernels/tma.forward_tma_persistent; 0: one program per tile)."""
+    programs, each taking tiles in turn (kernels/tma.forward_tma_persistent; 0: one program per tile).
+    reversed_copy: p is a stride-1 grad_input as forward whose weight comes copied K-innermost (GYXCK in grad_input's
+    terms, a [G*taps*K, C] matrix in p's), read with the taps reversed in K-major [BLOCK_N, BLOCK_K] tiles, as
+    one-pass TF32 wgmma reads them (the kernel's FLIPPED 2)."""
     c, k, g = p.in_channels, p.out_channels, p.groups
     rows = p.batch * math.prod(p.output)
     lower, upper = im2col_box(p)
@@ -491,13 +494,17 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
         TmaMap(0, (p.batch, *p.input, g * c), (tiles.block_m, tiles.block_k), im2col=True, lower=lower, upper=upper,
                element_strides=(1, *p.stride, 1), round_tf32=tf32),
         TmaMap(1, (g * c, math.prod(p.filter) * k), (tiles.block_k, tiles.block_n)) if flipped else
-        TmaMap(1, (g * k, math.prod(p.filter) * c), (tiles.block_n, tiles.block_k), round_tf32=tf32),
+        TmaMap(1, (g * math.prod(p.filter) * k, c), (tiles.block_n, tiles.block_k), round_tf32=tf32) if reversed_copy
+        else TmaMap(1, (g * k, math.prod(p.filter) * c), (tiles.block_n, tiles.block_k), round_tf32=tf32),
         TmaMap(2, (rows, g * k), (tiles.block_m, tiles.block_n)),
     )
     consts = dict(O=pad3(p.output, 1), F=pad3(p.filter, 1), S=pad3(p.stride, 1), D=pad3(p.dilation, 1),
-                  LO=pad3(p.pad_lo, 0), C=c, K=k, DIMS=p.dims, STAGES=tiles.stages, FLIPPED=flipped,
+                  LO=pad3(p.pad_lo, 0), C=c, K=k, DIMS=p.dims, STAGES=tiles.stages,
+                  FLIPPED=2 if reversed_copy else int(flipped),
                   PROMOTE=promote, SPECIALISED=specialised, SWAPPED=swapped)
     grid = check_grid(base, (-(-rows // tiles.block_m), -(-k // tiles.block_n), g))
+    if flipped and reversed_copy:
+        raise ValueError(f"{base}: the weight is read flipped either from itself or from its copy, not both")
     if programs and (specialised or swapped):
         raise ValueError(f"{base}: the persistent TMA forward kernel has no copy warp and no transposed product")
     kernel = "forward_tma"

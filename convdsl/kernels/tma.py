@@ -15,8 +15,11 @@ g * C + cb * BLOCK_K, with im2col offset t * d; the box is [-lo, (O - 1) * s + 1
 s (TMA's element strides), so that it holds exactly O pixels (launch.forward_tma_launch makes it).  W is read as
 a [G * K, taps * C] matrix, Y written as [N * O, G * K].  C is a multiple of BLOCK_K, and with several groups K
 a multiple of BLOCK_N, so that no copy reaches into the next group or tap (policy.tma_forward_reason).
-FLIPPED: stride-1 grad_input as this forward over dY (policy.grad_input_as_forward), reading grad_input's own
+FLIPPED (1): stride-1 grad_input as this forward over dY (policy.grad_input_as_forward), reading grad_input's own
 weight [G * C, taps * K] (its K is this kernel's C) with the taps in reverse order, in [BLOCK_K, BLOCK_N] tiles.
+FLIPPED 2 (one-pass TF32, whose wgmma reads B K-major only): the same over grad_input's weight copied K-innermost
+(GYXCK, policy.weight_copy_axes), a [G * taps * K, C] matrix in this kernel's terms: the tile of tap t is the
+[BLOCK_N, BLOCK_K] box at row (g * taps + taps - 1 - t) * K + off_k, as a plain forward's tile.
 
 SWAPPED (forward_tma, 16-bit): the product transposed, Y^T[k, m] = sum W[k, (t, c)] X^T[(t, c), m], the weight
 tile as wgmma's A and the window as its N-major B; its accumulator is the tile transposed, stored transposed.
@@ -96,7 +99,8 @@ def _issue(x_desc, w_desc, a_buf, b_buf, bar, step, n, c0, c1, c2, g, off_k,
            F: gl.constexpr, D: gl.constexpr, C: gl.constexpr, K: gl.constexpr, DIMS: gl.constexpr,
            BLOCK_K: gl.constexpr, FLIPPED: gl.constexpr):
     # the copies of reduction step `step` = (tap t, channel block cb): X's window for tap t, and W's tile: [BLOCK_N,
-    # BLOCK_K] of [G*K, taps*C], or FLIPPED (grad_input's own weight, [G*C, taps*K]) [BLOCK_K, BLOCK_N] of tap F-1-t
+    # BLOCK_K] of [G*K, taps*C], or FLIPPED 1 (grad_input's own weight, [G*C, taps*K]) [BLOCK_K, BLOCK_N] of tap
+    # F-1-t, or FLIPPED 2 (its K-innermost copy, [G*taps*K, C]) [BLOCK_N, BLOCK_K] of tap F-1-t
     x_channel = g * C
     CB: gl.constexpr = C // BLOCK_K
     t = step // CB
@@ -114,8 +118,11 @@ def _issue(x_desc, w_desc, a_buf, b_buf, bar, step, n, c0, c1, c2, g, off_k,
                               [(t1 * D[1]).to(gl.int16), (t2 * D[2]).to(gl.int16)], bar, a_buf)
     else:
         tma.async_load_im2col(x_desc, [n, c2, x_channel + cb * BLOCK_K], [(t2 * D[2]).to(gl.int16)], bar, a_buf)
-    if FLIPPED:
+    if FLIPPED == 1:
         tma.async_load(w_desc, [g * C + cb * BLOCK_K, (F[0] * F[1] * F[2] - 1 - t) * K + off_k], bar, b_buf)
+    elif FLIPPED == 2:
+        tma.async_load(w_desc, [(g * F[0] * F[1] * F[2] + F[0] * F[1] * F[2] - 1 - t) * K + off_k, cb * BLOCK_K],
+                       bar, b_buf)
     else:
         tma.async_load(w_desc, [g * K + off_k, t * C + cb * BLOCK_K], bar, b_buf)
 
@@ -123,14 +130,14 @@ def _issue(x_desc, w_desc, a_buf, b_buf, bar, step, n, c0, c1, c2, g, off_k,
 @gluon.jit
 def _forward_product(a_buf, b_buf, acc, FLIPPED: gl.constexpr, PROMOTE: gl.constexpr, SWAPPED: gl.constexpr):
     # one step's product, issued: A is X's [BLOCK_M, BLOCK_K] window, B the weight's tile ([BLOCK_K, BLOCK_N]
-    # already where FLIPPED, stored N-major: wgmma reads 16-bit B either way; else [BLOCK_N, BLOCK_K]).
+    # already where FLIPPED 1, stored N-major: wgmma reads 16-bit B either way; else [BLOCK_N, BLOCK_K]).
     # SWAPPED (16-bit): the transposed product acc^T[BLOCK_N, BLOCK_M] += W^T X^T, the weight as wgmma's A
     if SWAPPED:
-        if FLIPPED:
+        if FLIPPED == 1:
             acc = warpgroup_mma(b_buf.permute((1, 0)), a_buf.permute((1, 0)), acc, is_async=True)
         else:
             acc = warpgroup_mma(b_buf, a_buf.permute((1, 0)), acc, is_async=True)
-    elif FLIPPED:
+    elif FLIPPED == 1:
         acc = warpgroup_mma(a_buf, b_buf, acc, is_async=True)
     elif PROMOTE > 0:  # fp8: each step's products summed in wgmma's own accumulator, then added in f32
         acc = warpgroup_mma(a_buf, b_buf.permute((1, 0)), acc, max_num_imprecise_acc=PROMOTE, is_async=True)
@@ -180,9 +187,9 @@ def _window_origin(off_m, O: gl.constexpr, S: gl.constexpr, LO: gl.constexpr):
 def _operand_ring(x_desc, w_desc, STAGES: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   BLOCK_K: gl.constexpr, FLIPPED: gl.constexpr):
     # the forward kernels' ring: X's [BLOCK_M, BLOCK_K] windows and the weight's tiles, [BLOCK_K, BLOCK_N] where
-    # FLIPPED, else [BLOCK_N, BLOCK_K]; fp8 compute: X and W in their own fp8 types (wgmma takes e4m3 x e5m2)
+    # FLIPPED 1, else [BLOCK_N, BLOCK_K]; fp8 compute: X and W in their own fp8 types (wgmma takes e4m3 x e5m2)
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    if FLIPPED:
+    if FLIPPED == 1:
         b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
     else:
         b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
