@@ -286,9 +286,11 @@ def test_narrow_forward_tiles_take_256_rows_over_wide_reductions():
     # CK 15's 3D grad_input (C = 64, K = 128) runs as such a forward
     dgrad = p.with_(op="grad_input", in_channels=64, out_channels=128)
     assert policy.tma_stream_launch(dgrad, HOPPER, Knobs()).tiles.block_m == 256
-    # elsewhere 128 rows: 64 channels a tap, more columns, f32, groups, fp8
-    for other in (p.with_(in_channels=64), p.with_(out_channels=128), p.with_(dtype="f32", compute="tf32"),
-                  p.with_(groups=2), p.with_(compute=("fp8", "fp8"))):
+    # elsewhere 128 rows: 64 channels a tap, more columns, a short TF32 reduction (9 taps x 2 steps: TF32 has its
+    # own rule, test_tf32_narrow_forwards_take_256_rows_over_long_reductions), groups, fp8
+    for other in (p.with_(in_channels=64), p.with_(out_channels=128),
+                  p.with_(dtype="f32", compute="tf32", in_channels=64), p.with_(groups=2),
+                  p.with_(compute=("fp8", "fp8"))):
         assert policy.tma_forward_tiles(other, HOPPER).block_m == 128, other.describe()
 
 
