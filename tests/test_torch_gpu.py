@@ -258,11 +258,7 @@ def test_specialised_grad_weights_against_float64():
         torch.manual_seed(4)
         x, dy = (torch.randn(shape, device="cuda").to(DTYPES[p.dtype]) for shape in p.arg_shapes)
         got = StreamRunner(kernel, torch.device("cuda"))(x, dy)
-        want = getattr(torch.nn.grad, f"conv{p.dims}d_weight")(
-            _channel_first(x.double()), (p.out_channels, p.in_channels, *p.filter), _channel_first(dy.double()),
-            stride=p.stride, padding=p.pad_lo)
-        want = want.unsqueeze(0).movedim(2, -1)  # GKYXC
-        err = _rel(got, want)
+        err = _rel(got, _grad_weight_float64(p, x, dy))
         assert err < 1e-2, f"{p.name}: {err:.2e} ({kernel.describe()})"
 
 
@@ -298,11 +294,7 @@ def test_f32_accurate_grad_weights_against_float64():
         torch.manual_seed(8)
         x, dy = (torch.randn(shape, device="cuda") for shape in p.arg_shapes)
         got = StreamRunner(kernel, torch.device("cuda"))(x, dy)
-        want = getattr(torch.nn.grad, f"conv{p.dims}d_weight")(
-            _channel_first(x.double()), (p.out_channels, p.in_channels, *p.filter), _channel_first(dy.double()),
-            stride=p.stride, padding=p.pad_lo)
-        want = want.unsqueeze(0).movedim(2, -1)  # GKYXC
-        err = _rel(got, want)
+        err = _rel(got, _grad_weight_float64(p, x, dy))
         assert err < tolerance, f"{p.name}: {err:.2e} ({kernel.describe()})"
 
 
@@ -356,6 +348,14 @@ def test_phase_grad_inputs_against_float64():
         assert not got.isnan().any(), f"{p.name}: positions of dX never stored ({kernel.describe()})"
         err = _rel(got, want)
         assert err < 1e-2, f"{p.name}: {err:.2e} ({kernel.describe()})"
+
+
+def _grad_weight_float64(p, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """A one-group NHWGC grad_weight in float64 by PyTorch, as GKYXC."""
+    want = getattr(torch.nn.grad, f"conv{p.dims}d_weight")(
+        _channel_first(x.double()), (p.out_channels, p.in_channels, *p.filter), _channel_first(dy.double()),
+        stride=p.stride, padding=p.pad_lo)
+    return want.unsqueeze(0).movedim(2, -1)
 
 
 def _channel_first(a: torch.Tensor) -> torch.Tensor:

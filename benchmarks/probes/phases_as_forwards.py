@@ -14,7 +14,6 @@ PyTorch's convolution takes one padding per dimension), each beside the grad_inp
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,13 +42,9 @@ def jobs() -> list:
 
 
 def build(out: Path) -> None:
-    from benchmarks.probes.tma_forward import _compile
-    from convdsl import stream
+    from benchmarks.probes.tma_forward import _compile, build_jobs
 
-    with ProcessPoolExecutor(2) as pool:
-        kernels = list(pool.map(_compile, jobs()))
-    stream.save_bundle(kernels, out)
-    print(f"wrote {out}: {len(kernels)} kernels")
+    build_jobs(out, jobs(), _compile)
 
 
 def run(bundle: Path, result: Path) -> None:

@@ -13,7 +13,6 @@ stages ("t256x64x32w8s3", "t256x64x32w8s4") where the output has 64 columns.
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from unittest import mock
 
@@ -62,12 +61,9 @@ def jobs():
 
 
 def build(out: Path) -> None:
-    from convdsl import stream
+    from benchmarks.probes.tma_forward import build_jobs
 
-    with ProcessPoolExecutor(2) as pool:
-        kernels = list(pool.map(_compile, jobs()))
-    stream.save_bundle(kernels, out)
-    print(f"wrote {out}: {len(kernels)} kernels")
+    build_jobs(out, jobs(), _compile)
 
 
 def run(bundle: Path, result: Path) -> None:

@@ -104,14 +104,19 @@ def narrow_grad_inputs_2d(base) -> list:
 
 def build_variants(out: Path, found: list, variants, compile_job) -> None:
     """Each problem of `found` in each variant, compiled on two processes by compile_job((problem, variant)) (None
-    where it cannot be built), saved as a bundle at `out`; a ring too deep for the SM's shared memory compiles but
-    would not launch, so such kernels are left out."""
+    where it cannot be built), saved as a bundle at `out` (build_jobs)."""
+    print("problems:", [p.name for p in found], flush=True)
+    build_jobs(out, [(p, v) for p in found for v in variants], compile_job)
+
+
+def build_jobs(out: Path, jobs: list, compile_job) -> None:
+    """Each job compiled on two processes by compile_job(job) (None where it cannot be built), saved as a bundle at
+    `out`; a ring too deep for the SM's shared memory compiles but would not launch, so such kernels are left out."""
     from convdsl import stream
     from convdsl.targets import Target
 
-    print("problems:", [p.name for p in found], flush=True)
     with ProcessPoolExecutor(2) as pool:
-        kernels = [k for k in pool.map(compile_job, [(p, v) for p in found for v in variants]) if k is not None]
+        kernels = [k for k in pool.map(compile_job, jobs) if k is not None]
     hopper = Target("cuda", "sm_90").gpu
     kernels = [k for k in kernels if all(sl.binary.shared_bytes <= hopper.workgroup_memory for sl in k.launches)]
     stream.save_bundle(kernels, out)
