@@ -594,6 +594,29 @@ def test_tma_phases_kernel_takes_the_shared_memory_the_rule_counts():
 
 
 @needs_gluon
+def test_promoted_and_reversed_copy_kernels_compile():
+    # exact f32 grad_weight as bf16x6 with wgmma's sums added in f32 (two product warp groups and a copy warp; and
+    # one warp group): a binary of its own beside the unpromoted one; and one-pass TF32 grad_input as the forward
+    # over the reversed weight copy
+    from dataclasses import replace
+
+    from convdsl.kernels.launch import compile_tma_launch
+
+    for p in (F32_WIDE.with_(compute=None), F32_WGRAD.with_(compute=None)):
+        plan = policy.tma_stream_launch(p, HOPPER, Knobs())
+        consts = dict(plan.launch.constants)
+        assert consts["PROMOTE"] > 0
+        promoted, _, _ = compile_tma_launch(plan.launch, plan.maps, "sm_90")
+        plain, _, _ = compile_tma_launch(replace(plan.launch, constants=tuple({**consts, "PROMOTE": 0}.items())),
+                                         plan.maps, "sm_90")
+        assert promoted.data != plain.data and promoted.params == plain.params
+    kernel = stream.plan_stream_kernel(F32_WIDE.with_(compute=None), HOPPER, Knobs(), compile=True)
+    assert "wgmma's sums added in f32 every 8 steps" in kernel.describe() and "(bf16x6)" in kernel.describe()
+    dgrad = stream.plan_stream_kernel(DGRAD.with_(dtype="f32", compute="tf32"), HOPPER, Knobs(), compile=True)
+    assert dgrad.launches[0].launch.kernel == "forward_tma" and "read taps reversed" in dgrad.describe()
+
+
+@needs_gluon
 def test_tma_kernel_compiles_and_its_record_round_trips():
     kernel = stream.plan_stream_kernel(BASE.with_(in_channels=64, out_channels=128), HOPPER, Knobs(), compile=True)
     assert [sl.launch.kernel for sl in kernel.launches] == ["forward_tma"]
