@@ -355,11 +355,16 @@ def tma_grad_weight_tiles(p: ConvProblem, target: Target) -> TileConfig:
     """128 x 128 where K and C allow, else 64; 64 pixels a step, 4 stages, 4 warps (docs/decisions.md#tma-forward).
     64 x 64 tiles take 128 pixels a step in 3 stages: their long reductions gained 15-30% (#tma-wgrad-3d).
     3D 128 x 128 tiles: two product warp groups and a copy warp of their own (tma_grad_weight_specialised), 4
-    stages: CK 11's 3D grad_weight 2.14 -> 1.45 ms (#tma-wgrad-specialised).  128 x 256 tiles (two product warp
+    stages: CK 11's 3D grad_weight 2.14 -> 1.45 ms (#tma-wgrad-specialised).  3D with 64 channels C and K: 64 x 128
+    tiles of two taps (#tma-wgrad-taps).  128 x 256 tiles (two product warp
     groups, specialised, 4 stages) where C is a multiple of 256, so that a tile holds whole C tiles of one tap, and
     their least estimated time, products WIDE_TILE_GAIN faster, beats the 128-column tile's: wav2vec2's 1D
     grad_weight 0.073 -> 0.063 ms, a 3D 256-channel one 0.180 -> 0.167 (#tma-wgrad-specialised)."""
     block_m, block_n = (128 if p.out_channels % 128 == 0 else 64), (128 if p.in_channels % 128 == 0 else 64)
+    if block_m == block_n == 64 and p.dims == 3 and p.in_channels == 64:
+        # two taps a tile, each dY box shared by both: U-Net's 3D grad_weight 0.270 -> 0.238 ms; in 2D (ResNet-50's
+        # 64-channel 3x3) 0.035 -> 0.041 (docs/decisions.md#tma-wgrad-taps)
+        return TileConfig(64, 128, 128, warps=4, stages=3)
     if block_m == block_n == 64:
         return TileConfig(64, 64, 128, warps=4, stages=3)
     if block_m == block_n == 128 and p.dims == 3:

@@ -706,6 +706,9 @@ def _emulated_grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray, tiles: 
                pad_hi=(0, 2), batch=3),
     BASE.with_(op="grad_weight", groups=2, in_channels=64, out_channels=64, dims=3, input=(3, 4, 5),
                filter=(2, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(0, 1, 1), pad_hi=(1, 1, 1)),
+    # 3D with 64 channels: the rule's tiles take two taps; 27 taps, so the last tile's second is past the filter
+    BASE.with_(op="grad_weight", in_channels=64, out_channels=64, dims=3, input=(3, 4, 5), filter=(3, 3, 3),
+               stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 1), pad_hi=(1, 1, 1)),
 ])
 def test_emulated_tma_grad_weight_matches_the_reference(p):
     x, dy = random_inputs(p, seed=4)
@@ -748,6 +751,9 @@ def test_tma_grad_weight_tiles():
     deep = wgrad.with_(dims=3, input=(4, 5, 6), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
                        pad_lo=(1, 1, 1), pad_hi=(1, 1, 1), in_channels=128, out_channels=128)
     assert policy.tma_grad_weight_tiles(deep, HOPPER).label() == "t128x128x64w8s4"
+    # 3D with 64 channels C and K: 64 x 128 tiles of two taps (2D keeps 64 x 64)
+    assert policy.tma_grad_weight_tiles(deep.with_(in_channels=64, out_channels=64), HOPPER).label() == \
+        "t64x128x128w4s3"
     # 256 columns where C holds whole 256-channel tiles and the estimate takes them: wav2vec2's 1D grad_weight,
     # a 3D 256-channel one; not CK 11's 3D (C = 128) nor ResNet-50's 256-channel 3x3 at 14x14, which would need
     # more chunks to fill the SMs with half the tiles
