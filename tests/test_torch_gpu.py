@@ -248,9 +248,7 @@ def test_specialised_grad_weights_against_float64():
     from convdsl import stream
     from convdsl.torch.stream import StreamRunner
 
-    runtime._register_bundles()
-    target = runtime._cuda_target(torch.device("cuda"))
-    hopper = torch.cuda.get_device_capability() == (9, 0)
+    target, hopper = _stream_target()
     for p, tiles in zip(specialised_wgrad_problems(), ("t128x128x64w8s4", "t128x256x64w8s4")):
         kernel = stream.stream_kernel(p, target)
         assert ("a warp of their own" in kernel.describe() and tiles in kernel.describe()) == hopper, \
@@ -285,9 +283,7 @@ def test_f32_accurate_grad_weights_against_float64():
     from convdsl import stream
     from convdsl.torch.stream import StreamRunner
 
-    runtime._register_bundles()
-    target = runtime._cuda_target(torch.device("cuda"))
-    hopper = torch.cuda.get_device_capability() == (9, 0)
+    target, hopper = _stream_target()
     for p, (*_, tolerance) in zip(f32_accurate_wgrad_problems(), F32_ACCURATE_WGRADS):
         kernel = stream.stream_kernel(p, target)
         assert ("wgmma's sums added in f32" in kernel.describe()) == hopper, kernel.describe()
@@ -326,9 +322,7 @@ def test_phase_grad_inputs_against_float64():
     from convdsl import stream
     from convdsl.torch.stream import StreamRunner
 
-    runtime._register_bundles()
-    target = runtime._cuda_target(torch.device("cuda"))
-    hopper = torch.cuda.get_device_capability() == (9, 0)
+    target, hopper = _stream_target()
     for p in phase_grad_input_problems():
         kernel = stream.stream_kernel(p, target)
         assert ("grad_input_phases_tma" in kernel.describe()) == hopper, kernel.describe()
@@ -350,6 +344,13 @@ def test_phase_grad_inputs_against_float64():
         assert err < 1e-2, f"{p.name}: {err:.2e} ({kernel.describe()})"
 
 
+def _stream_target():
+    """The stream kernels' target on this GPU (the bundles named by CONVDSL_STREAM_BUNDLES registered first), and
+    whether it is Hopper, where the TMA kernels run."""
+    runtime._register_bundles()
+    return runtime._cuda_target(torch.device("cuda")), torch.cuda.get_device_capability() == (9, 0)
+
+
 def _grad_weight_float64(p, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     """A one-group NHWGC grad_weight in float64 by PyTorch, as GKYXC."""
     want = getattr(torch.nn.grad, f"conv{p.dims}d_weight")(
@@ -367,9 +368,7 @@ def test_fp8_compute_against_float64():
     from convdsl import stream
     from convdsl.torch.stream import StreamRunner
 
-    runtime._register_bundles()
-    target = runtime._cuda_target(torch.device("cuda"))
-    hopper = torch.cuda.get_device_capability() == (9, 0)
+    target, hopper = _stream_target()
     for p in fp8_problems():
         kernel = stream.stream_kernel(p, target)
         assert (FP8_HOPPER_KERNELS[p.op, p.layout] in kernel.describe()) == hopper, kernel.describe()
