@@ -16,12 +16,12 @@ from dataclasses import dataclass, replace
 from .algebra import grad_input_phases
 from .kernels.launch import (ELEMENT, ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST_STRIDE, SPLIT_PRODUCTS, Launch, TmaMap,
                              arch_number, depthwise_channel_blocks, flat_elements, flat_planes, forward_direct_launch,
-                             forward_launch, forward_tma_launch, geometry, gluon_tma_im2col, grad_input_direct_launch,
-                             grad_input_launch, grad_input_phases_tiles, grad_input_phases_tma_launch,
-                             grad_weight_depthwise_launch, grad_weight_flat_tma_launch, grad_weight_launch,
-                             grad_weight_tma_launch, im2col_box, output_tiles, pad3, packable, packed_sizes,
-                             pad_planes_launch, phases_window, reduction_steps, round_fp8_launch, split_bf16_launch,
-                             split_chunks, tiles_within_images, triton_version)
+                             forward_halo_launch, forward_launch, forward_tma_launch, geometry, gluon_tma_im2col,
+                             grad_input_direct_launch, grad_input_launch, grad_input_phases_tiles,
+                             grad_input_phases_tma_launch, grad_weight_depthwise_launch, grad_weight_flat_tma_launch,
+                             grad_weight_launch, grad_weight_tma_launch, halo_grid, im2col_box, output_tiles, pad3,
+                             packable, packed_sizes, pad_planes_launch, phases_window, reduction_steps,
+                             round_fp8_launch, split_bf16_launch, split_chunks, tiles_within_images, triton_version)
 from .kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
 from .problem import ConvProblem, weight_axes
 from .targets import Target
@@ -764,6 +764,67 @@ def space_to_depth_forward(p: ConvProblem) -> Optional[ConvProblem]:
                    pad_lo=(0,) * p.dims, pad_hi=(0,) * p.dims, weight_layout=FAST_WEIGHT_LAYOUT)
 
 
+# shared memory the halo kernel may take for its ring of windows and weight tiles (the rest: Triton's scratch)
+HALO_SHARED_BYTES = 200 * 1024
+# the least share of the halo kernel's sweeps that computes output for it to run (halo_forward_efficiency)
+HALO_LEAST_EFFICIENCY = 0.75
+
+
+def halo_tiles(p: ConvProblem) -> TileConfig:
+    """The halo kernel's tiles: 128 rows in two warp groups, columns as wide as K (at least 16, at most 64) for
+    each of F0 output planes, a tap's C channels a step, 3 weight stages."""
+    return TileConfig(128, matrix_block(p.out_channels, 64), p.in_channels, warps=8, stages=3)
+
+
+def halo_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
+    """Why a stride-1 forward (or a grad_input as one, grad_input_as_forward) does not run on the halo kernel
+    (kernels/halo.forward_halo; None: it does)."""
+    if p.op != "forward" or p.dims != 3 or p.groups != 1 or p.dtype not in ("f16", "bf16") or p.fp8_compute:
+        return "the halo kernel computes 16-bit dense 3D forwards"
+    if any(s != 1 for s in p.stride) or p.dilation[0] != 1 or p.filter[0] != 3:
+        return "the halo kernel sweeps output planes at stride 1 with three filter planes in flight"
+    if p.out_channels > 64 or p.out_channels % 8 or p.in_channels not in (16, 32, 64):
+        return "the halo kernel takes C of 16, 32 or 64 channels (its window's column blocks) and K up to 64"
+    if not _weight_rows(p) or p.epilogue.kind != "none" or p.out_dtype is not None:
+        return "the halo kernel reads GKZYXC weights and has no epilogue"
+    tiles = halo_tiles(p)
+    grid = halo_grid(p, tiles.block_m)
+    size = ELEMENT_BYTES[ELEMENT[p.dtype]]
+    if (grid.ring_rows * p.in_channels + tiles.stages * p.in_channels * 3 * tiles.block_n) * size \
+            > HALO_SHARED_BYTES:
+        return "the halo kernel's windows do not fit in shared memory"
+    if p.batch * math.prod(p.input) * p.in_channels >= 2**31 or p.batch * math.prod(p.output) * p.out_channels >= 2**31:
+        return "the halo kernel addresses X and Y with 32-bit offsets"
+    efficiency = halo_forward_efficiency(p, target)
+    if efficiency < HALO_LEAST_EFFICIENCY:
+        # short sweeps, partial waves or padded rows: the TMA im2col kernel wins (a video layer of 16 planes at
+        # 0.66 ran 5% slower on it; docs/decisions.md#halo-grad-input)
+        return f"the halo kernel would compute output in {efficiency:.0%} of its sweeps"
+    return None
+
+
+def _halo_plane_waves(p: ConvProblem, target: Target, split: int) -> int:
+    # the halo kernel's time in plane sweeps: waves of programs, each sweeping its range and F0 - 1 planes more
+    columns = p.batch * halo_grid(p, halo_tiles(p).block_m).row_tiles
+    return -(-columns * split // target.gpu.sm_count) * (-(-p.output[0] // split) + p.filter[0] - 1)
+
+
+def halo_forward_split(p: ConvProblem, target: Target) -> int:
+    """Output-plane ranges per (image, row tile) of the halo kernel: each range sweeps F0 - 1 planes more than it
+    has tiles, so the fewest ranges whose programs fill the SMs' waves best."""
+    return min(range(1, p.output[0] + 1), key=lambda s: (_halo_plane_waves(p, target, s), s))
+
+
+def halo_forward_efficiency(p: ConvProblem, target: Target) -> float:
+    """The share of the halo kernel's sweeps that computes output: plane sweeps of whole waves against the output
+    planes spread over the SMs, times the valid rows of the padded grid's row tiles."""
+    grid = halo_grid(p, halo_tiles(p).block_m)
+    columns = p.batch * grid.row_tiles
+    waves = _halo_plane_waves(p, target, halo_forward_split(p, target))
+    rows = p.output[1] * p.output[2] / (grid.row_tiles * halo_tiles(p).block_m)
+    return p.output[0] * columns / (waves * target.gpu.sm_count) * rows
+
+
 class TmaPlan(NamedTuple):
     """A TMA kernel for the stream runner: its launch and maps, whether it reads the weight flipped
     (grad_input_as_forward), grad_weight's partials shape (else ()), the tiles the rule chose, the copies its
@@ -787,6 +848,9 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
     if knobs.extern is False:
         return None
     base = re.sub(r"\W", "_", p.name)
+    if halo_forward_reason(p, target) is None:  # docs/decisions.md#halo-grad-input
+        tiles = halo_tiles(p)
+        return TmaPlan(*forward_halo_launch(p, tiles, base, halo_forward_split(p, target)), False, (), tiles)
     if tma_forward_reason(p, target) is None:
         tiles = tma_forward_tiles(p, target)
         # fp8 compute: X and W rounded into fp8 copies first, which the kernel reads with fp8 wgmma
@@ -800,6 +864,10 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
     # cannot read
     if q is not None and _weight_rows(p) and p.dtype != "f32" and not p.fp8_compute \
             and tma_forward_reason(q, target) is None:
+        if halo_forward_reason(q, target) is None:
+            tiles = halo_tiles(q)
+            return TmaPlan(*forward_halo_launch(q, tiles, base, halo_forward_split(q, target), flipped=True),
+                           True, (), tiles)
         tiles = tma_forward_tiles(q, target)
         programs = tma_forward_programs(q, tiles, target)
         return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True, programs=programs), True, (), tiles)

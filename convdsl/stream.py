@@ -95,6 +95,14 @@ class StreamKernel:
                 return (f"stream path: Gluon kernel {names} (every stride phase a forward of dY over its taps of the "
                         f"weight, on TMA im2col copies and wgmma, all phases in one persistent launch, dX stored by "
                         f"address; tiles {self.tiles}, {self.arch}); knobs from the {self.knobs_source}")
+            if names == "forward_halo":
+                # (a bundle's launches keep no constants: the rule says it, from the problem)
+                q = policy.grad_input_as_forward(self.problem) if self.tma_flipped_weight else self.problem
+                split = policy.halo_forward_split(q, Target("cuda", self.arch))
+                return (f"stream path: Gluon kernel {names} (each input plane copied once into shared memory per "
+                        f"row tile, every tap's rows gathered from it into wgmma, three output planes accumulated "
+                        f"at once, {split} plane range(s) per row tile; tiles {self.tiles}, {self.arch}){how}; knobs "
+                        f"from the {self.knobs_source}")
             if names == "grad_weight_flat_tma":
                 products = ("fp8 wgmma (f32 sums)" if self.problem.fp8_compute else "one-pass TF32 wgmma")
                 return (f"stream path: Gluon kernel {names} ({products} on TMA copies of X and dY laid "

@@ -344,6 +344,50 @@ def test_phase_grad_inputs_against_float64():
         assert err < 1e-2, f"{p.name}: {err:.2e} ({kernel.describe()})"
 
 
+# 16-bit 3D grad_inputs and a forward on the halo kernel (kernels/halo.py, policy.halo_forward_reason): 4 plane
+# ranges of 8 over 32 planes (the ranges' first planes and both ends of the depth skipped); one dilated in its rows,
+# 48 columns of dX in a 64-column tile, 2 ranges; the first as a forward (the weight read as it is, not flipped).
+# (op, batch, channels of the result, of the operand, spatial, dilation, dtype)
+HALO_PROBLEMS = [("grad_input", 1, 32, 32, (32, 64, 64), 1, "f16"), ("grad_input", 2, 48, 32, (24, 64, 62), 2, "bf16"),
+                 ("forward", 1, 32, 32, (32, 64, 64), 1, "bf16")]
+
+
+def halo_problems() -> list:
+    from convdsl.problem import ConvProblem
+
+    # grad_input's in_channels are dX's (its result's), a forward's are X's (its operand's)
+    return [ConvProblem(op=op, dims=3, groups=1, batch=batch, in_channels=result if op == "grad_input" else operand,
+                        out_channels=operand if op == "grad_input" else result, input=spatial, filter=(3, 3, 3),
+                        stride=(1, 1, 1), dilation=(1, d, d), pad_lo=(1, d, d), pad_hi=(1, d, d), layout="NHWGC",
+                        weight_layout="GKYXC", dtype=dtype, name=f"halo_{op}_{i}")
+            for i, (op, batch, result, operand, spatial, d, dtype) in enumerate(HALO_PROBLEMS)]
+
+
+def test_halo_kernel_against_float64():
+    from convdsl import stream
+    from convdsl.torch.stream import StreamRunner
+
+    target, hopper = _stream_target()
+    for p in halo_problems():
+        kernel = stream.stream_kernel(p, target)
+        assert ("forward_halo" in kernel.describe()) == hopper, kernel.describe()
+        torch.manual_seed(7)
+        a, w = (torch.randn(shape, device="cuda").to(DTYPES[p.dtype]) for shape in p.arg_shapes)
+        out = torch.full(p.result_shape, float("nan"), device="cuda", dtype=DTYPES[p.dtype])
+        got = StreamRunner(kernel, torch.device("cuda"))(a, w, out=out)
+        # float64 in PyTorch's layouts: W (G, K, *taps, C) as (G*K, C, *taps), activations (N, *S, G, C) as (N, G*C, *S)
+        weight = w.double().flatten(0, 1).movedim(-1, 1)
+        if p.op == "grad_input":
+            want = torch.nn.grad.conv3d_input([p.batch, p.in_channels, *p.input], weight, _channel_first(a.double()),
+                                              padding=p.pad_lo, dilation=p.dilation)
+        else:
+            want = torch.nn.functional.conv3d(_channel_first(a.double()), weight, padding=p.pad_lo,
+                                              dilation=p.dilation)
+        assert not got.isnan().any(), f"{p.name}: positions never stored ({kernel.describe()})"
+        err = _rel(got, want.movedim(1, -1).unsqueeze(-2))
+        assert err < 1e-2, f"{p.name}: {err:.2e} ({kernel.describe()})"
+
+
 def _stream_target():
     """The stream kernels' target on this GPU (the bundles named by CONVDSL_STREAM_BUNDLES registered first), and
     whether it is Hopper, where the TMA kernels run."""

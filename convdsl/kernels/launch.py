@@ -519,6 +519,56 @@ def forward_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, flipped: bo
                   tiles.warps, tiles.stages), maps
 
 
+@dataclass(frozen=True)
+class HaloGrid:
+    """The padded grid of kernels/halo.forward_halo for a stride-1 forward: its width WP, a window's rows R, a
+    slot's RS (R rounded up to the copies' rows), the ring's rows RP (a power of 2 holding three slots) and the row
+    tiles per output plane QT."""
+
+    width: int
+    rows: int
+    slot_rows: int
+    ring_rows: int
+    row_tiles: int
+
+
+HALO_COPY_ROWS = 32  # kernels/halo.COPY_ROWS
+HALO_KERNELS = ("forward_halo",)
+
+
+def halo_grid(p: ConvProblem, block_m: int) -> HaloGrid:
+    f1, f2 = pad3(p.filter, 1)[1:]
+    d1, d2 = pad3(p.dilation, 1)[1:]
+    o1, o2 = pad3(p.output, 1)[1:]
+    width = o2 + (f2 - 1) * d2
+    rows = block_m + (f1 - 1) * d1 * width + (f2 - 1) * d2
+    slot = -(-rows // HALO_COPY_ROWS) * HALO_COPY_ROWS
+    ring = 1 << (3 * slot - 1).bit_length()
+    return HaloGrid(width, rows, slot, ring, -(-o1 * width // block_m))
+
+
+def forward_halo_launch(p: ConvProblem, tiles: TileConfig, base: str, split: int, flipped: bool = False,
+                        spread: bool = True) -> tuple[Launch, tuple[TmaMap, ...]]:
+    """Stride-1 forward (NDHWGC, GKZYXC) on kernels/halo.forward_halo: X read by address into windows of
+    halo_grid(p, block_m) rows, W through a map as [G*K, taps*C] in [BLOCK_N, C] tiles (flipped: p is a stride-1
+    grad_input as forward reading grad_input's own weight [G*C, taps*K] in [C, BLOCK_N] tiles), Y stored by
+    address.  One program per (group, column tile, image, row tile of a plane, range of `split` output planes).
+    spread: the next plane's window copied a part with each tap, not all at once."""
+    c, k, g = p.in_channels, p.out_channels, p.groups
+    grid_ = halo_grid(p, tiles.block_m)
+    taps = math.prod(p.filter)
+    maps = (TmaMap(1, (g * c, taps * k), (c, tiles.block_n)) if flipped else
+            TmaMap(1, (g * k, taps * c), (tiles.block_n, c)),)
+    consts = dict(I=pad3(p.input, 1), O=pad3(p.output, 1), F=pad3(p.filter, 1), D=pad3(p.dilation, 1),
+                  LO=pad3(p.pad_lo, 0), C=c, K=k, G=g, N=p.batch, WP=grid_.width, R=grid_.rows,
+                  RS=grid_.slot_rows, RP=grid_.ring_rows, QT=grid_.row_tiles, SPLIT=split, BLOCK_M=tiles.block_m,
+                  BSTAGES=tiles.stages, FLIPPED=int(flipped), SPREAD=int(spread))
+    programs = g * -(-k // tiles.block_n) * p.batch * grid_.row_tiles * split
+    elem = ELEMENT[p.dtype]
+    return Launch("forward_halo", f"{base}_forward_halo", (elem, elem, elem), tuple(consts.items()),
+                  check_grid(base, (programs, 1, 1)), tiles.warps, tiles.stages), maps
+
+
 def phases_heaviest_first(p: ConvProblem) -> list[Phase]:
     """The stride phases of a grad_input in the order the TMA phases kernel takes them: most taps first, so that
     the persistent programs' last tiles are the shortest ones (ties in residue order)."""
@@ -800,9 +850,9 @@ def compile_tma_launch(launch: Launch, maps: tuple[TmaMap, ...], arch: str
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from . import tma
+    from . import halo, tma
 
-    fn = getattr(tma, launch.kernel)
+    fn = getattr(halo if launch.kernel in HALO_KERNELS else tma, launch.kernel)
     dtypes = {"fp16": gl.float16, "bf16": gl.bfloat16, "fp32": gl.float32, "fp8e4nv": gl.float8e4nv,
               "fp8e5": gl.float8e5}
     signature = {}

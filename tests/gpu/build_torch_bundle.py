@@ -21,8 +21,8 @@ from convdsl import stream  # noqa: E402
 from convdsl.targets import Target  # noqa: E402
 from convdsl.torch import runtime  # noqa: E402
 from test_torch_gpu import (BIG_GRAD_INPUT, DTYPES, MODULES, NUMERIC, PRECISIONS, _format,  # noqa: E402
-                            big_grad_input_call, f32_accurate_wgrad_problems, fp8_problems, numeric_ops,
-                            phase_grad_input_problems, specialised_wgrad_problems)
+                            big_grad_input_call, f32_accurate_wgrad_problems, fp8_problems, halo_problems,
+                            numeric_ops, phase_grad_input_problems, specialised_wgrad_problems)
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> None:
@@ -69,7 +69,7 @@ def main() -> int:
         numeric_ops(x, torch.empty((c, c, 3, 3), dtype=torch.half).to(memory_format=torch.channels_last), dy)
     problems += seen
     problems += (fp8_problems() + specialised_wgrad_problems() + phase_grad_input_problems()
-                 + f32_accurate_wgrad_problems())
+                 + f32_accurate_wgrad_problems() + halo_problems())
     target = Target("cuda", args.arch)
     unique = list(dict.fromkeys(problems))
     kernels = [stream.stream_kernel(p, target) for p in unique if stream.unsupported_reason(p, target) is None]
