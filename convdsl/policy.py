@@ -766,7 +766,8 @@ def space_to_depth_forward(p: ConvProblem) -> Optional[ConvProblem]:
 
 # shared memory the halo kernel may take for its ring of windows and weight tiles (the rest: Triton's scratch)
 HALO_SHARED_BYTES = 200 * 1024
-# the least share of the halo kernel's sweeps that computes output for it to run (halo_forward_efficiency)
+# the least share of the halo kernel's sweeps that computes output for it to run (halo_forward_efficiency), where
+# the TMA kernel's tiles compute no dead columns (fewer columns of K than its tile: in proportion)
 HALO_LEAST_EFFICIENCY = 0.75
 
 
@@ -796,10 +797,12 @@ def halo_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
     if p.batch * math.prod(p.input) * p.in_channels >= 2**31 or p.batch * math.prod(p.output) * p.out_channels >= 2**31:
         return "the halo kernel addresses X and Y with 32-bit offsets"
     efficiency = halo_forward_efficiency(p, target)
-    if efficiency < HALO_LEAST_EFFICIENCY:
+    # against the TMA im2col kernel, whose tiles spend their columns' products on K of them
+    least = HALO_LEAST_EFFICIENCY * min(1.0, p.out_channels / tma_forward_tiles(p, target).block_n)
+    if efficiency < least:
         # short sweeps, partial waves or padded rows: the TMA im2col kernel wins (a video layer of 16 planes at
         # 0.66 ran 5% slower on it; docs/decisions.md#halo-grad-input)
-        return f"the halo kernel would compute output in {efficiency:.0%} of its sweeps"
+        return f"the halo kernel would compute output in {efficiency:.0%} of its sweeps (at least {least:.0%})"
     return None
 
 
