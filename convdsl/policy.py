@@ -773,8 +773,16 @@ HALO_LEAST_EFFICIENCY = 0.75
 
 def halo_tiles(p: ConvProblem) -> TileConfig:
     """The halo kernel's tiles: 128 rows in two warp groups, columns as wide as K (at least 16, at most 64) for
-    each of F0 output planes, a tap's C channels a step, 3 weight stages."""
-    return TileConfig(128, matrix_block(p.out_channels, 64), p.in_channels, warps=8, stages=3)
+    each of F0 output planes, a tap's C channels a step; 4 weight stages where they fit beside the windows, else 3
+    (docs/decisions.md#halo-grad-input)."""
+    tiles = TileConfig(128, matrix_block(p.out_channels, 64), p.in_channels, warps=8, stages=4)
+    return tiles if _halo_shared_bytes(p, tiles) <= HALO_SHARED_BYTES else replace(tiles, stages=3)
+
+
+def _halo_shared_bytes(p: ConvProblem, tiles: TileConfig) -> int:
+    # the ring of windows and the three filter planes' rings of weight tiles
+    rows = halo_grid(p, tiles.block_m).ring_rows
+    return (rows * p.in_channels + tiles.stages * 3 * p.in_channels * tiles.block_n) * ELEMENT_BYTES[ELEMENT[p.dtype]]
 
 
 def halo_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
@@ -788,11 +796,7 @@ def halo_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
         return "the halo kernel takes C of 16, 32 or 64 channels (its window's column blocks) and K up to 64"
     if not _weight_rows(p) or p.epilogue.kind != "none" or p.out_dtype is not None:
         return "the halo kernel reads GKZYXC weights and has no epilogue"
-    tiles = halo_tiles(p)
-    grid = halo_grid(p, tiles.block_m)
-    size = ELEMENT_BYTES[ELEMENT[p.dtype]]
-    if (grid.ring_rows * p.in_channels + tiles.stages * p.in_channels * 3 * tiles.block_n) * size \
-            > HALO_SHARED_BYTES:
+    if _halo_shared_bytes(p, halo_tiles(p)) > HALO_SHARED_BYTES:
         return "the halo kernel's windows do not fit in shared memory"
     if p.batch * math.prod(p.input) * p.in_channels >= 2**31 or p.batch * math.prod(p.output) * p.out_channels >= 2**31:
         return "the halo kernel addresses X and Y with 32-bit offsets"
