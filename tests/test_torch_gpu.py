@@ -319,17 +319,8 @@ def phase_grad_input_problems() -> list:
 
 
 def test_phase_grad_inputs_against_float64():
-    from convdsl import stream
-    from convdsl.torch.stream import StreamRunner
-
-    target, hopper = _stream_target()
     for p in phase_grad_input_problems():
-        kernel = stream.stream_kernel(p, target)
-        assert ("grad_input_phases_tma" in kernel.describe()) == hopper, kernel.describe()
-        torch.manual_seed(6)
-        dy, w = (torch.randn(shape, device="cuda").to(DTYPES[p.dtype]) for shape in p.arg_shapes)
-        dx = torch.full(p.result_shape, float("nan"), device="cuda", dtype=DTYPES[p.dtype])
-        got = StreamRunner(kernel, torch.device("cuda"))(dy, w, out=dx)
+        kernel, (dy, w), got = _hopper_kernel_call(p, "grad_input_phases_tma", seed=6)
         # float64 in PyTorch's layouts, dY (N, G*K, *S) and W (G*K, C, *taps): the transposed convolution gives dX
         # padded by pad_lo below (and up to the last window's reach above), cropped or zero-extended to I here
         weight = w.double().flatten(0, 1).movedim(-1, 1)
@@ -364,17 +355,8 @@ def halo_problems() -> list:
 
 
 def test_halo_kernel_against_float64():
-    from convdsl import stream
-    from convdsl.torch.stream import StreamRunner
-
-    target, hopper = _stream_target()
     for p in halo_problems():
-        kernel = stream.stream_kernel(p, target)
-        assert ("forward_halo" in kernel.describe()) == hopper, kernel.describe()
-        torch.manual_seed(7)
-        a, w = (torch.randn(shape, device="cuda").to(DTYPES[p.dtype]) for shape in p.arg_shapes)
-        out = torch.full(p.result_shape, float("nan"), device="cuda", dtype=DTYPES[p.dtype])
-        got = StreamRunner(kernel, torch.device("cuda"))(a, w, out=out)
+        kernel, (a, w), got = _hopper_kernel_call(p, "forward_halo", seed=7)
         # float64 in PyTorch's layouts: W (G, K, *taps, C) as (G*K, C, *taps), activations (N, *S, G, C) as (N, G*C, *S)
         weight = w.double().flatten(0, 1).movedim(-1, 1)
         if p.op == "grad_input":
@@ -386,6 +368,21 @@ def test_halo_kernel_against_float64():
         assert not got.isnan().any(), f"{p.name}: positions never stored ({kernel.describe()})"
         err = _rel(got, want.movedim(1, -1).unsqueeze(-2))
         assert err < 1e-2, f"{p.name}: {err:.2e} ({kernel.describe()})"
+
+
+def _hopper_kernel_call(p, kernel_name: str, seed: int):
+    """p's stream kernel (on Hopper the kernel named, elsewhere another), called on random operands into a result
+    filled with NaN (positions never stored stay NaN): the kernel, the operands and the result."""
+    from convdsl import stream
+    from convdsl.torch.stream import StreamRunner
+
+    target, hopper = _stream_target()
+    kernel = stream.stream_kernel(p, target)
+    assert (kernel_name in kernel.describe()) == hopper, kernel.describe()
+    torch.manual_seed(seed)
+    operands = tuple(torch.randn(shape, device="cuda").to(DTYPES[p.dtype]) for shape in p.arg_shapes)
+    out = torch.full(p.result_shape, float("nan"), device="cuda", dtype=DTYPES[p.dtype])
+    return kernel, operands, StreamRunner(kernel, torch.device("cuda"))(*operands, out=out)
 
 
 def _stream_target():
