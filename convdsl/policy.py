@@ -790,6 +790,9 @@ def halo_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
     (kernels/halo.forward_halo; None: it does)."""
     if p.op != "forward" or p.dims != 3 or p.groups != 1 or p.dtype not in ("f16", "bf16") or p.fp8_compute:
         return "the halo kernel computes 16-bit dense 3D forwards"
+    reason = _tma_common_reason(p, target)  # Hopper's wgmma and TMA, NHWGC of a fixed batch, Gluon
+    if reason is not None:
+        return reason
     if any(s != 1 for s in p.stride) or p.dilation[0] != 1 or p.filter[0] != 3:
         return "the halo kernel sweeps output planes at stride 1 with three filter planes in flight"
     if p.out_channels > 64 or p.out_channels % 8 or p.in_channels not in (16, 32, 64):

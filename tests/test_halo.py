@@ -106,6 +106,7 @@ def test_halo_grid_holds_every_tap():
     assert w_map.operand == 1 and w_map.shape == (64, 27 * 64) and w_map.block == (64, 64)
 
 
+@needs_gluon
 def test_which_grad_inputs_take_the_halo_kernel():
     q = policy.grad_input_as_forward(UNET)
     assert policy.halo_forward_reason(q, HOPPER) is None
@@ -122,10 +123,14 @@ def test_which_grad_inputs_take_the_halo_kernel():
         "stride 2": UNET.with_(stride=(2, 2, 2)),
         "five filter planes": UNET.with_(filter=(5, 3, 3), pad_lo=(2, 1, 1), pad_hi=(2, 1, 1)),
         "f32": UNET.with_(dtype="f32"),
+        "a batch given at call time": UNET.with_(dynamic_batch=True),
     }
     for why, p in refused.items():
         q = policy.grad_input_as_forward(p)
         assert q is None or policy.halo_forward_reason(q, HOPPER) is not None, why
+    # wgmma and TMA are Hopper's: an sm_80 target keeps the cp.async kernels, forwards included
+    assert policy.halo_forward_reason(policy.grad_input_as_forward(UNET), Target("cuda", "sm_80")) is not None
+    assert policy.tma_stream_launch(UNET.with_(op="forward"), Target("cuda", "sm_80"), Knobs()) is None
 
 
 @needs_gluon
