@@ -142,7 +142,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         line = (f"{name:<{width}} {p.op:<11} {shapes:<40} {elapsed * 1e3:9.3f} ms {rate} "
                 f"{_bytes_moved(p) / elapsed / 1e9:8.2f} GB/s")
         if matmul_peak is not None:
-            line += f" {_share(p.flops / elapsed / 1e9, matmul_peak)} of matmul peak ({matmul_peak:.1f} GFLOP/s)"
+            line += f" {_share(p.flops / elapsed / 1e9, matmul_peak)} of matmul peak ({_significant(matmul_peak)} GFLOP/s)"
         if args.check:
             err = ref.relative_error(got, want)  # converts a chunk at a time
             ok = err <= ref.tolerance(p)
@@ -162,7 +162,7 @@ def _matmul_peak(target: Target) -> float:
         _progress(True, f"measuring the matmul peak of {target} (f32 linalg.matmul {n}x{n}x{n}; once, then "
                         "cached) ...")
         gflops = peak.measure(target)
-        _progress(True, f"matmul peak: {gflops:.1f} GFLOP/s")
+        _progress(True, f"matmul peak: {_significant(gflops)} GFLOP/s")
     return gflops
 
 
@@ -171,6 +171,13 @@ def _fixed(value: float, decimals: int) -> str:
     tiny kernel's rate and share never read 0."""
     if 0 < value < 1:
         decimals = max(decimals, 1 - math.floor(math.log10(value)))
+    return f"{value:.{decimals}f}"
+
+
+def _significant(value: float) -> str:
+    """`value` with at least three significant digits and one decimal (1.14, 0.114, 1234.5): a slow machine's
+    peak, printed as 1.1, would put the share beside it off by 4% from the rate it is the share of."""
+    decimals = max(1, 2 - math.floor(math.log10(value))) if value > 0 else 1
     return f"{value:.{decimals}f}"
 
 
