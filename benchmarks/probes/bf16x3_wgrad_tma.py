@@ -18,7 +18,6 @@ from __future__ import annotations
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -27,25 +26,19 @@ VARIANTS = ("before", "split", "split-p1", "split-p2", "split-p4", "split-p8")
 
 
 def _compile(job):
+    from benchmarks.probes.tma_forward import plan_variant
     from convdsl import policy
-    from convdsl.stream import plan_stream_kernel
-    from convdsl.targets import Target
-    from convdsl.tuning.knobs import Knobs
 
     p, variant = job
-    named = p.with_(name=f"{p.name}:{variant}")
     if variant == "before":
-        with mock.patch.object(policy, "tma_split_grad_weight", lambda q, target: None):
-            return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
+        return plan_variant(p, variant, tma_split_grad_weight=lambda q, target: None)
     promote = int(variant.split("-p")[1]) if "-p" in variant else 0
     tiles_rule = policy.tma_grad_weight_tiles
 
     def tiles(q, target):  # promoted: tiles whose two accumulators fit
         return policy.promoted_tiles(tiles_rule(q, target)) if promote else tiles_rule(q, target)
 
-    with mock.patch.object(policy, "tma_grad_weight_tiles", tiles), \
-            mock.patch.object(policy, "tma_grad_weight_promote", lambda q, t: promote):
-        return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
+    return plan_variant(p, variant, tma_grad_weight_tiles=tiles, tma_grad_weight_promote=lambda q, t: promote)
 
 
 def problems(exact: bool = False):

@@ -16,7 +16,6 @@ import re
 import sys
 from dataclasses import replace
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -25,31 +24,23 @@ VARIANTS = ("halo-whole", "halo-b4")
 
 
 def _compile(job):
+    from benchmarks.probes.tma_forward import plan_variant
     from convdsl import policy
-    from convdsl.stream import plan_stream_kernel
-    from convdsl.targets import Target
-    from convdsl.tuning.knobs import Knobs
 
     p, label = job
-    named = p.with_(name=f"{p.name}:{label}")
-    target = Target("cuda", "sm_90")
     if label == "tma":
-        with mock.patch.object(policy, "halo_forward_reason", lambda q, t: "off"):
-            return plan_stream_kernel(named, target, Knobs(), compile=True)
+        return plan_variant(p, label, halo_forward_reason=lambda q, t: "off")
     if label == "halo-whole":  # the next window copied at once
         launch = policy.forward_halo_launch
-        with mock.patch.object(policy, "forward_halo_launch", lambda *a, **k: launch(*a, **k, spread=False)):
-            return plan_stream_kernel(named, target, Knobs(), compile=True)
+        return plan_variant(p, label, forward_halo_launch=lambda *a, **k: launch(*a, **k, spread=False))
     if label.startswith("halo-"):  # halo-s<split>b<weight stages>, either part optional
         match = re.fullmatch(r"halo-(?:s(\d+))?(?:b(\d+))?", label)
         split, stages = (int(v) if v else None for v in match.groups())
         rule_split, rule_tiles = policy.halo_forward_split, policy.halo_tiles
-        with mock.patch.object(policy, "halo_forward_split", lambda q, t: split or rule_split(q, t)), \
-                mock.patch.object(policy, "halo_tiles", lambda q: replace(rule_tiles(q), stages=stages or
-                                                                          rule_tiles(q).stages)), \
-                mock.patch.object(policy, "HALO_SHARED_BYTES", 227 * 1024):
-            return plan_stream_kernel(named, target, Knobs(), compile=True)
-    return plan_stream_kernel(named, target, Knobs(), compile=True)
+        return plan_variant(p, label, halo_forward_split=lambda q, t: split or rule_split(q, t),
+                            halo_tiles=lambda q: replace(rule_tiles(q), stages=stages or rule_tiles(q).stages),
+                            HALO_SHARED_BYTES=227 * 1024)
+    return plan_variant(p, label)
 
 
 def problems():

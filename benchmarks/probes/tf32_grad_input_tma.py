@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -23,22 +22,15 @@ WIDE_ROWS = ("t256x64x32w8s3", "t256x64x32w8s4")
 
 
 def _compile(job):
-    from convdsl import policy
+    from benchmarks.probes.tma_forward import plan_variant
     from convdsl.kernels.tiles import parse_tiles
-    from convdsl.stream import plan_stream_kernel
-    from convdsl.targets import Target
-    from convdsl.tuning.knobs import Knobs
 
     p, label = job
-    named = p.with_(name=f"{p.name}:{label}")
-    target = Target("cuda", "sm_90")
     if label == "cp":
-        with mock.patch.object(policy, "tma_stream_launch", lambda q, t, k: None):
-            return plan_stream_kernel(named, target, Knobs(), compile=True)
+        return plan_variant(p, label, tma_stream_launch=lambda q, t, k: None)
     if label == "rule":
-        return plan_stream_kernel(named, target, Knobs(), compile=True)
-    with mock.patch.object(policy, "tma_forward_tiles", lambda q, t: parse_tiles(label)):
-        return plan_stream_kernel(named, target, Knobs(), compile=True)
+        return plan_variant(p, label)
+    return plan_variant(p, label, tma_forward_tiles=lambda q, t: parse_tiles(label))
 
 
 def problems():

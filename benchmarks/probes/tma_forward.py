@@ -102,6 +102,23 @@ def narrow_grad_inputs_2d(base) -> list:
         base.with_(name="dgrad2d_k64_c64_5x5_56_n32", batch=32, filter=(5, 5), pad_lo=(2, 2), pad_hi=(2, 2))]
 
 
+def plan_variant(p, label: str, **policy_names):
+    """p's stream kernel for sm_90 as the rules plan it, named <case>:<label>, with the policy's names in
+    `policy_names` replaced for the planning: how a probe builds a variant of a rule."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    from convdsl import policy
+    from convdsl.stream import plan_stream_kernel
+    from convdsl.targets import Target
+    from convdsl.tuning.knobs import Knobs
+
+    with ExitStack() as patches:
+        for name, value in policy_names.items():
+            patches.enter_context(mock.patch.object(policy, name, value))
+        return plan_stream_kernel(p.with_(name=f"{p.name}:{label}"), Target("cuda", "sm_90"), Knobs(), compile=True)
+
+
 def build_variants(out: Path, found: list, variants, compile_job) -> None:
     """Each problem of `found` in each variant, compiled on two processes by compile_job((problem, variant)) (None
     where it cannot be built), saved as a bundle at `out` (build_jobs)."""

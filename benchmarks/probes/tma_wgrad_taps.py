@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -22,18 +21,13 @@ VARIANTS = ("rule", "t64x128x128w4s3", "t64x128x64w4s4", "t64x128x128w4s4")
 
 
 def _compile(job):
-    from convdsl import policy
+    from benchmarks.probes.tma_forward import plan_variant
     from convdsl.kernels.tiles import parse_tiles
-    from convdsl.stream import plan_stream_kernel
-    from convdsl.targets import Target
-    from convdsl.tuning.knobs import Knobs
 
     p, label = job
-    named = p.with_(name=f"{p.name}:{label}")
     if label == "rule":
-        return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
-    with mock.patch.object(policy, "tma_grad_weight_tiles", lambda q, t: parse_tiles(label)):
-        return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
+        return plan_variant(p, label)
+    return plan_variant(p, label, tma_grad_weight_tiles=lambda q, t: parse_tiles(label))
 
 
 def problems():
