@@ -828,10 +828,11 @@ def halo_forward_split(p: ConvProblem, target: Target) -> int:
 def halo_forward_efficiency(p: ConvProblem, target: Target) -> float:
     """The share of the halo kernel's sweeps that computes output: plane sweeps of whole waves against the output
     planes spread over the SMs, times the valid rows of the padded grid's row tiles."""
-    grid = halo_grid(p, halo_tiles(p).block_m)
+    block_m = halo_tiles(p).block_m
+    grid = halo_grid(p, block_m)
     columns = p.batch * grid.row_tiles
     waves = _halo_plane_waves(p, target, halo_forward_split(p, target))
-    rows = p.output[1] * p.output[2] / (grid.row_tiles * halo_tiles(p).block_m)
+    rows = p.output[1] * p.output[2] / (grid.row_tiles * block_m)
     return p.output[0] * columns / (waves * target.gpu.sm_count) * rows
 
 
@@ -850,6 +851,14 @@ class TmaPlan(NamedTuple):
     weight_axes: tuple[str, ...] = ()
 
 
+def _halo_plan(p: ConvProblem, target: Target, base: str, flipped: bool) -> TmaPlan:
+    # a stride-1 forward, or a grad_input as one over the flipped weight, each input plane copied into shared
+    # memory once per row tile (docs/decisions.md#halo-grad-input)
+    tiles = halo_tiles(p)
+    return TmaPlan(*forward_halo_launch(p, tiles, base, halo_forward_split(p, target), flipped=flipped), flipped, (),
+                   tiles)
+
+
 def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[TmaPlan]:
     """The TMA plan of p for the stream runner; None where the kernel keeps its cp.async form (tma_forward_reason,
     tma_grad_input_phases_reason, tma_grad_weight_reason, tma_flat_grad_weight_reason).  Tiles in the knobs (the
@@ -858,9 +867,8 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
     if knobs.extern is False:
         return None
     base = re.sub(r"\W", "_", p.name)
-    if halo_forward_reason(p, target) is None:  # docs/decisions.md#halo-grad-input
-        tiles = halo_tiles(p)
-        return TmaPlan(*forward_halo_launch(p, tiles, base, halo_forward_split(p, target)), False, (), tiles)
+    if halo_forward_reason(p, target) is None:
+        return _halo_plan(p, target, base, flipped=False)
     if tma_forward_reason(p, target) is None:
         tiles = tma_forward_tiles(p, target)
         # fp8 compute: X and W rounded into fp8 copies first, which the kernel reads with fp8 wgmma
@@ -875,9 +883,7 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
     if q is not None and _weight_rows(p) and p.dtype != "f32" and not p.fp8_compute \
             and tma_forward_reason(q, target) is None:
         if halo_forward_reason(q, target) is None:
-            tiles = halo_tiles(q)
-            return TmaPlan(*forward_halo_launch(q, tiles, base, halo_forward_split(q, target), flipped=True),
-                           True, (), tiles)
+            return _halo_plan(q, target, base, flipped=True)
         tiles = tma_forward_tiles(q, target)
         programs = tma_forward_programs(q, tiles, target)
         return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True, programs=programs), True, (), tiles)
