@@ -19,7 +19,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 from . import cache, policy
 from .backends.iree import iree_version
@@ -31,8 +31,8 @@ from .targets import Target
 from .tuning import db
 from .tuning.knobs import Knobs
 
-__all__ = ["Knobs", "StreamKernel", "StreamLaunch", "load_bundle", "plan_stream_kernel", "register_bundle",
-           "save_bundle", "stream_kernel", "unsupported_reason"]
+__all__ = ["Knobs", "StreamKernel", "StreamLaunch", "compile_kernel", "load_bundle", "plan_stream_kernel",
+           "register_bundle", "save_bundle", "stream_kernel", "unsupported_reason"]
 
 BUNDLE_FORMAT = "convdsl-stream-kernels/1"
 _SUFFIX = ".stream.json"
@@ -156,11 +156,15 @@ def unsupported_reason(p: ConvProblem, target: Target) -> Optional[str]:
     return None if use else reason
 
 
-def kernel_key(p: ConvProblem, arch: str) -> str:
-    """Everything that changes a stream kernel: the problem, the arch, convdsl's source and the Triton that
-    compiles it (None where Triton is absent: such a machine only runs what was compiled elsewhere)."""
-    material = {"format": BUNDLE_FORMAT, "problem": p.record(), "arch": arch, "source": cache.source_digest(),
-                "triton": triton_version()}
+def kernel_key(planned: StreamKernel, knobs: Knobs) -> str:
+    """Everything that changes a stream kernel: its plan (every launch with its compile-time constants, the
+    tiles, the split, the copies: all the tuning database's knobs decided), those knobs, convdsl's source and the
+    Triton that compiles it (None where Triton is absent: such a machine only runs what was compiled elsewhere).
+    Keyed on the plan rather than on the database, a `convdsl tune collect` that changes a kernel's knobs changes
+    its key, and one that changes other kernels' entries leaves it."""
+    material = {"format": BUNDLE_FORMAT, "problem": planned.problem.record(), "arch": planned.arch,
+                "plan": _to_record(planned, _planned_launch_record), "knobs": knobs.as_dict(),
+                "source": cache.source_digest(), "triton": triton_version()}
     return cache.cache_key(material)
 
 
@@ -172,46 +176,60 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
     tma_plan = policy.tma_stream_launch(p, target, knobs) if tma else None
     if tma_plan is not None:
         launch, maps, flipped, partials, tiles, staging, weight_copy = tma_plan
-        kinds: tuple[str, ...] = ()
-        if compile:
-            binary, maps, kinds = compile_tma_launch(launch, maps, target.arch)
-        else:
-            binary = Binary(launch.name, b"", "none", 32 * launch.warps, 0, 0)
-
-        def compiled_plain(la: Launch) -> StreamLaunch:
-            return StreamLaunch(la, compile_launch(la, target.arch) if compile else
-                                Binary(la.name, b"", "none", 32 * la.warps, 0, 0))
-
-        summed = compiled_plain(sum_partials_launch(p, partials, launch.name)) if p.op == "grad_weight" else None
+        summed = _uncompiled(sum_partials_launch(p, partials, launch.name)) if p.op == "grad_weight" else None
         label = replace(tiles, split=partials[0]).label() if partials else tiles.label()
-        return StreamKernel(p, target.arch, p, (), (StreamLaunch(launch, binary),), partials, label, source,
-                            summed, weight_axes=weight_copy, tma_maps=maps, tma_params=kinds,
-                            tma_flipped_weight=flipped,
-                            staging=tuple(compiled_plain(la) for la, _ in staging),
-                            staged_shapes=tuple(shape for _, shape in staging))
+        planned = StreamKernel(p, target.arch, p, (), (_uncompiled(launch),), partials, label, source, summed,
+                               weight_axes=weight_copy, tma_maps=maps, tma_flipped_weight=flipped,
+                               staging=tuple(_uncompiled(la) for la, _ in staging),
+                               staged_shapes=tuple(shape for _, shape in staging))
+        return compile_kernel(planned) if compile else planned
     # a few-channel strided forward runs stride 1 over its operands regrouped space-to-depth (two copies first)
     regrouped = policy.space_to_depth_forward(p)
     ext = policy.extern_launches(regrouped or p, target, knobs)
     if ext is None:
         raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {unsupported_reason(p, target)}")
 
-    def compiled(la: Launch) -> StreamLaunch:
-        binary = compile_launch(la, target.arch) if compile else Binary(la.name, b"", "none", 32 * la.warps, 0, 0)
-        return StreamLaunch(la, binary)
-
     base = ext.launches[0].name
     staging = tuple(space_to_depth_launch(p, regrouped, name, base) for name in p.arg_names) if regrouped else ()
-    summed = compiled(sum_partials_launch(p, ext.partials_shape, base)) if p.op == "grad_weight" else None
+    summed = _uncompiled(sum_partials_launch(p, ext.partials_shape, base)) if p.op == "grad_weight" else None
     rounds = ()
     if p.fp8_compute:
-        rounds = tuple(compiled(round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}"))
+        rounds = tuple(_uncompiled(round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}"))
                        for i, (shape, dtype, kind) in enumerate(zip(p.arg_shapes, p.arg_dtypes, p.compute)))
     copy_in, copy_out = _layout_copies(p, ext.copied_channels_last, base, p.op != "grad_weight")
-    return StreamKernel(p, target.arch, ext.problem, ext.copied_channels_last, tuple(map(compiled, ext.launches)),
-                        ext.partials_shape, ext.tiles.label(), source, summed, rounds, ext.weight_axes,
-                        tuple(map(compiled, copy_in)), compiled(copy_out) if copy_out else None,
-                        staging=tuple(compiled(la) for la, _ in staging),
-                        staged_shapes=tuple(shape for _, shape in staging))
+    planned = StreamKernel(p, target.arch, ext.problem, ext.copied_channels_last,
+                           tuple(map(_uncompiled, ext.launches)), ext.partials_shape, ext.tiles.label(), source,
+                           summed, rounds, ext.weight_axes, tuple(map(_uncompiled, copy_in)),
+                           _uncompiled(copy_out) if copy_out else None,
+                           staging=tuple(_uncompiled(la) for la, _ in staging),
+                           staged_shapes=tuple(shape for _, shape in staging))
+    return compile_kernel(planned) if compile else planned
+
+
+def _uncompiled(la: Launch) -> StreamLaunch:
+    # a planned launch: its binary is compiled later (compile_kernel), or never (Triton's interpreter runs it)
+    return StreamLaunch(la, Binary(la.name, b"", "none", 32 * la.warps, 0, 0))
+
+
+def compile_kernel(planned: StreamKernel) -> StreamKernel:
+    """The planned kernel with every launch compiled for its arch (Triton): the plan decides, this only builds.
+    A TMA kernel's maps come back with the binary's boxes and swizzles, and its parameters' kinds."""
+    arch = planned.arch
+
+    def plain(sl: StreamLaunch) -> StreamLaunch:
+        return StreamLaunch(sl.launch, compile_launch(sl.launch, arch))
+
+    changes: dict = {}
+    if planned.tma_maps:
+        (core,) = planned.launches
+        binary, maps, kinds = compile_tma_launch(core.launch, planned.tma_maps, arch)
+        changes.update(launches=(StreamLaunch(core.launch, binary),), tma_maps=maps, tma_params=kinds)
+    else:
+        changes.update(launches=tuple(map(plain, planned.launches)))
+    return replace(planned, **changes, sum=plain(planned.sum) if planned.sum else None,
+                   rounds=tuple(map(plain, planned.rounds)), copy_in=tuple(map(plain, planned.copy_in)),
+                   copy_out=plain(planned.copy_out) if planned.copy_out else None,
+                   staging=tuple(map(plain, planned.staging)))
 
 
 def _layout_copies(p: ConvProblem, copied: tuple[str, ...], base: str, result_copied: bool
@@ -235,11 +253,6 @@ def _layout_copies(p: ConvProblem, copied: tuple[str, ...], base: str, result_co
     return tuple(ins), out
 
 
-def _build(p: ConvProblem, target: Target) -> StreamKernel:
-    knobs, source = _knobs(p, target)
-    return plan_stream_kernel(p, target, knobs, source, compile=True)
-
-
 _registered: dict[tuple[str, str], StreamKernel] = {}
 
 
@@ -259,35 +272,49 @@ def stream_kernel(p: ConvProblem, target: Target) -> StreamKernel:
     found = _registered.get(_bundle_key(p, target.arch))
     if found is not None:
         return found
-    key = kernel_key(p, target.arch)
+    if target.backend != "cuda":
+        raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {unsupported_reason(p, target)}")
+    knobs, source = _knobs(p, target)
+    planned = plan_stream_kernel(p, target, knobs, source)
+    key = kernel_key(planned, knobs)
     data = cache.load(key, verify=False, suffix=_SUFFIX)
     if data is not None:
         try:
             return _from_record(json.loads(data))
         except (ValueError, KeyError, TypeError):
             cache.evict(key)
-    kernel = _build(p, target)
+    kernel = compile_kernel(planned)
     cache.store(key, json.dumps(_to_record(kernel)).encode(), suffix=_SUFFIX)
     return kernel
 
 
 # --- the bundle format ------------------------------------------------------------------------------
 
-def _to_record(k: StreamKernel) -> dict:
+def _to_record(k: StreamKernel, launch_record: Optional[Callable[[StreamLaunch], dict]] = None) -> dict:
+    """The kernel as JSON; `launch_record` writes each launch (default: _launch_record, binary and all)."""
+    record = launch_record or _launch_record
     return {
         "problem": problem_to_spec(k.problem), "arch": k.arch, "planned": problem_to_spec(k.planned),
         "copied": list(k.copied), "partials_shape": list(k.partials_shape), "tiles": k.tiles,
         "knobs_source": k.knobs_source, "triton": triton_version(),
-        "launches": [_launch_record(sl) for sl in k.launches],
-        "sum": _launch_record(k.sum) if k.sum else None,
-        "rounds": [_launch_record(sl) for sl in k.rounds],
+        "launches": [record(sl) for sl in k.launches],
+        "sum": record(k.sum) if k.sum else None,
+        "rounds": [record(sl) for sl in k.rounds],
         "weight_axes": list(k.weight_axes),
-        "copy_in": [_launch_record(sl) for sl in k.copy_in],
-        "copy_out": _launch_record(k.copy_out) if k.copy_out else None,
+        "copy_in": [record(sl) for sl in k.copy_in],
+        "copy_out": record(k.copy_out) if k.copy_out else None,
         "tma_maps": [asdict(m) for m in k.tma_maps], "tma_params": list(k.tma_params),
         "tma_flipped_weight": k.tma_flipped_weight,
-        "staging": [_launch_record(sl) for sl in k.staging], "staged_shapes": [list(v) for v in k.staged_shapes],
+        "staging": [record(sl) for sl in k.staging], "staged_shapes": [list(v) for v in k.staged_shapes],
     }
+
+
+def _planned_launch_record(sl: StreamLaunch) -> dict:
+    # what decides a launch's binary and its call, before compiling: the kernel, its constants and its grid
+    la = sl.launch
+    return {"kernel": la.kernel, "name": la.name, "pointer_types": list(la.pointer_types),
+            "constants": [[name, value] for name, value in la.constants], "grid": list(la.grid), "warps": la.warps,
+            "stages": la.stages}
 
 
 def _launch_record(sl: StreamLaunch) -> dict:

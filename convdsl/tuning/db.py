@@ -40,7 +40,7 @@ def target_key(target: Target, iree_version: str) -> str:
 
 
 @lru_cache(maxsize=4)
-def _load(path: str, mtime: float) -> dict:
+def _load(path: str, mtime_ns: int, size: int) -> dict:
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -48,11 +48,13 @@ def _load(path: str, mtime: float) -> dict:
 
 
 def load_db(path: Optional[Path] = None) -> dict:
+    """The database at `path` (default DB_PATH), read again whenever the file changes (its mtime or size)."""
     path = path or DB_PATH
     try:
-        return _load(str(path), path.stat().st_mtime)
+        stat = path.stat()
     except OSError:
         return {}
+    return _load(str(path), stat.st_mtime_ns, stat.st_size)
 
 
 def _version_order(version: str) -> tuple:
