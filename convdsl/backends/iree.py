@@ -165,6 +165,26 @@ def runtime_config(driver: str):
                           "run on a machine with one, or choose --target cpu") from err
 
 
+def _owns_memory(array: np.ndarray) -> bool:
+    """Whether the array's memory is NumPy's own (its base chain ends in an array that owns its data)."""
+    while not array.flags.owndata:
+        if not isinstance(array.base, np.ndarray):
+            return False
+        array = array.base
+    return True
+
+
+class _HostBuffer:
+    """The owner of a host array of IREE memory: NumPy arrays made from it (np.asarray) have it as their base,
+    and it holds what keeps the memory valid (the mapped array, the device array with its mapping)."""
+
+    __slots__ = ("__array_interface__", "_keep")
+
+    def __init__(self, host: np.ndarray, *keep: object) -> None:
+        self.__array_interface__ = host.__array_interface__
+        self._keep = (host, *keep)
+
+
 @dataclass
 class LoadedModule:
     """A compiled module bound to a device: call functions with NumPy arrays, get NumPy arrays back."""
@@ -212,8 +232,15 @@ class LoadedModule:
         return fn(*[a if isinstance(a, self._rt.DeviceArray) else self.upload(a) for a in args])
 
     def download(self, result, out_dtype: Optional[str] = None) -> np.ndarray:
+        """A device result -> host array, without a copy where the buffer is host-visible (the CPU).
+
+        iree.runtime's host array of a mapped buffer keeps the mapping alive only while that very array
+        lives (a weak reference to it), and NumPy hands its views that array's own base: a view outlives
+        the mapping (freed memory).  The array returned here has an owner, _HostBuffer, as its base, which
+        holds the mapping and the device array, so every view keeps the buffer alive."""
         if out_dtype != "bf16":
-            return result.to_host()
+            host = result.to_host()
+            return host if _owns_memory(host) else np.asarray(_HostBuffer(host, result))
         import ml_dtypes
 
         return self.download_bf16_words(result).view(ml_dtypes.bfloat16)
