@@ -8,15 +8,22 @@ Arguments and result are imported into IREE through DLPack (`HalDevice.from_dlpa
 writes the framework's memory), and the kernel's `$into` twin (convdsl/abi.py) writes the result into `out`
 with a workspace that is allocated once per argument shapes (bit-identical to the usual call).
 
+Host memory: IREE's CPU device imports only memory that starts on a 64-byte boundary (HOST_ALIGNMENT), which
+NumPy does not promise.  A misaligned CPU argument is copied into aligned memory first, and a misaligned `out` is
+computed into aligned memory and copied back (a copy each call): allocate with `empty` (64-byte aligned) to
+avoid both.  `out` may not share memory with an argument (the kernel would read what it already wrote).
+
 Ordering: IREE runs on its own CUDA stream.  Before a call the framework's current stream is synchronised
 (so IREE reads finished inputs); the call returns after IREE's work is done (IntoCall waits for the fence of the
 `$into$async` twin, or the synchronous `$into` blocks), so the framework may use `out` at once.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-from .backends.into_call import IntoCall, default_wait
+import numpy as np
+
+from .backends.into_call import HOST_DRIVERS, IntoCall, default_wait
 from .module import concrete_problem
 
 # DLPack device types (dlpack.h)
@@ -24,6 +31,18 @@ KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_ROCM = 1, 2, 3, 10
 DRIVER_DEVICE_TYPES = {"local-task": (KDL_CPU, KDL_CUDA_HOST), "local-sync": (KDL_CPU, KDL_CUDA_HOST),
                        "cuda": (KDL_CUDA,), "hip": (KDL_ROCM,)}
 DTYPE_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+# IREE's CPU device refuses to import host memory that starts elsewhere ("must be aligned to 64")
+HOST_ALIGNMENT = 64
+
+
+def empty(shape: Sequence[int], dtype: Any = np.float32) -> np.ndarray:
+    """An uninitialised NumPy array whose data starts on a HOST_ALIGNMENT boundary: DLPackKernel imports it
+    on the CPU without a copy."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
+    start = (-raw.ctypes.data) % HOST_ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(tuple(shape))
 
 
 class InteropError(TypeError):
@@ -40,6 +59,30 @@ def _contiguous(t: Any) -> bool:
         return bool(t.is_contiguous())
     flags = getattr(t, "flags", None)
     return bool(flags["C_CONTIGUOUS"]) if flags is not None else True
+
+
+def _host_array(t: Any) -> Optional[np.ndarray]:
+    """A NumPy view of a host tensor's memory (NumPy arrays themselves; others through DLPack), or None."""
+    if isinstance(t, np.ndarray):
+        return t
+    try:
+        return np.from_dlpack(t)
+    except (TypeError, ValueError, RuntimeError, BufferError):
+        return None
+
+
+def _span(t: Any) -> Optional[tuple[int, int, int]]:
+    """(DLPack device type, first byte, end byte) of a contiguous tensor's memory, or None where it cannot be
+    told (then overlap is not checked)."""
+    device_type = t.__dlpack_device__()[0]
+    if hasattr(t, "data_ptr") and hasattr(t, "element_size"):  # torch, on any device
+        start, size = int(t.data_ptr()), int(t.numel()) * int(t.element_size())
+    elif hasattr(t, "__array_interface__"):
+        interface = t.__array_interface__
+        start, size = int(interface["data"][0]), int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
+    else:
+        return None
+    return device_type, start, start + size
 
 
 def _synchronize_producers(tensors) -> None:
@@ -91,7 +134,20 @@ class DLPackKernel:
             if accepted and device_type not in accepted:
                 raise InteropError(f"{concrete.name}: argument {name!r} lives on DLPack device type {device_type}, "
                                    f"but the module runs on {self.module.target} (device types {list(accepted)})")
+        self._check_no_overlap(concrete, args, out)
         return concrete
+
+    @staticmethod
+    def _check_no_overlap(concrete, args, out) -> None:
+        """The kernel writes `out` while it reads the arguments: shared memory would give a wrong result."""
+        out_span = _span(out)
+        if out_span is None:
+            return
+        for name, t in zip(concrete.arg_names, args):
+            span = _span(t)
+            if span is not None and span[0] == out_span[0] and span[1] < out_span[2] and out_span[1] < span[2]:
+                raise InteropError(f"{concrete.name}: out ({concrete.result_name!r}) shares memory with argument "
+                                   f"{name!r}; expected a separate output tensor")
 
     def _import(self, name: str, t: Any):
         device = self.module.loaded.device
@@ -106,8 +162,12 @@ class DLPackKernel:
 
         concrete = self._check(args, out)
         _synchronize_producers([*args, out])
+        host = self.module.target.driver in HOST_DRIVERS
+        # misaligned host memory goes through aligned copies (see the module's docstring)
+        args = [self._aligned(n, t, False) if host else t for n, t in zip(concrete.arg_names, args)]
+        target = self._aligned(concrete.result_name, out, True) if host else out
         views = [self._import(n, t) for n, t in zip(concrete.arg_names, args)]
-        out_view = self._import(concrete.result_name, out)
+        out_view = self._import(concrete.result_name, target)
         key = tuple(tuple(t.shape) for t in args)
         call = self._calls.get(key)
         if call is None:
@@ -115,7 +175,23 @@ class DLPackKernel:
             call = self._calls[key] = IntoCall(loaded.context, loaded.vm_module, self.problem.name, views, out_view,
                                                wait=default_wait(self.module.target.driver))
         call.call(call.pack(views, out=out_view))
+        if target is not out:
+            _host_array(out)[...] = target
         return out
+
+    def _aligned(self, name: str, t: Any, is_out: bool) -> Any:
+        """`t` itself where its host memory is aligned for IREE's import, else an aligned copy (of `out`: an
+        aligned array to compute into, copied back by the caller)."""
+        array = _host_array(t)
+        if array is None or array.__array_interface__["data"][0] % HOST_ALIGNMENT == 0:
+            return t
+        if is_out and not array.flags.writeable:
+            raise InteropError(f"{self.problem.name}: argument {name!r} is not aligned to {HOST_ALIGNMENT} bytes "
+                               "and cannot be written through NumPy; allocate it with convdsl.interop.empty")
+        copy = empty(array.shape, array.dtype)
+        if not is_out:
+            copy[...] = array
+        return copy
 
 
 def torch_call(module, name: str, *tensors: Any, out: Optional[Any] = None) -> Any:
@@ -130,4 +206,4 @@ def torch_call(module, name: str, *tensors: Any, out: Optional[Any] = None) -> A
     return kernel(*tensors, out=out)
 
 
-__all__ = ["DLPackKernel", "InteropError", "torch_call"]
+__all__ = ["DLPackKernel", "InteropError", "empty", "torch_call"]

@@ -82,12 +82,63 @@ def test_bad_tensors_get_errors_that_name_the_argument(module):
         kernel(_FakeCudaTensor(x), dy, out=out)
     with pytest.raises(InteropError, match=r"expected 2 tensors, got 1"):
         kernel(x, out=out)
-    unaligned = np.empty(x.nbytes + 4, np.uint8)[4 if x.ctypes.data % ALIGN == 0 else 0:][: x.nbytes]
-    misaligned = unaligned.view(x.dtype).reshape(x.shape)
-    if misaligned.ctypes.data % ALIGN:
-        misaligned[...] = x
-        with pytest.raises(InteropError, match=r"IREE could not import argument 'x'"):
-            kernel(misaligned, dy, out=out)
+
+
+def misaligned(a: np.ndarray, by: int = 4) -> np.ndarray:
+    """A copy of `a` whose data starts `by` bytes past a 64-byte boundary."""
+    raw = np.empty(a.nbytes + ALIGN + by, np.uint8)
+    start = (-raw.ctypes.data) % ALIGN + by
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("name", ["gw", "gi"])
+def test_plain_misaligned_numpy_arrays_work(module, name):
+    # the README's call with ordinary NumPy arrays: misaligned ones are copied, `out` is written back
+    p = module.problems[name]
+    kernel = DLPackKernel(module, name)
+    inputs = random_inputs(p, seed=7)
+    args = [misaligned(a, by) for a, by in zip(inputs, (4, 8))]
+    out = misaligned(np.full(p.result_shape, np.nan, np.float32 if p.op == "grad_weight" else inputs[0].dtype), 2)
+    assert all(a.ctypes.data % ALIGN for a in (*args, out))
+    assert kernel(*args, out=out) is out
+    assert relative_error(out.astype(np.float64), reference(p, *inputs)) <= tolerance(p)
+    np.testing.assert_array_equal(out, module[name](*inputs))
+
+
+def test_empty_is_aligned_and_imported_as_is(module):
+    p = module.problems["gi"]
+    dy, w = random_inputs(p, seed=8)
+    args = []
+    for a in (dy, w):
+        e = convdsl.interop.empty(a.shape, a.dtype)
+        assert e.ctypes.data % ALIGN == 0 and e.shape == a.shape and e.dtype == a.dtype
+        e[...] = a
+        args.append(e)
+    out = convdsl.interop.empty(p.result_shape, np.float16)
+    assert DLPackKernel(module, "gi")(*args, out=out) is out
+    assert relative_error(out.astype(np.float64), reference(p, dy, w)) <= tolerance(p)
+
+
+def test_output_sharing_memory_with_an_argument_is_refused(module):
+    # grad_input with C == K: dx has dy's shape, so out=dy type-checks; the kernel would read what it wrote
+    p = module.problems["gi"].with_(in_channels=6, input=(5, 5), stride=(1, 1), name="gi_square")
+    mod = convdsl.compile([p], target="cpu")
+    assert p.result_shape == p.arg_shapes[0]
+    dy, w = (aligned(a) for a in random_inputs(p, seed=9))
+    kernel = DLPackKernel(mod, "gi_square")
+    before = dy.copy()
+    with pytest.raises(InteropError, match=r"out \('dx'\) shares memory with argument 'dy'"):
+        kernel(dy, w, out=dy)
+    np.testing.assert_array_equal(dy, before)  # refused before anything ran
+    # a view into the same buffer overlaps too; a separate array is fine
+    whole = aligned(np.concatenate([dy.reshape(-1), dy.reshape(-1)]))
+    first, second = whole[:dy.size].reshape(dy.shape), whole[dy.size:].reshape(dy.shape)
+    with pytest.raises(InteropError, match=r"shares memory"):
+        kernel(first, w, out=whole[dy.size // 2:dy.size // 2 + dy.size].reshape(dy.shape))
+    out = kernel(first, w, out=second)
+    assert relative_error(out.astype(np.float64), reference(p, before, w)) <= tolerance(p)
 
 
 def test_interop_is_reachable_from_the_package():
