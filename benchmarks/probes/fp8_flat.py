@@ -10,8 +10,8 @@ types: U-Net's 3D grad_weight, ResNet-50's 3x3 stride-1 grad_weights with 128 an
 dilated shape (f16, NHWGC).  Variants: "cp.async" (the f16 kernel, operands rounded first), "flat" (the rule:
 policy.tma_flat_grad_weight_tiles, _parts and tma_fp8_promote), "flat-p128" (products summed in f32 every 128
 positions, one step), "flat-p0" (all summed in wgmma's accumulator), "copy-BxF" (the rule with copy tiles of B
-source bytes of channels x F positions; the rule's are 128 x 128).  Earlier runs also had "flat-s3" (3 stages)
-and "flat-r64" (64 positions a step), both slower (docs/decisions.md#fp8-flat).  `run` checks each against the float64 reference on the rounded operands and times it
+source bytes of channels x F positions; the rule's are 128 x 128).  "flat-s3" (3 stages) and
+"flat-r64" (64 positions a step) measured slower (docs/decisions.md#fp8-flat).  `run` checks each against the float64 reference on the rounded operands and times it
 and cuDNN's f16 convolution on the same tensors by CUDA-graph replay.
 """
 from __future__ import annotations

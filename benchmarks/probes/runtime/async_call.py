@@ -108,8 +108,8 @@ def run(cases: list[str], build_dir: Path, out: Path, rounds: int, reps: int) ->
 
 def table(results: list[dict]) -> str:
     """Median ms per call of each method, what a synchronous (polled) call costs beyond back-to-back calls, and
-    cuDNN / convdsl per call, synchronised (cudnn / poll) and back to back (cudnn-queued / queued).  Files of
-    the probe's earlier versions have no cudnn-queued column: '–'."""
+    cuDNN / convdsl per call, synchronised (cudnn / poll) and back to back (cudnn-queued / queued).  A result file
+    without a cudnn-queued column shows '–' there."""
     methods = [m for m in METHODS if any(m in e["ms"] for e in results)]
     lines = ["| case | " + " | ".join(f"{m} ms" for m in methods) + " | sync - queued µs | sync - poll µs"
              " | poll - queued µs | cuDNN/convdsl, synchronised | cuDNN/convdsl, back to back |",
