@@ -352,7 +352,7 @@ def _build_problem(operands: _Operands, options: ConvOptions) -> ConvProblem:
     lo, hi = normalise.padding(options.padding, dims, filter=filter, dilation=dilation, stride=stride)
     in_channels, out_channels = _channels(operands)
     out_dtype = normalise.dtype(options.out_dtype, "out_dtype") if options.out_dtype is not None else None
-    return ConvProblem(
+    problem = ConvProblem(
         op=operands.op, dims=dims, groups=groups, batch=operands.first.batch, in_channels=in_channels,
         out_channels=out_channels, input=_input(operands, options.input, filter, stride, dilation, lo, hi),
         filter=filter, stride=stride, dilation=dilation, pad_lo=lo, pad_hi=hi, layout=operands.layout,
@@ -362,6 +362,8 @@ def _build_problem(operands: _Operands, options: ConvOptions) -> ConvProblem:
         compute=normalise.compute(options.compute), split_k=normalise.split_k(options.split_k),
         epilogue=normalise.parse_epilogue(options.epilogue), name=KERNEL_NAME,
     )
+    normalise.epilogue_range(problem.epilogue, problem.result_dtype)
+    return problem
 
 
 def _check_result_side(problem: ConvProblem, operands: _Operands) -> None:

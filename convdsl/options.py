@@ -19,11 +19,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence
 
-from .problem import COMPUTE_TYPES, DTYPES, F32_COMPUTES, LAYOUTS, WEIGHT_LAYOUTS, Epilogue, ProblemError
+from .problem import COMPUTE_TYPES, DTYPES, F32_COMPUTES, LAYOUTS, MAX_SIZE, WEIGHT_LAYOUTS, Epilogue, ProblemError
 
 __all__ = [
     "ArityError", "Call", "ChoiceError", "DimsError", "OptionError", "compute", "did_you_mean", "dims",
-    "dtype", "epilogue", "expand", "integer", "layout", "padding", "parse_epilogue", "split_k", "weight_layout",
+    "dtype", "epilogue", "epilogue_range", "expand", "integer", "layout", "padding", "parse_epilogue", "split_k", "weight_layout",
 ]
 
 
@@ -364,6 +364,8 @@ def split_k(value: Any, key: str = "split_k") -> Optional[int]:
     n = _as_int(value)
     if n is None or n < 1:
         raise OptionError(key, "auto or a positive integer", value)
+    if n > MAX_SIZE:  # as every other size: the planner would clamp it silently
+        raise OptionError(key, f"at most {MAX_SIZE} (2^31 - 1)", value)
     return n
 
 
@@ -419,6 +421,28 @@ def epilogue(value: Any, key: str = "epilogue", *, usage: str = EPILOGUE_USAGE) 
             raise OptionError(key, f"{what} for {param}", arg, at=(i,), within=signature)
         values.append(float(arg))
     return Epilogue(name, *values)
+
+
+# The largest finite value of each dtype: alpha * acc is computed in f32, then cast to the result's dtype
+FINITE_MAX = {"f32": 3.4028234663852886e38, "f16": 65504.0, "bf16": 3.3895313892515355e38}
+_F32_TINIEST = 1.401298464324817e-45  # the smallest f32 subnormal: a smaller alpha becomes 0
+
+
+def epilogue_range(value: Epilogue, result_dtype: str, key: str = "epilogue") -> Epilogue:
+    """The epilogue, once its arguments fit: each must be representable in the result's dtype (and as the f32
+    constant it is compiled to), else every nonzero result would silently be inf, or 0."""
+    params = _EPILOGUE_PARAMS[value.kind]
+    signature = f"{value.kind}({', '.join(params)})"
+    largest = FINITE_MAX[result_dtype]
+    for i, param in enumerate(params):
+        x = value.beta if param == "beta" else value.alpha
+        if abs(x) > largest:
+            raise OptionError(key, f"{param} representable in the output dtype {result_dtype} (|{param}| <= "
+                                   f"{largest:.6g})", x, at=(i,), within=signature, came=f"{x:g}")
+        if 0 < abs(x) < _F32_TINIEST:
+            raise OptionError(key, f"{param} representable as the f32 constant it is applied as (0 or |{param}| "
+                                   f">= {_F32_TINIEST:.3g})", x, at=(i,), within=signature, came=f"{x:g}")
+    return value
 
 
 def parse_epilogue(value: Any, key: str = "epilogue") -> Epilogue:

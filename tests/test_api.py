@@ -176,6 +176,12 @@ DY = np.zeros((2, 5, 5, 2, 4), f32)  # stride 1, padding 1: 5x5, K=4
         (lambda: convdsl.conv(X, W, out_dtype="f64"), ProblemError, r"out_dtype: expected one of f32, f16, bf16"),
         (lambda: convdsl.conv(X, W, dilation=3), ProblemError, r"output size .* is empty"),
         (lambda: convdsl.conv(X, W, target="tpu"), ValueError, r"--target: expected one of cpu, cuda, rocm"),
+        # alpha * acc is cast to the result's dtype: 1e30 would make every nonzero f16 result inf
+        (lambda: convdsl.conv(X.astype(np.float16), W.astype(np.float16), epilogue="scale(1e30)"), ProblemError,
+         r"conv: epilogue: expected alpha representable in the output dtype f16 \(\|alpha\| <= 65504\) in "
+         r"scale\(alpha\), got 1e\+30"),
+        (lambda: convdsl.grad_weight(X, DY, filter=3, padding=1, split_k=2**63), ProblemError,
+         r"grad_weight: split_k: expected at most 2147483647 \(2\^31 - 1\), got 9223372036854775808"),
     ],
 )
 def test_errors(call, error: type, message: str) -> None:

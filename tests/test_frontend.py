@@ -390,7 +390,8 @@ def conv_sources(draw: st.DrawFn) -> tuple[str, dict]:
 
     op = draw(st.sampled_from(["forward", "grad_input", "grad_weight", "transposed"]))
     split_k = draw(st.one_of(st.none(), st.integers(1, 16))) if op == "grad_weight" else None
-    alpha, beta = draw(st.floats(-4, 4, allow_nan=False)), draw(st.floats(-4, 4, allow_nan=False))
+    # f32 values: the epilogue is applied as f32 constants (a smaller nonzero one is refused)
+    alpha, beta = (draw(st.floats(-4, 4, allow_nan=False, width=32)) for _ in range(2))
     epilogue = draw(st.sampled_from([Epilogue(), Epilogue("scale", alpha), Epilogue("bilinear", alpha, beta)]))
     options = []
     if op == "grad_weight" and (split_k is not None or draw(st.booleans())):
@@ -528,3 +529,44 @@ def test_fuzzed_sources_parse_or_give_a_located_error(source: str) -> None:
     else:
         assert all(p.name and p.describe() for p in problems)
     assert time.perf_counter() - start < FUZZ_SECONDS_EACH
+
+
+# ------------------------------------------------------------------------------------------------
+# Values the compiled module or the dtypes cannot hold: refused where they stand
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kernel, column, fragments, caret", [
+    # alpha * acc is cast to the output dtype: 1e30 is inf in f16 (and 1e39 in every dtype)
+    ("kernel j = forward(c) { epilogue = scale(1e30) }", 42,
+     ("expected alpha representable in the output dtype f16 (|alpha| <= 65504) in scale(alpha), got 1e+30",),
+     " " * 41 + "^~~~"),
+    ("kernel j = forward(c) { epilogue = bilinear(1, -7e4) }", 48,
+     ("expected beta representable in the output dtype f16 (|beta| <= 65504) in bilinear(alpha, beta), got -70000",),
+     " " * 47 + "^~~~"),
+    # a nonzero scale that the f32 constant rounds to 0
+    ("kernel j = forward(c) { epilogue = scale(1e-50) }", 42, ("expected alpha representable as the f32 constant",),
+     " " * 41 + "^~~~~"),
+    # IREE's VM reserves __init and __deinit: such a module compiled but did not load
+    ("kernel __init = forward(c)", 8,
+     ("expected a kernel name that does not start with '__' (the compiled module reserves such names",),
+     "       ^~~~~~"),
+    ("kernel j = grad_weight(c) { split_k = 9223372036854775808 }", 39,
+     ("expected at most 2147483647 (2^31 - 1) for split_k, got 9223372036854775808",), " " * 38 + "^" + "~" * 18),
+])
+def test_unrepresentable_kernel_values(kernel: str, column: int, fragments: tuple[str, ...], caret: str) -> None:
+    text = small("; dtype = f16", kernels="kernel k = forward(c)\n" + kernel + "\n")
+    assert_error(text, f"3:{column}", fragments, kernel, caret)
+
+
+def test_epilogue_in_range_of_a_wider_output_dtype_is_kept() -> None:
+    # 1e30 fits an f32 result: the check is against the result's dtype, not the operands'
+    (p,) = parse(small("; dtype = f16", kernels="kernel j = forward(c) { out_dtype = f32; epilogue = scale(1e30) }\n"))
+    assert p.epilogue == Epilogue("scale", 1e30) and p.result_dtype == "f32"
+    (p,) = parse(small(kernels="kernel j = grad_weight(c) { split_k = 2147483647 }\n"))
+    assert p.split_k == 2**31 - 1
+
+
+def test_integers_of_thousands_of_digits_are_located() -> None:
+    digits = "1" + "0" * 5000
+    err = error_of(small().replace("batch = 2", f"batch = {digits}"))
+    assert str(err).startswith("x.conv:1:28: error: expected a number of at most 20 digits, got one of 5001 digits")
+    assert (err.line, err.column) == (1, 28)

@@ -64,6 +64,11 @@ KERNEL_KEYS = ("split_k", "out_dtype", "epilogue", "compute")
 # Nothing in the language nests deeper than padding's [[lo, hi], ...]; the limit only keeps a
 # pathological `[[[[...` from turning into a RecursionError in the tree walk.
 _MAX_NESTING = 16
+# Sizes stop at 2^31 - 1 (10 digits): a longer integer is refused where it stands, before int() parses it
+_MAX_DIGITS = 20
+# IREE's VM reserves these function names in every module (its initialiser and finaliser): a kernel named so
+# compiles, but the module does not load
+_RESERVED_PREFIX = "__"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -323,6 +328,9 @@ def _to_value(src: _Source, node: Tree, depth: int = 0) -> _Value:
         raw = str(node.children[0])
         if any(c in raw for c in ".eE"):
             return _Value("float", span, text, number=float(raw))
+        digits = len(raw.lstrip("+-").lstrip("0"))
+        if digits > _MAX_DIGITS:  # far past any size (and past Python's int-from-text limit)
+            raise src.error(span, f"expected a number of at most {_MAX_DIGITS} digits, got one of {digits} digits")
         return _Value("int", span, text, number=int(raw))
     if node.data == "name":
         return _Value("name", span, text, name=str(node.children[0]))
@@ -455,6 +463,9 @@ def _check_name(src: _Source, tok: Token, what: str) -> str:
     # generated comments: both must be usable Python identifiers.
     if keyword.iskeyword(name):
         raise src.error(_span(tok), f"expected a {what} name that is not a Python keyword, got '{name}'")
+    if what == "kernel" and name.startswith(_RESERVED_PREFIX):
+        raise src.error(_span(tok), f"expected a kernel name that does not start with '{_RESERVED_PREFIX}' (the "
+                                    f"compiled module reserves such names, e.g. __init), got '{name}'")
     return name
 
 
@@ -581,6 +592,9 @@ def _kernel(src: _Source, node: Tree, convs: dict[str, _Conv]) -> tuple[ConvProb
         )
     except ProblemError as err:
         raise src.error(_span(name_tok), f"invalid kernel {name}: {err}", [src.note(conv.span, f"conv {conv.name} declared here")]) from None
+    if "epilogue" in seen:
+        # the arguments against the result's dtype, known only now (out_dtype may come from the conv)
+        _option(src, seen["epilogue"], lambda _value, key: options.epilogue_range(epilogue, problem.result_dtype, key))
     return problem, _span(name_tok)
 
 
