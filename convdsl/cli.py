@@ -84,16 +84,38 @@ def _bytes_moved(p: ConvProblem) -> int:
     return moved + size(p.result_shape, p.result_dtype)
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file (also through links, or one that does not exist yet)."""
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def _check_output(out: Path, source: Path) -> None:
+    """Refuse, before compiling, an OUT.vmfb whose writing would destroy the source or its own manifest."""
+    if out.is_dir():
+        raise ArgumentError(f"-o {out}: is a directory, expected OUT.vmfb")
+    manifest = out.with_suffix(".json")
+    if manifest == out:
+        raise ArgumentError(f"-o {out}: the module and its manifest would both be written to {out}; expected "
+                            "OUT.vmfb (the manifest goes to OUT.json)")
+    for written, what in ((out, "the module"), (manifest, "the manifest")):
+        if _same_file(written, source):
+            raise ArgumentError(f"-o {out}: {what} would overwrite the source {source}; expected another OUT.vmfb")
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
+    out = Path(args.output or Path(args.file).with_suffix(".vmfb").name)
+    _check_output(out, Path(args.file))
     t0 = time.perf_counter()
     _progress(True, f"compiling {args.file} for {args.target} ...")
     with _status_line() as status:
         mod = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch,
                              progress=status.step if status.enabled else None)
     _progress(True, f"compiled {len(mod.kernels)} kernels in {time.perf_counter() - t0:.1f} s")
-    out = Path(args.output or Path(args.file).with_suffix(".vmfb").name)
-    if out.is_dir():
-        raise ArgumentError(f"-o {out}: is a directory, expected OUT.vmfb")
     mod.save(out)
     print(f"wrote {out} and {out.with_suffix('.json')} ({len(mod.kernels)} kernels, target {mod.target})")
     return 0
@@ -304,6 +326,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:  # NumPy's generators take non-negative seeds only
+        raise argparse.ArgumentTypeError(f"expected a non-negative whole number, got {value}")
+    return value
+
+
 def _batch(text: str) -> int:
     value = _positive(text)
     if value > MAX_SIZE:  # the language's limit on every size (problem.py), said of the flag
@@ -341,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--bench", action="store_true", help="time: median of --repeat runs after warm-up; on the CPU "
                    "with GFLOP/s and the share of the machine's matmul peak (measured on first use, then cached)")
     r.add_argument("--repeat", type=_positive, default=20, help="--bench: timed runs per kernel (at least 1)")
-    r.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    r.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs (default 0)")
     r.set_defaults(fn=cmd_run)
 
     e = sub.add_parser("explain", help="print the plan and the IR after each pass")

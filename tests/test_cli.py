@@ -599,3 +599,60 @@ def test_a_peak_is_printed_to_within_half_a_percent(value):
 
     printed = _significant(value)
     assert float(printed) == pytest.approx(value, rel=0.005) and "." in printed and "e" not in printed
+
+
+@pytest.mark.parametrize("output, what", [("tiny.conv", "the module would overwrite the source"),
+                                          ("tiny.json", "the module and its manifest would both be written"),
+                                          ("sub/../tiny.conv", "the module would overwrite the source")])
+def test_compile_refuses_to_overwrite_its_source_or_its_manifest(output, what, tmp_path, monkeypatch, capsys):
+    import convdsl.cli as cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    src = tmp_path / "tiny.conv"
+    src.write_text(TINY)
+    monkeypatch.setattr(cli, "compile_module", lambda *a, **k: pytest.fail("refused before compiling"))
+    assert main(["compile", "tiny.conv", "--target", "cpu", "-o", output]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"convdsl: error: -o {output}: {what}")
+    assert src.read_text() == TINY  # untouched
+
+
+def test_compile_refuses_a_manifest_over_a_json_source(tmp_path, monkeypatch, capsys):
+    # the source named x.json: OUT.json beside x.vmfb would be the source itself
+    src = tmp_path / "x.json"
+    src.write_text(TINY)
+    monkeypatch.chdir(tmp_path)
+    assert main(["compile", "x.json", "--target", "cpu", "-o", "x.vmfb"]) == 2
+    assert "the manifest would overwrite the source x.json" in capsys.readouterr().err
+    assert src.read_text() == TINY and not (tmp_path / "x.vmfb").exists()
+
+
+def test_a_negative_seed_names_the_flag(capsys):
+    with pytest.raises(SystemExit) as bad:
+        main(["run", str(EXAMPLES[0]), "--target", "cpu", "--seed", "-1"])
+    err = capsys.readouterr().err
+    assert bad.value.code == 2 and "argument --seed: expected a non-negative whole number, got -1" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("path", ["/dev/zero", "fifo"])
+def test_check_refuses_a_device_or_a_pipe(path, tmp_path, capsys):
+    import os
+
+    if path == "fifo":
+        path = str(tmp_path / "fifo")
+        os.mkfifo(path)  # reading it would wait forever for a writer
+    assert main(["check", path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == f"{path}:1:1: error: expected a regular .conv file, got a device, pipe or socket"
+
+
+def test_check_refuses_a_file_too_large_to_be_a_source(tmp_path, monkeypatch, capsys):
+    import convdsl.frontend.parser as parser
+
+    monkeypatch.setattr(parser, "MAX_SOURCE_BYTES", 1000)
+    big = tmp_path / "big.conv"
+    big.write_text(TINY + "#" * 1000)
+    assert main(["check", str(big)]) == 2
+    assert capsys.readouterr().err.startswith(f"{big}:1:1: error: expected a .conv file of at most")

@@ -64,6 +64,8 @@ KERNEL_KEYS = ("split_k", "out_dtype", "epilogue", "compute")
 # Nothing in the language nests deeper than padding's [[lo, hi], ...]; the limit only keeps a
 # pathological `[[[[...` from turning into a RecursionError in the tree walk.
 _MAX_NESTING = 16
+# far beyond any real source (a few KiB); the cap keeps a wrong path from being read until memory runs out
+MAX_SOURCE_BYTES = 16 * 2**20
 # Sizes stop at 2^31 - 1 (10 digits): a longer integer is refused where it stands, before int() parses it
 _MAX_DIGITS = 20
 # IREE's VM reserves these function names in every module (its initialiser and finaliser): a kernel named so
@@ -643,10 +645,23 @@ def parse(text: str, filename: str = "<string>", batch: Optional[int] = None) ->
     return _problems(src, _parse_tree(src), batch)
 
 
+def _read_source(path: Path) -> bytes:
+    """The file's bytes: a regular file of at most MAX_SOURCE_BYTES (a device such as /dev/zero, or a pipe, would
+    be read until memory runs out, or forever)."""
+    if path.exists() and not path.is_dir() and not path.is_file():
+        raise ConvSyntaxError("expected a regular .conv file, got a device, pipe or socket", str(path), 1, 1)
+    with path.open("rb") as f:
+        data = f.read(MAX_SOURCE_BYTES + 1)
+    if len(data) > MAX_SOURCE_BYTES:
+        raise ConvSyntaxError(f"expected a .conv file of at most {MAX_SOURCE_BYTES} bytes, got a larger one",
+                              str(path), 1, 1)
+    return data
+
+
 def parse_file(path: Union[str, Path], batch: Optional[int] = None) -> list[ConvProblem]:
     """Read a .conv file (UTF-8) and parse it; messages name the file as `path` was given."""
     path = Path(path)
-    data = path.read_bytes()
+    data = _read_source(path)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
