@@ -309,6 +309,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
               f"  python3 benchmarks/gpu_bench.py --build {args.out} --out RESULTS\n"
               f"then: convdsl tune collect RESULTS/<device>-<date>.json --cases {path}")
         return 0
+    if args.cases is None:
+        raise ArgumentError("tune collect: --cases is required: the cases.json that `convdsl tune candidates` wrote "
+                            "(e.g. --cases tune-build/cases.json)")
     chosen = tune.collect(Path(args.file), Path(args.cases), target)
     for name, (label, base, best) in chosen.items():
         print(f"{name:<24} {label:<12} {base:8.3f} ms -> {best:8.3f} ms")

@@ -17,7 +17,7 @@ import math
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -211,27 +211,61 @@ def _json_field(path: Path, field: str) -> list:
     return data[field]
 
 
+def _entries(path: Path, field: str, required: dict[str, type]) -> list[dict]:
+    """The list `field` of the JSON object in `path`, each entry an object with the `required` keys of their
+    types, or a ValueError naming the file, the entry and what was expected."""
+    entries = _json_field(path, field)
+    for i, entry in enumerate(entries):
+        wrong = [k for k, kind in required.items() if not isinstance(entry, dict) or not isinstance(entry.get(k), kind)]
+        if wrong:
+            wants = ", ".join(f"'{k}' ({'an object' if required[k] is dict else 'a string'})" for k in required)
+            got = f"keys {sorted(entry)[:6]}" if isinstance(entry, dict) else type(entry).__name__
+            raise ValueError(f"{path}: {field}[{i}]: expected an object with {wants}, got {got}")
+    return entries
+
+
+def _timed(path: Path, index: int, impl: str, entry: Any) -> Optional[float]:
+    """The milliseconds of one implementation's entry where it ran correctly, else None."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{path}: results[{index}].impls[{impl!r}]: expected an object with 'ok' and 'ms', "
+                         f"got {type(entry).__name__}")
+    ms = entry.get("ms")
+    if not entry.get("ok") or not ms:
+        return None
+    if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms < 0:
+        raise ValueError(f"{path}: results[{index}].impls[{impl!r}].ms: expected a non-negative number of "
+                         f"milliseconds, got {ms!r}")
+    return float(ms)
+
+
 def collect(results_path: Path, cases_path: Path, target: Target, db_path: Path = DB_PATH) -> dict:
     """Phase 3: the fastest correct candidate per kernel into the database; returns what changed."""
-    results = _json_field(results_path, "results")
-    specs = {c["name"]: c["spec"] for c in _json_field(cases_path, "cases")}
+    # an entry without impls is a case that failed on the GPU machine (gpu_bench.py writes its error instead)
+    results = _entries(results_path, "results", {"name": str})
+    specs = {c["name"]: c["spec"] for c in _entries(cases_path, "cases", {"name": str, "spec": dict})}
     db = json.loads(db_path.read_text()) if db_path.exists() else {}
     section = db.setdefault(target_key(target, iree_version()), {})
     chosen = {}
-    for case in results:
+    for index, case in enumerate(results):
         impls, spec = case.get("impls", {}), specs.get(case["name"])
-        base = impls.get("convdsl", {})
-        if spec is None or not base.get("ok") or not base.get("ms"):
+        if not isinstance(impls, dict):
+            raise ValueError(f"{results_path}: results[{index}].impls: expected an object, got {type(impls).__name__}")
+        base_ms = _timed(results_path, index, "convdsl", impls.get("convdsl", {}))
+        if spec is None or base_ms is None:
             continue
-        timed = [(e["ms"], impl) for impl, e in impls.items()
-                 if impl.startswith("convdsl@") and e.get("ok") and e.get("ms")]
+        timed = [(ms, impl) for impl, e in impls.items() if impl.startswith("convdsl@")
+                 for ms in [_timed(results_path, index, impl, e)] if ms is not None]
         if not timed:
             continue
         best_ms, best = min(timed)
-        if best_ms > base["ms"] * (1 - MIN_GAIN):
+        if best_ms > base_ms * (1 - MIN_GAIN):
             continue
-        knobs = parse_label(best.split("@", 1)[1])
-        problem = problem_from_spec(spec)
+        try:
+            knobs = parse_label(best.split("@", 1)[1])
+            problem = problem_from_spec(spec)
+        except (ValueError, TypeError, KeyError) as err:
+            raise ValueError(f"{results_path}: results[{index}] ({case['name']}): {best!r} or its case's spec does "
+                             f"not describe a kernel: {err}") from None
         previous = section.get(signature(problem), {})
         if knobs.pad is None and previous.get("knobs", {}).get("pad"):
             # the candidate was compiled with the entry's tuned zero-border form (tuned_base)
@@ -240,8 +274,8 @@ def collect(results_path: Path, cases_path: Path, target: Target, db_path: Path 
             knobs = replace(knobs, k_inner=previous["knobs"]["k_inner"])  # likewise the phase weight order
         # default_ms stays the time of IREE's own configuration when the entry had one
         section[signature(problem)] = {"knobs": knobs.as_dict(), "ms": round(best_ms, 4),
-                                       "default_ms": previous.get("default_ms", round(base["ms"], 4)),
+                                       "default_ms": previous.get("default_ms", round(base_ms, 4)),
                                        "case": case["name"]}
-        chosen[case["name"]] = (knobs.label(), base["ms"], best_ms)
+        chosen[case["name"]] = (knobs.label(), base_ms, best_ms)
     db_path.write_text(json.dumps(db, indent=1, sort_keys=True) + "\n")
     return chosen

@@ -533,8 +533,17 @@ def test_a_batch_too_large_to_allocate_is_one_line(tmp_path, capsys):
     assert err[-1].startswith("convdsl: error: kernel dgrad: its random inputs need about") and "--batch" in err[-1]
 
 
-@pytest.mark.parametrize("text, expected", [("{bad", ":1:2: expected JSON, got a syntax error"),
-                                            ('{"x": 1}', ": expected a JSON object with a list 'results'")])
+@pytest.mark.parametrize("text, expected", [
+    ("{bad", ":1:2: expected JSON, got a syntax error"),
+    ('{"x": 1}', ": expected a JSON object with a list 'results'"),
+    ('{"results": [{}], "cases": []}', ": results[0]: expected an object with 'name' (a string), got keys []"),
+    ('{"results": [7], "cases": []}', ": results[0]: expected an object with 'name' (a string), got int"),
+    ('{"results": [{"name": "k", "impls": [1]}], "cases": []}', ": results[0].impls: expected an object, got list"),
+    ('{"results": [{"name": "k", "impls": {"convdsl": {"ok": true, "ms": "fast"}}}], "cases": []}',
+     ": results[0].impls['convdsl'].ms: expected a non-negative number of milliseconds, got 'fast'"),
+    ('{"results": [], "cases": [{"name": "k"}]}', ": cases[0]: expected an object with 'name' (a string), "
+     "'spec' (an object), got keys ['name']"),
+])
 def test_tune_collect_names_a_malformed_file(tmp_path, capsys, text, expected):
     bad = tmp_path / "results.json"
     bad.write_text(text)
@@ -656,3 +665,12 @@ def test_check_refuses_a_file_too_large_to_be_a_source(tmp_path, monkeypatch, ca
     big.write_text(TINY + "#" * 1000)
     assert main(["check", str(big)]) == 2
     assert capsys.readouterr().err.startswith(f"{big}:1:1: error: expected a .conv file of at most")
+
+
+def test_tune_collect_without_cases_names_the_flag(tmp_path, capsys):
+    results = tmp_path / "results.json"
+    results.write_text('{"results": []}')
+    assert main(["tune", "collect", str(results), "--target", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["convdsl: error: tune collect: --cases is required: the cases.json that `convdsl tune candidates` "
+                   "wrote (e.g. --cases tune-build/cases.json)"]
