@@ -372,9 +372,26 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="sm_90", help="--bundle-out: the CUDA arch to compile for")
     args = ap.parse_args(argv)
     if args.bundle_out:
+        # checked and made before the minutes of compiling, not after them
+        if args.bundle_out.is_dir():
+            ap.error(f"--bundle-out {args.bundle_out}: is a directory, expected a bundle file (e.g. resnet50.convk)")
+        try:
+            args.bundle_out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            ap.error(f"--bundle-out {args.bundle_out}: cannot create its folder {args.bundle_out.parent}: "
+                     f"{err.strerror or err}")
+        if not os.access(args.bundle_out.parent, os.W_OK):
+            ap.error(f"--bundle-out {args.bundle_out}: its folder {args.bundle_out.parent} is not writable")
         return build_bundle(args)
     if args.compare:
         return compare(*args.compare, args.window, args.agree_steps)
+    # modes that only mean something on a GPU: said before any model is built
+    needs_cuda = [(flag, what) for flag, on, what in (
+        ("--check-gradients", args.check_gradients, "it compares convdsl's gradients with cuDNN's"),
+        ("--profile", args.profile, "it lists the GPU kernels")) if on]
+    if needs_cuda and (args.cpu or not torch.cuda.is_available()):
+        why = "--cpu was given" if args.cpu else "no CUDA device is available here"
+        ap.error(f"{needs_cuda[0][0]}: needs a CUDA GPU ({needs_cuda[0][1]}), but {why}")
     if args.check_gradients:
         return check_gradients(args)
     train(args)
