@@ -107,16 +107,18 @@ class _ReferenceRunner:
               else runtime.weight_view(b, p.groups, p.weight_layout))
         assert av.data_ptr() == a.data_ptr() and av.is_contiguous() and bv.is_contiguous()  # read as they lie
         r = self._result(av, bv)
-        if p.op == "grad_weight":
-            view = runtime._weight_result(r, p.weight_layout, p.dims)
-        else:
-            view = runtime._activation_result(r, p.layout, p.dims)
-        out.copy_(view)
+        ov = (runtime.weight_view(out, p.groups, p.weight_layout) if p.op == "grad_weight"
+              else runtime.activation_view(out, p.groups, p.layout))
+        ov.copy_(r)
         return out
 
-    def __call__(self, av, bv):
+    def __call__(self, av, bv, out=None):
         self.calls["views"] += 1
-        return self._result(av.contiguous(), bv.contiguous())
+        r = self._result(av.contiguous(), bv.contiguous())
+        if out is None:
+            return r
+        out.copy_(r)
+        return out
 
 
 def runtime_dtypes() -> dict:
@@ -398,12 +400,13 @@ def test_bad_calls_raise_torch_nn_errors():
         conv(torch.randn(1, 5, 8, 8))
     with pytest.raises(ValueError, match="divisible by groups"):
         ct.Conv2d(4, 6, 3, groups=3)
-    with pytest.raises(RuntimeError, match="float32, float16 and bfloat16"):
-        conv.double()(torch.randn(1, 4, 8, 8, dtype=torch.float64))
-    odd = ct.Conv2d(4, 6, 3)
-    odd.padding_mode = "circular"
-    with pytest.raises(ValueError, match="padding_mode"):
-        odd(torch.randn(1, 4, 8, 8))
+    with pytest.raises(RuntimeError, match=r"Input type \(float\) and bias type \(double\) should be the same"):
+        ct.Conv2d(4, 6, 3)._conv_forward(torch.randn(1, 4, 8, 8), conv.weight, conv.bias.double())
+    with pytest.raises(RuntimeError, match="non-positive groups"):
+        torch.ops.convdsl.convolution(torch.randn(1, 4, 8, 8), conv.weight, None, [1, 1], [0, 0], [0, 0], [1, 1], 0)
+    with pytest.raises(RuntimeError, match="expected weight to be divisible by 4"):
+        torch.ops.convdsl.convolution(torch.randn(1, 8, 8, 8), torch.randn(6, 2, 3, 3), None, [1, 1], [0, 0],
+                                      [0, 0], [1, 1], 4)
 
 
 def _free_port() -> int:

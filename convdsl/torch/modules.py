@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .ops import call_conv_transpose, call_convolution, call_planned, parameter, plan_for
+from .fallback import unavailable
+from .ops import call_conv_transpose, call_convolution, call_planned, check_call, parameter, plan_for
 
 
 def _same_padding(kernel_size, dilation) -> tuple[list[int], list[int]]:
@@ -20,42 +21,11 @@ def _same_padding(kernel_size, dilation) -> tuple[list[int], list[int]]:
     return [t // 2 for t in total], [t - t // 2 for t in total]
 
 
-_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def check_call(module: nn.Module, x: torch.Tensor, transposed: bool) -> None:
-    """The errors torch.nn raises for the same mistakes, with the same exception types."""
-    dims = len(module.kernel_size)
-    name = f"conv{'_transpose' if transposed else ''}{dims}d"
-    if x.dim() != dims + 2:
-        raise RuntimeError(f"Expected {dims + 1}D (unbatched) or {dims + 2}D (batched) input to {name}, but got "
-                           f"input of size: {list(x.shape)}")
-    w = module.weight
-    if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):  # autocast casts both
-        raise RuntimeError(f"Input type ({x.dtype}) and weight type ({w.dtype}) should be the same")
-    if x.dtype not in _SUPPORTED:
-        raise RuntimeError(f"{name}: convdsl computes float32, float16 and bfloat16, got input of type {x.dtype}")
-    if x.device != w.device:
-        raise RuntimeError(f"Input type ({x.device}) and weight type ({w.device}) should be on the same device")
-    expected = w.shape[0] if transposed else w.shape[1] * module.groups
-    if x.shape[1] != expected:
-        raise RuntimeError(f"Given groups={module.groups}, weight of size {list(w.shape)}, expected input"
-                           f"{list(x.shape)} to have {expected} channels, but got {x.shape[1]} channels instead")
-
-
-def _batched(fn):
-    """torch.nn's convolutions also take one unbatched sample (C, *spatial)."""
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if x.dim() == len(self.kernel_size) + 1:
-            return fn(self, x.unsqueeze(0), *args, **kwargs).squeeze(0)
-        return fn(self, x, *args, **kwargs)
-    return forward
-
-
 class _ConvMixin:
+    """torch.nn.ConvNd with convdsl's kernels: `_conv_forward(x, weight, bias)` (which torch.nn's forward and
+    subclasses that transform the weight call) runs them."""
+
     def _padding_lo_hi(self) -> tuple[list[int], list[int]]:
-        if self.padding_mode != "zeros":
-            raise ValueError(f"padding_mode: convdsl computes padding_mode='zeros' only, got {self.padding_mode!r}")
         if isinstance(self.padding, str):
             if self.padding == "valid":
                 zeros = [0] * len(self.kernel_size)
@@ -63,47 +33,60 @@ class _ConvMixin:
             return _same_padding(self.kernel_size, self.dilation)
         return list(self.padding), list(self.padding)
 
-    def validate(self, x: torch.Tensor) -> None:
-        check_call(self, x, transposed=False)
-
     def conv_arguments(self) -> tuple[list[int], list[int], list[int], list[int], int]:
         """(stride, pad_lo, pad_hi, dilation, groups) as the operators take them."""
         lo, hi = self._padding_lo_hi()
         return list(self.stride), lo, hi, list(self.dilation), self.groups
 
-    @_batched
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(x, parameter(self, "weight"), parameter(self, "bias"))
+
+    def _conv_forward(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.padding_mode != "zeros":
+            _torch_only(self, f"padding_mode={self.padding_mode!r}", "convdsl computes zero padding")
+            return _torch_base(self)._conv_forward(self, x, weight, bias)
+        unbatched = x.dim() == len(self.kernel_size) + 1  # torch.nn also takes one sample (C, *spatial)
+        if unbatched:
+            x = x.unsqueeze(0)
         # on CUDA in eager mode, a repeated call finds its plan: no checks, no problem keys
-        plan = plan_for(self, x)
+        plan = plan_for(self, x, weight, bias)
         if plan is not None:
-            return call_planned(plan, x, parameter(self, "weight"), parameter(self, "bias"))
-        check_call(self, x, transposed=False)
-        return call_convolution(x, self.weight, self.bias, *self.conv_arguments())
+            y = call_planned(plan, x, weight, bias)
+        else:
+            check_call(self, x, False, weight, bias)
+            y = call_convolution(x, weight, bias, *self.conv_arguments())
+        return y.squeeze(0) if unbatched else y
 
 
 class Conv1d(_ConvMixin, nn.Conv1d):
     forward = _ConvMixin.forward
+    _conv_forward = _ConvMixin._conv_forward
 
 
 class Conv2d(_ConvMixin, nn.Conv2d):
     forward = _ConvMixin.forward
+    _conv_forward = _ConvMixin._conv_forward
 
 
 class Conv3d(_ConvMixin, nn.Conv3d):
     forward = _ConvMixin.forward
+    _conv_forward = _ConvMixin._conv_forward
 
 
 class _ConvTransposeMixin:
-    @_batched
     def forward(self, x: torch.Tensor, output_size: Optional[list[int]] = None) -> torch.Tensor:
-        check_call(self, x, transposed=True)
-        if self.padding_mode != "zeros":
-            raise ValueError(f"padding_mode: convdsl computes padding_mode='zeros' only, got {self.padding_mode!r}")
+        if self.padding_mode != "zeros":  # torch.nn raises its own error for these
+            return _torch_base(self).forward(self, x, output_size)
+        unbatched = x.dim() == len(self.kernel_size) + 1
+        if unbatched:
+            x = x.unsqueeze(0)
+        check_call(self, x, True, self.weight, self.bias)
         dims = len(self.kernel_size)
         output_padding = self._output_padding(x, output_size, list(self.stride), list(self.padding),
                                               list(self.kernel_size), dims, list(self.dilation))
-        return call_conv_transpose(x, self.weight, self.bias, list(self.stride), list(self.padding),
-                                   list(self.padding), list(output_padding), list(self.dilation), self.groups)
+        y = call_conv_transpose(x, self.weight, self.bias, list(self.stride), list(self.padding),
+                                list(self.padding), list(output_padding), list(self.dilation), self.groups)
+        return y.squeeze(0) if unbatched else y
 
 
 class ConvTranspose1d(_ConvTransposeMixin, nn.ConvTranspose1d):
@@ -118,18 +101,68 @@ class ConvTranspose3d(_ConvTransposeMixin, nn.ConvTranspose3d):
     forward = _ConvTransposeMixin.forward
 
 
-_SWAPS = {nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d, nn.ConvTranspose1d: ConvTranspose1d,
-          nn.ConvTranspose2d: ConvTranspose2d, nn.ConvTranspose3d: ConvTranspose3d}
+_TORCH_BASES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def _torch_base(module: nn.Module) -> type:
+    return next(c for c in type(module).__mro__ if c in _TORCH_BASES)
+
+
+def _torch_only(module: nn.Module, what: str, why: str) -> None:
+    unavailable(f"{type(module).__name__} with {what}", why)
+
+
+_SWAPS: dict[type, type] = {nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d,
+                             nn.ConvTranspose1d: ConvTranspose1d, nn.ConvTranspose2d: ConvTranspose2d,
+                             nn.ConvTranspose3d: ConvTranspose3d}
+
+
+def _swap_class(cls: type) -> Optional[type]:
+    """convdsl's class for a torch.nn convolution class: the drop-in module for torch.nn's own, and for a
+    subclass (torchvision's Conv3DSimple, a weight-standardised Conv2d) a subclass of it that keeps its methods
+    and computes through convdsl: its forward where it keeps torch.nn's, its _conv_forward (which torch.nn's
+    forward and most overriding forwards call) always.  None: not a torch.nn convolution, or already convdsl's."""
+    if not issubclass(cls, _TORCH_BASES) or issubclass(cls, (_ConvMixin, _ConvTransposeMixin)):
+        return None
+    swap = _SWAPS.get(cls)
+    if swap is not None:
+        return swap
+    base = next(c for c in cls.__mro__ if c in _TORCH_BASES)
+    mixin = _ConvTransposeMixin if base.__name__.startswith("ConvTranspose") else _ConvMixin
+    namespace: dict = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                       "__doc__": cls.__doc__, "__reduce_ex__": _reduce_converted}
+    # the mixin comes first in the MRO: name the subclass's own forward, where it has one, explicitly
+    namespace["forward"] = mixin.forward if cls.forward is base.forward else cls.forward
+    if mixin is _ConvMixin:
+        namespace["_conv_forward"] = _ConvMixin._conv_forward
+    swap = _SWAPS[cls] = type(cls.__name__, (mixin, cls), namespace)
+    return swap
+
+
+def _reduce_converted(self, protocol: int):
+    """A converted subclass pickles as its original class plus convert() (the generated class has no name a
+    pickle could find)."""
+    original = next(c for c in type(self).__mro__[1:] if c not in (_ConvMixin, _ConvTransposeMixin))
+    state = self.__dict__.copy()
+    return (_rebuild_converted, (original, state))
+
+
+def _rebuild_converted(original: type, state: dict) -> nn.Module:
+    module = original.__new__(original)
+    module.__dict__.update(state)
+    module.__class__ = _swap_class(original)
+    return module
 
 
 def convert(model: nn.Module) -> nn.Module:
-    """Swap every torch.nn convolution of `model` (recursively, in place) for convdsl's, keeping its parameters,
-    buffers and hooks; returns the model.  Convolutions with a padding_mode other than 'zeros' are left as they
-    are (convdsl computes zero padding only)."""
-    for name, child in model.named_children():
-        swap = _SWAPS.get(type(child))
-        if swap is not None and child.padding_mode == "zeros":
-            child.__class__ = swap  # same attributes and parameters; only forward changes
-        else:
-            convert(child)
+    """Swap every torch.nn convolution of `model` (recursively, in place; `model` itself too), subclasses
+    included, for convdsl's, keeping its parameters, buffers and hooks; returns the model.  Convolutions with a
+    padding_mode other than 'zeros' are left as they are (convdsl computes zero padding only)."""
+    swap = _swap_class(type(model))
+    if swap is not None:
+        if model.padding_mode == "zeros":
+            model.__class__ = swap  # same attributes and parameters; only the computation changes
+        return model
+    for child in model.children():
+        convert(child)
     return model

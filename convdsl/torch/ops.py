@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from torch import nn
 
 from ..problem import ConvProblem
 from . import runtime
@@ -53,8 +54,13 @@ def _memory_format(t: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def _empty_like_format(shape: Sequence[int], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(list(shape), dtype=dtype, device=like.device, memory_format=_memory_format(like))
+def _empty_like_format(shape: Sequence[int], like: torch.Tensor, dtype: torch.dtype,
+                       weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The result's tensor in `like`'s memory format, or channels-last where `weight` is (torch.nn's rule)."""
+    fmt = _memory_format(like)
+    if weight is not None and fmt == torch.contiguous_format and weight.dim() == like.dim():
+        fmt = _memory_format(weight)
+    return torch.empty(list(shape), dtype=dtype, device=like.device, memory_format=fmt)
 
 
 # --- forward -------------------------------------------------------------------------------------------
@@ -119,7 +125,7 @@ def _(x, w, bias, stride, pad_lo, pad_hi, dilation, groups):
     runtime.note("forward", x, w, spatial=x.shape[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
                  pad_hi=pad_hi, dilation=dilation, groups=groups)
     out = output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, dilation)
-    return _empty_like_format([x.shape[0], w.shape[0], *out], x, runtime.result_dtype(x))
+    return _empty_like_format([x.shape[0], w.shape[0], *out], x, runtime.result_dtype(x), w)
 
 
 def _convolution_setup(ctx, inputs, output) -> None:
@@ -147,13 +153,16 @@ torch.library.register_autograd(f"{LIB}::convolution", _convolution_backward, se
 
 
 # --- the gradients -----------------------------------------------------------------------------------------
-# No autograd formula: they are the formulas (second derivatives are not computed).
+# Their own autograd formulas make them differentiable (double backward: gradient penalties, Hessian-vector
+# products).  Both are bilinear; with y = conv(x, w), <dx, g> = <dy, conv(g, w)> and <dw, h> = <dy, conv(x, h)>:
+#   grad_input(dy, w) = dx:   d/d(dy) = conv(g, w),            d/dw = grad_weight(g, dy)
+#   grad_weight(x, dy) = dw:  d/dx = grad_input(dy, h),        d/d(dy) = conv(x, h)
 
 @torch.library.register_fake(f"{LIB}::convolution_grad_input", lib=_library)
 def _(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups):
     runtime.note("grad_input", dy, w, spatial=input_size[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
                  pad_hi=pad_hi, dilation=dilation, groups=groups)
-    return _empty_like_format(input_size, dy, runtime.result_dtype(dy))
+    return _empty_like_format(input_size, dy, runtime.result_dtype(dy), w)
 
 
 @torch.library.register_fake(f"{LIB}::convolution_grad_weight", lib=_library)
@@ -161,6 +170,46 @@ def _(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups):
     runtime.note("grad_weight", x, dy, spatial=x.shape[2:], filt=weight_size[2:], stride=stride, pad_lo=pad_lo,
                  pad_hi=pad_hi, dilation=dilation, groups=groups)
     return _empty_like_format(weight_size, x, runtime.result_dtype(x))
+
+
+def _grad_input_setup(ctx, inputs, output) -> None:
+    dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups = inputs
+    ctx.save_for_backward(dy, w)
+    ctx.conv = (stride, pad_lo, pad_hi, dilation, groups)
+
+
+def _grad_input_backward(ctx, g):
+    dy, w = ctx.saved_tensors
+    g = g.to(dy.dtype)  # the kernels read both operands in one dtype
+    d_dy = d_w = None
+    if ctx.needs_input_grad[0]:
+        d_dy = convolution(g, w, None, *ctx.conv)
+    if ctx.needs_input_grad[1]:
+        d_w = convolution_grad_weight(g, dy, list(w.shape), *ctx.conv)
+    return d_dy, d_w, None, None, None, None, None, None
+
+
+def _grad_weight_setup(ctx, inputs, output) -> None:
+    x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups = inputs
+    ctx.save_for_backward(x, dy)
+    ctx.conv = (stride, pad_lo, pad_hi, dilation, groups)
+
+
+def _grad_weight_backward(ctx, h):
+    x, dy = ctx.saved_tensors
+    h = h.to(x.dtype)
+    d_x = d_dy = None
+    if ctx.needs_input_grad[0]:
+        d_x = convolution_grad_input(dy, h, list(x.shape), *ctx.conv)
+    if ctx.needs_input_grad[1]:
+        d_dy = convolution(x, h, None, *ctx.conv)
+    return d_x, d_dy, None, None, None, None, None, None
+
+
+torch.library.register_autograd(f"{LIB}::convolution_grad_input", _grad_input_backward,
+                                setup_context=_grad_input_setup, lib=_library)
+torch.library.register_autograd(f"{LIB}::convolution_grad_weight", _grad_weight_backward,
+                                setup_context=_grad_weight_setup, lib=_library)
 
 
 # --- the transposed convolution ------------------------------------------------------------------------
@@ -173,7 +222,7 @@ def _(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups):
     out = transposed_output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, output_padding, dilation)
     runtime.note("grad_input", x, w, spatial=out, filt=w.shape[2:], stride=stride, pad_lo=pad_lo, pad_hi=pad_hi,
                  dilation=dilation, groups=groups)
-    return _empty_like_format([x.shape[0], w.shape[1] * groups, *out], x, runtime.result_dtype(x))
+    return _empty_like_format([x.shape[0], w.shape[1] * groups, *out], x, runtime.result_dtype(x), w)
 
 
 def _transpose_setup(ctx, inputs, output) -> None:
@@ -240,14 +289,20 @@ class EagerConvolution(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = _grad_input(dy, w, list(x.shape), *ctx.conv)
-        if ctx.needs_input_grad[1]:
-            dw = _grad_weight(x, dy, list(w.shape), *ctx.conv)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = _bias_grad(dy)
-        return dx, dw, db, None, None, None, None, None
+        needs = (*ctx.needs_input_grad[:2], ctx.has_bias and ctx.needs_input_grad[2])
+        return (*_conv_gradients(needs, x, w, dy, ctx.conv), None, None, None, None, None)
+
+
+def _conv_gradients(needs: Sequence[bool], x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
+                    conv: tuple) -> tuple:
+    """(dx, dw, db) of a convolution, each where `needs` asks.  Under create_graph (grad mode on in backward:
+    double backward) through the operators, whose formulas autograd records; else the plain computations."""
+    grad_input, grad_weight = ((convolution_grad_input, convolution_grad_weight) if torch.is_grad_enabled()
+                               else (_grad_input, _grad_weight))
+    dx = grad_input(dy, w, list(x.shape), *conv) if needs[0] else None
+    dw = grad_weight(x, dy, list(w.shape), *conv) if needs[1] else None
+    db = _bias_grad(dy) if needs[2] else None
+    return dx, dw, db
 
 
 class EagerConvTranspose(torch.autograd.Function):
@@ -261,11 +316,13 @@ class EagerConvTranspose(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
+        forward, grad_weight = ((convolution, convolution_grad_weight) if torch.is_grad_enabled()  # create_graph
+                                else (_forward, _grad_weight))
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = _forward(dy, w, None, *ctx.conv)
+            dx = forward(dy, w, None, *ctx.conv)
         if ctx.needs_input_grad[1]:
-            dw = _grad_weight(dy, x, list(w.shape), *ctx.conv)
+            dw = grad_weight(dy, x, list(w.shape), *ctx.conv)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = _bias_grad(dy)
         return dx, dw, db, None, None, None, None, None, None
@@ -322,8 +379,9 @@ class PlannedConvolution(torch.autograd.Function):
     def forward(ctx, x, w, bias, plan):
         # under autocast, w is the parameter (f32, say): cast here, where autograd does not record it, and its
         # gradient cast back in backward; one autograd node per convolution instead of three
+        parameter = w
         w = w if w.dtype == plan.compute_dtype else w.to(plan.compute_dtype)
-        ctx.save_for_backward(x, w)
+        ctx.save_for_backward(x, w, parameter)
         ctx.plan = plan
         y = plan.forward.launch(x, w)
         if bias is not None:
@@ -332,8 +390,11 @@ class PlannedConvolution(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, w = ctx.saved_tensors
+        x, w, parameter = ctx.saved_tensors
         plan = ctx.plan
+        if torch.is_grad_enabled():  # create_graph: differentiable gradients, the weight's cast recorded too
+            dx, dw, db = _conv_gradients(ctx.needs_input_grad[:3], x, parameter.to(plan.compute_dtype), dy, plan.conv)
+            return dx, None if dw is None else dw.to(plan.weight_dtype), db, None
         grad_input, grad_weight = plan.gradients_for(dy, x, w)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
@@ -351,6 +412,34 @@ class PlannedConvolution(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def _c_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+            torch.bfloat16: "c10::BFloat16"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def check_call(module: nn.Module, x: torch.Tensor, transposed: bool, weight: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None) -> None:
+    """The errors torch.nn raises for the same mistakes, with the same exception types."""
+    dims = len(module.kernel_size)
+    name = f"conv{'_transpose' if transposed else ''}{dims}d"
+    if x.dim() != dims + 2:
+        raise RuntimeError(f"Expected {dims + 1}D (unbatched) or {dims + 2}D (batched) input to {name}, but got "
+                           f"input of size: {list(x.shape)}")
+    w = module.weight if weight is None else weight
+    autocast = torch.is_autocast_enabled(x.device.type)  # autocast casts all three
+    if x.dtype != w.dtype and not autocast:
+        raise RuntimeError(f"Input type ({x.dtype}) and weight type ({w.dtype}) should be the same")
+    if bias is not None and bias.dtype != x.dtype and not autocast:
+        raise RuntimeError(f"Input type ({_c_name(x.dtype)}) and bias type ({_c_name(bias.dtype)}) should be the "
+                           "same")
+    if x.device != w.device:
+        raise RuntimeError(f"Input type ({x.device}) and weight type ({w.device}) should be on the same device")
+    expected = w.shape[0] if transposed else w.shape[1] * module.groups
+    if x.shape[1] != expected:
+        raise RuntimeError(f"Given groups={module.groups}, weight of size {list(w.shape)}, expected input"
+                           f"{list(x.shape)} to have {expected} channels, but got {x.shape[1]} channels instead")
+
+
 _PLANS_ATTRIBUTE = "_convdsl_eager_plans"
 
 
@@ -361,22 +450,24 @@ def parameter(module: torch.nn.Module, name: str) -> Optional[torch.Tensor]:
     return params[name] if name in params else getattr(module, name)
 
 
-def plan_for(module: torch.nn.Module, x: torch.Tensor) -> Optional[_Plan]:
-    """The module's eager plan for x (CUDA, eager, kernels that read x and the weight as they lie), else None:
-    the first call of a signature validates it (validate) and works the plan out; later calls look it up."""
+def plan_for(module: torch.nn.Module, x: torch.Tensor, w: torch.Tensor,
+             bias: Optional[torch.Tensor]) -> Optional[_Plan]:
+    """The module's eager plan for x, w and bias (CUDA, eager, kernels that read x and w as they lie), else
+    None: the first call of a signature validates it (check_call) and works the plan out; later calls look it
+    up."""
     if not runtime.on_stream_device(x) or torch.compiler.is_compiling() or runtime.recording_active():
         return None
-    w = parameter(module, "weight")
     device_type = "cuda" if x.is_cuda else x.device.type  # x.device costs about 0.5 us
     autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     key = (x.shape, x.stride(), x.dtype, x.get_device(), w.shape, w.stride(), w.dtype, w.get_device(), autocast,
-           module.stride, module.padding, module.dilation, module.groups, runtime.tf32_allowed())
+           module.stride, module.padding, module.dilation, module.groups, runtime.tf32_allowed(),
+           None if bias is None else bias.dtype)
     plans = module.__dict__.get(_PLANS_ATTRIBUTE)
     if plans is None:
         plans = module.__dict__[_PLANS_ATTRIBUTE] = EagerPlans()
     if key in plans:
         return plans[key]
-    module.validate(x)  # torch.nn's errors for bad calls, before anything is planned
+    check_call(module, x, False, w, bias)  # torch.nn's errors for bad calls, before anything is planned
     stride, lo, hi, dilation, groups = module.conv_arguments()
     xc, wc = _autocast(device_type, x, w)
     forward = runtime.direct_call("forward", xc.detach(), wc.detach(), spatial=x.shape[2:], filt=w.shape[2:],

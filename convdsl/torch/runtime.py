@@ -26,11 +26,13 @@ from ..interop import torch_call
 from ..module import native_cuda_arch
 from ..problem import ConvProblem
 from ..targets import Target
+from . import fallback
 from .stream import ALIGNMENT, StreamRunner
 
 log = logging.getLogger("convdsl.torch")
 
 DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 
 
 def result_dtype(t: torch.Tensor) -> torch.dtype:
@@ -68,23 +70,6 @@ def weight_view(w: torch.Tensor, groups: int, layout: str) -> torch.Tensor:
     if layout == "GKYXC":
         return w.permute(0, *range(2, w.dim()), 1).view(groups, gk // groups, *f, c)
     return w.view(groups, gk // groups, c, *f)
-
-
-def _activation_result(r: torch.Tensor, layout: str, dims: int) -> torch.Tensor:
-    """convdsl's result (NGCHW or NHWGC) as PyTorch's (N, G*K, *sp), without a copy."""
-    if layout == "NHWGC":
-        n, *sp, g, k = r.shape
-        return r.view(n, *sp, g * k).permute(0, dims + 1, *range(1, dims + 1))
-    n, g, k, *sp = r.shape
-    return r.view(n, g * k, *sp)
-
-
-def _weight_result(r: torch.Tensor, layout: str, dims: int) -> torch.Tensor:
-    if layout == "GKYXC":
-        g, k, *f, c = r.shape
-        return r.view(g * k, *f, c).permute(0, dims + 1, *range(1, dims + 1))
-    g, k, c, *f = r.shape
-    return r.view(g * k, c, *f)
 
 
 def problem_for(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], filt: Sequence[int],
@@ -161,6 +146,8 @@ def note(op: str, a: torch.Tensor, b: torch.Tensor, counted: bool = True, **conv
     counted: whether the call counts in recording(calls=...) (False: a kernel another path of the same step
     runs instead, recorded so that a bundle holds it)."""
     if _recording is not None:
+        if a.dtype not in DTYPES or b.dtype not in DTYPES or a.numel() == 0 or b.numel() == 0:
+            return  # computed by PyTorch's convolution (fallback.py): no kernel to record
         a, b = _as_laid_out(op, a, b)
         p = problem_for(op, a, b, **conv)
         if p not in _recording:
@@ -210,7 +197,11 @@ def _as_laid_out(op: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tenso
     if _format_of(b) != _format_of(a) and op == "grad_weight":
         b = b.contiguous(memory_format=_format_of(a))  # dy like x
     elif op != "grad_weight" and _channels_last(a) != _channels_last(b):
-        b = b.contiguous(memory_format=_format_of(a))  # the weight in the activations' format
+        # torch.nn's rule: a channels-last input or weight makes the convolution (and its result) channels-last
+        if _channels_last(b):
+            a = a.contiguous(memory_format=_format_of(b))
+        else:
+            b = b.contiguous(memory_format=_format_of(a))
     if not (a.is_contiguous() or _channels_last(a)):
         a = a.contiguous()
     if not (b.is_contiguous() or _channels_last(b)):
@@ -232,6 +223,8 @@ class _Call:
     result_shape: tuple[int, ...] = ()
     result_format: torch.memory_format = torch.contiguous_format
     result_dtype: torch.dtype = torch.float32
+    # no kernel could be had (fallback.py says why): PyTorch's own convolution computes the call
+    fallback: bool = False
 
     def launch(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """A direct call on its arguments as they lie (the caller checked `aligned`): the result, queued."""
@@ -249,12 +242,33 @@ def aligned(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() % ALIGNMENT == 0 and b.data_ptr() % ALIGNMENT == 0
 
 
+def _result_spec(p: ConvProblem) -> tuple[tuple[int, ...], torch.memory_format, torch.dtype]:
+    """The result of p as PyTorch holds it: its shape, memory format and dtype (the kernels write into it)."""
+    if p.op == "grad_weight":
+        shape = (p.groups * p.out_channels, p.in_channels, *p.filter)
+        channels_last = p.weight_layout == "GKYXC"
+    else:
+        channels = p.in_channels if p.op in ("grad_input", "transposed") else p.out_channels
+        spatial = p.input if p.op in ("grad_input", "transposed") else p.output
+        shape = (p.batch, p.groups * channels, *spatial)
+        channels_last = p.layout == "NHWGC"
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(shape), torch.contiguous_format) \
+        if channels_last and p.dims > 1 else torch.contiguous_format
+    return shape, fmt, TORCH_DTYPES[p.result_dtype]
+
+
 def _new_call(p: ConvProblem, device: torch.device, a: torch.Tensor, b: torch.Tensor) -> _Call:
-    runner = _stream_runner(p, device) if on_stream_device(a) else None
-    if runner is None:
-        # a result in another dtype is a stream-path option (direct_call's out_dtype): its callers fall back to
-        # the arguments' dtype, so no IREE module is compiled for it
-        return _Call(p, None, None if p.out_dtype else _iree_kernel(p, device))
+    """The call's runner or IREE kernel; where neither can be had, a fallback call (fallback.unavailable
+    decides: a one-line warning and PyTorch's convolution, or the error in strict mode)."""
+    try:
+        runner = _stream_runner(p, device) if on_stream_device(a) else None
+        if runner is None:
+            # a result in another dtype is a stream-path option (direct_call's out_dtype): its callers fall back
+            # to the arguments' dtype, so no IREE module is compiled for it
+            return _Call(p, None, None if p.out_dtype else _iree_kernel(p, device), False, *_result_spec(p))
+    except Exception as err:  # noqa: BLE001 - any failure to compile or load a kernel (IREE, Triton, driver)
+        fallback.unavailable(p.describe(), err)
+        return _Call(p, None, None, False, *_result_spec(p), fallback=True)
     return _new_call_with(p, runner, a, b)
 
 
@@ -263,17 +277,7 @@ def _new_call_with(p: ConvProblem, runner, a: torch.Tensor, b: torch.Tensor) -> 
     av = activation_view(a, p.groups, p.layout)
     bv = weight_view(b, p.groups, p.weight_layout) if p.op != "grad_weight" else activation_view(b, p.groups, p.layout)
     direct = runner.direct and av.is_contiguous() and bv.is_contiguous()
-    if p.op == "grad_weight":
-        shape = (p.groups * p.out_channels, p.in_channels, *p.filter)
-        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(shape), torch.contiguous_format) \
-            if p.weight_layout == "GKYXC" and p.dims > 1 else torch.contiguous_format
-    else:
-        channels = p.in_channels if p.op in ("grad_input", "transposed") else p.out_channels
-        spatial = p.input if p.op in ("grad_input", "transposed") else p.output
-        shape = (p.batch, p.groups * channels, *spatial)
-        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(shape), torch.contiguous_format) \
-            if p.layout == "NHWGC" and p.dims > 1 else torch.contiguous_format
-    return _Call(p, runner, None, direct, shape, fmt, {v: k for k, v in DTYPES.items()}[p.result_dtype])
+    return _Call(p, runner, None, direct, *_result_spec(p))
 
 
 # per (op, shapes, strides, dtype, device, options, TF32 flag): the call's problem and runner, so that a repeated
@@ -297,6 +301,12 @@ def _call_of(key: tuple, op: str, a: torch.Tensor, b: torch.Tensor,
              groups: int, out_dtype: Optional[torch.dtype] = None) -> _Call:
     call = _calls.get(key)
     if call is None:
+        _check_groups(op, a, b, groups)
+        if a.dtype not in DTYPES or b.dtype not in DTYPES or a.numel() == 0 or b.numel() == 0:
+            if a.numel() and b.numel():  # an empty batch needs no kernel: nothing to announce
+                fallback.unavailable(f"{op} on {a.dtype} tensors", "convdsl computes float32, float16 and "
+                                     "bfloat16")
+            return _calls.setdefault(key, _Call(None, None, fallback=True))
         laid_a, laid_b = laid if laid is not None else _as_laid_out(op, a, b)
         p = problem_for(op, laid_a, laid_b, spatial=spatial, filt=filt, stride=stride, pad_lo=pad_lo,
                         pad_hi=pad_hi, dilation=dilation, groups=groups, out_dtype=out_dtype)
@@ -307,6 +317,23 @@ def _call_of(key: tuple, op: str, a: torch.Tensor, b: torch.Tensor,
             call = dataclasses.replace(call, direct=False)
         call = _calls.setdefault(key, call)
     return call
+
+
+def _check_groups(op: str, a: torch.Tensor, b: torch.Tensor, groups: int) -> None:
+    """torch.nn's errors for groups that do not fit the tensors (the problem's arithmetic divides by them)."""
+    if groups <= 0:
+        raise RuntimeError("non-positive groups is not supported")
+    weight_rows = b.shape[1] if op == "grad_weight" else b.shape[0]  # grad_weight's b is dY: G*K channels
+    if weight_rows % groups:
+        what = "grad_output" if op == "grad_weight" else "weight"
+        raise RuntimeError(f"Given groups={groups}, expected {what} to be divisible by {groups} at dimension "
+                           f"{1 if op == 'grad_weight' else 0}, but got {what} of size {list(b.shape)} instead")
+    if op == "forward" and a.shape[1] != b.shape[1] * groups:
+        raise RuntimeError(f"Given groups={groups}, weight of size {list(b.shape)}, expected input{list(a.shape)} "
+                           f"to have {b.shape[1] * groups} channels, but got {a.shape[1]} channels instead")
+    if op == "grad_weight" and a.shape[1] % groups:
+        raise RuntimeError(f"Given groups={groups}, expected input to be divisible by {groups} at dimension 1, "
+                           f"but got input of size {list(a.shape)} instead")
 
 
 def direct_call(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], filt: Sequence[int],
@@ -329,19 +356,24 @@ def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], fi
     if call is not None and call.direct and aligned(a, b):
         # the kernels read the values through data pointers; autograd is the ops' own
         return call.launch(a, b)
-    laid_a, laid_b = _as_laid_out(op, a, b)
     if call is None:
-        call = _call_of(key, op, a, b, (laid_a, laid_b), spatial, filt, stride, pad_lo, pad_hi, dilation, groups)
+        call = _call_of(key, op, a, b, None, spatial, filt, stride, pad_lo, pad_hi, dilation, groups)
+    if call.fallback:
+        return fallback.compute(op, a.detach(), b.detach(), spatial=spatial, filt=filt, stride=stride,
+                                pad_lo=pad_lo, pad_hi=pad_hi, dilation=dilation, groups=groups)
+    laid_a, laid_b = _as_laid_out(op, a, b)
     a, b = laid_a.detach(), laid_b.detach()
     p = call.problem
     if call.direct and aligned(a, b):
         return call.launch(a, b)
     av = activation_view(a, groups, p.layout)
     bv = weight_view(b, groups, p.weight_layout) if op != "grad_weight" else activation_view(b, groups, p.layout)
+    # the result is allocated as PyTorch's tensor (never a view of another, so in-place ops on it work as on
+    # torch.nn's) and the kernels write into its view in the problem's layout
+    out = torch.empty(call.result_shape, dtype=call.result_dtype, device=a.device, memory_format=call.result_format)
+    ov = weight_view(out, groups, p.weight_layout) if op == "grad_weight" else activation_view(out, groups, p.layout)
     if call.runner is not None:
-        r = call.runner(av, bv)
+        call.runner(av, bv, out=ov)
     else:
-        r = torch_call(call.iree.module, p.name, av, bv)
-    if op == "grad_weight":
-        return _weight_result(r, p.weight_layout, p.dims)
-    return _activation_result(r, p.layout, p.dims)
+        torch_call(call.iree.module, p.name, av, bv, out=ov)
+    return out
