@@ -107,6 +107,42 @@ def _check_output(out: Path, source: Path) -> None:
             raise ArgumentError(f"-o {out}: {what} would overwrite the source {source}; expected another OUT.vmfb")
 
 
+# A zero-padded operand past this many bytes is worth a warning from `check` (and names the cost in `run`'s errors)
+HUGE_PADDED_BYTES = 2**30
+# ... where the padding (or the dilation's reach) makes it this many times the data it pads
+PADDING_DOMINATES = 4
+
+
+def _padded_operand(p: ConvProblem) -> tuple[str, int, int, str]:
+    """(operand name, bytes, bytes unpadded, how its size comes about) of the zero-padded activation a kernel
+    reads: x with its padding (forward, grad_weight), or dy spread over every position the flipped filter reads
+    (grad_input, transposed).  A lowering that pads explicitly holds it as workspace."""
+    itemsize = np.dtype(ref.NUMPY_DTYPES[p.dtype]).itemsize
+    if p.op in ("forward", "grad_weight"):
+        name, channels = "x", p.in_channels
+        spatial = [i + lo + hi for i, lo, hi in zip(p.input, p.pad_lo, p.pad_hi)]
+        how = f"input {list(p.input)} with padding {list(p.pad_lo)}/{list(p.pad_hi)}"
+    else:
+        name, channels = ("dy" if p.op == "grad_input" else "x"), p.out_channels
+        spatial = [i + lo + (r - 1) * d for i, lo, r, d in zip(p.input, p.pad_lo, p.filter, p.dilation)]
+        how = f"input {list(p.input)}, padding {list(p.pad_lo)} and the dilated filter's reach"
+    if any(d > 1 for d in p.dilation):
+        how += f", dilation {list(p.dilation)}"
+    per_position = p.batch * p.groups * channels * itemsize
+    unpadded = math.prod(p.input if name == "x" and p.op != "transposed" else p.output)
+    return name, per_position * math.prod(spatial), per_position * unpadded, \
+        f"{math.prod(spatial)} positions per channel ({how})"
+
+
+def _padded_cost(p: ConvProblem) -> str:
+    """'' or, for a huge zero-padded operand that is mostly padding, a phrase naming it and its size (for warnings
+    and errors): a large tensor that is mostly data is the user's own choice of size."""
+    name, size, unpadded, how = _padded_operand(p)
+    if size < HUGE_PADDED_BYTES or size < PADDING_DOMINATES * unpadded:
+        return ""
+    return f"its zero-padded {name} spans {how}: about {size / 1e9:.3g} GB at batch {p.batch}"
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     out = Path(args.output or Path(args.file).with_suffix(".vmfb").name)
     _check_output(out, Path(args.file))
@@ -151,11 +187,17 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ArgumentError(f"kernel {name}: its {what} need about {values * 8 / 1e9:.3g} GB of memory at batch "
                                 f"{p.batch}, more than this machine can allocate: choose a smaller --batch") from None
         t0 = time.perf_counter()
-        got = mod[name](*inputs)
-        elapsed = time.perf_counter() - t0
-        if args.bench:
-            elapsed = mod.loaded.time(name, inputs, repeat=args.repeat, out_shape=p.result_shape,
-                                      out_dtype=p.result_dtype)
+        try:
+            got = mod[name](*inputs)
+            elapsed = time.perf_counter() - t0
+            if args.bench:
+                elapsed = mod.loaded.time(name, inputs, repeat=args.repeat, out_shape=p.result_shape,
+                                          out_dtype=p.result_dtype)
+        except (RuntimeError, MemoryError) as err:  # IREE's failures (an allocation, most often) are RuntimeErrors
+            detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            cost = _padded_cost(p)
+            raise ArgumentError(f"kernel {name}: the kernel failed on {mod.target}: {detail}"
+                                + (f"; {cost}" if cost else "")) from None
         shapes = " ".join("x".join(map(str, s)) for s in p.arg_shapes) + " -> " + "x".join(map(str, p.result_shape))
         if matmul_peak is None:
             rate = f"{p.flops / elapsed / 1e12:8.3f} TFLOP/s"
@@ -289,6 +331,10 @@ def cmd_check(args: argparse.Namespace) -> int:
                               str(args.file), 1, 1)
     for p in problems:
         print(f"{p.name}: {p.describe()}")
+        cost = _padded_cost(p)
+        if cost:  # valid, but costly to run: said, not refused
+            print(f"{args.file}: warning: kernel {p.name}: {cost}; the compiled kernel may need that much "
+                  "workspace", file=sys.stderr)
     print(f"{args.file}: {len(problems)} kernels, no errors")
     return 0
 

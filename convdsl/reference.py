@@ -6,11 +6,12 @@ input i = o*s + y*d - lo for taps y in [0, R), and reads outside [0, I) are zero
 
 Internally every tensor is permuted to one canonical axis order:
     x, dx: (N, G, C, spatial...)    y, dy: (N, G, K, spatial...)    w, dw: (G, K, C, taps...)
-Every tap reads a strided slice of an explicitly zero-padded activation; the padding makes every slice in range,
-so no index is clipped by hand.  Each op stacks the taps' slices and contracts over (tap, channel) in one batched
-matrix product per group; grad_input first places dY at every s-th position of a zero buffer, which makes it a
-correlation like forward.  The batch is taken in chunks small enough to stay in cache, the chunks spread over the
-machine's cores.
+Every tap reads a strided slice of the activation, clipped to the outputs whose reads fall inside it: the zero
+padding is never made, so its size (or a huge dilation) costs no memory, and a tap that only sees padding is
+skipped.  forward and grad_weight stack the taps' slices and contract over (tap, channel) in one batched matrix
+product per group; grad_input places each tap's outputs at the input positions they read (the scatter definition)
+and contracts likewise.
+The batch is taken in chunks small enough to stay in cache, the chunks spread over the machine's cores.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import itertools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Optional, Sequence, TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -169,16 +170,22 @@ def _chunk64(view: np.ndarray, chunk: slice) -> np.ndarray:
 
 
 # --- the three ops on canonical views -------------------------------------------------
-def _tap_slices(p: ConvProblem, tap: tuple[int, ...]) -> tuple[slice, ...]:
-    """For one filter tap y, the padded-input indices o*s + y*d (o in [0, O)) of every spatial dim."""
-    return tuple(
-        slice(y * d, y * d + (o - 1) * s + 1, s)
-        for y, d, s, o in zip(tap, p.dilation, p.stride, p.output)
-    )
+def _tap_ranges(p: ConvProblem, tap: tuple[int, ...]) -> Optional[tuple[tuple[slice, ...], tuple[slice, ...]]]:
+    """For one filter tap y: per spatial dim, the outputs o whose read i = o*s + y*d - lo falls inside [0, I), and
+    the input indices i they read (a strided slice); None where no output of this tap reads the input.
 
-
-def _padded_spatial(p: ConvProblem) -> tuple[int, ...]:
-    return tuple(i + lo + hi for i, lo, hi in zip(p.input, p.pad_lo, p.pad_hi))
+    Reads outside [0, I) are the zero padding: they are never made, so a huge padding or dilation costs nothing
+    and a tap that only sees padding is skipped."""
+    outs, ins = [], []
+    for y, d, s, o_count, i_count, lo in zip(tap, p.dilation, p.stride, p.output, p.input, p.pad_lo):
+        shift = y * d - lo
+        first = max(0, -(shift // s))  # the least o with o*s + shift >= 0
+        last = min(o_count - 1, (i_count - 1 - shift) // s)  # the greatest o with o*s + shift <= I - 1
+        if first > last:
+            return None
+        outs.append(slice(first, last + 1))
+        ins.append(slice(first * s + shift, last * s + shift + 1, s))
+    return tuple(outs), tuple(ins)
 
 
 def _batch_chunks(p: ConvProblem, per_image: int) -> list[slice]:
@@ -209,60 +216,53 @@ def _stacked_weight(p: ConvProblem, w: np.ndarray) -> np.ndarray:
                                 .reshape(p.groups, p.out_channels, len(taps) * p.in_channels))
 
 
-def _windows(p: ConvProblem, xp: np.ndarray) -> np.ndarray:
-    """cols[n, g, (tap, c), o] = xp[n, g, c, o*s + tap*d] of a zero-padded canonical chunk: every tap's strided
-    window stacked, so that one matrix product per (n, g) contracts over all taps and channels at once."""
+def _windows(p: ConvProblem, xc: np.ndarray) -> np.ndarray:
+    """cols[n, g, (tap, c), o] = x[n, g, c, o*s + tap*d - lo] of a canonical chunk, 0 where that read is padding:
+    every tap's strided window stacked, so that one matrix product per (n, g) contracts over all taps and channels
+    at once."""
     taps = _taps(p)
-    cols = np.empty((xp.shape[0], p.groups, len(taps), p.in_channels, *p.output), dtype=np.float64)
+    cols = np.zeros((xc.shape[0], p.groups, len(taps), p.in_channels, *p.output), dtype=np.float64)
+    everything = (slice(None),) * 3
     for i, tap in enumerate(taps):
-        cols[:, :, i] = xp[(slice(None),) * 3 + _tap_slices(p, tap)]
-    return cols.reshape(xp.shape[0], p.groups, len(taps) * p.in_channels, math.prod(p.output))
+        ranges = _tap_ranges(p, tap)
+        if ranges is not None:
+            cols[:, :, i][everything + ranges[0]] = xc[everything + ranges[1]]
+    return cols.reshape(xc.shape[0], p.groups, len(taps) * p.in_channels, math.prod(p.output))
 
 
 def _forward(p: ConvProblem, x: np.ndarray, w: np.ndarray, y: np.ndarray) -> None:
     """y[n,g,k,o] = sum_{c,y} x[n,g,c,o*s+y*d-lo] * w[g,k,c,y]: w as (G, K, taps*C) @ the stacked windows
     (G, taps*C, O).  x, y: canonical views (y is written); w: canonical float64."""
-    pad = [(0, 0)] * 3 + list(zip(p.pad_lo, p.pad_hi))
     wcat = _stacked_weight(p, w)
-    per_image = p.groups * p.in_channels * max(math.prod(_padded_spatial(p)), len(_taps(p)) * math.prod(p.output))
+    per_image = p.groups * p.in_channels * max(math.prod(p.input), len(_taps(p)) * math.prod(p.output))
 
     def chunk_result(chunk: slice) -> None:
-        xp = np.pad(_chunk64(x, chunk), pad)  # zeros stand in for the out-of-range reads
-        y[chunk] = np.matmul(wcat, _windows(p, xp)).reshape(-1, p.groups, p.out_channels, *p.output)
+        y[chunk] = np.matmul(wcat, _windows(p, _chunk64(x, chunk))).reshape(-1, p.groups, p.out_channels, *p.output)
 
     _per_chunk(chunk_result, _batch_chunks(p, per_image))
 
 
 def _grad_input(p: ConvProblem, dy: np.ndarray, w: np.ndarray, dx: np.ndarray) -> None:
-    """dx[i] = sum over (o, y) with o*s + y*d - lo = i of dy[o] * w[y], as a correlation: dy placed at every s-th
-    position of a zero buffer from (R-1)*d on (dyp[(R-1)*d + o*s] = dy[o]), so that
-        dx[i] = sum_{y', k} dyp[i + lo + y'*d] * w[R-1-y']
-    i.e. the stacked windows of dyp (taps y' flipped) against w as (G, C, taps*K).  dy, dx: canonical views (dx is
-    written); w: canonical float64."""
+    """dx[i] = sum over (o, y) with o*s + y*d - lo = i of dy[o] * w[y], the scatter definition: per tap y, dy's
+    outputs that read the input (_tap_ranges) are placed at the input positions they read (distinct for one tap:
+    o -> o*s + y*d - lo is one-to-one), and one matrix product per (n, g) contracts the stacked taps with w as
+    (G, C, taps*K).  dy, dx: canonical views (dx is written); w: canonical float64."""
     g, k, c = p.groups, p.out_channels, p.in_channels
     taps = _taps(p)
-    flipped = [tuple(r - 1 - y for r, y in zip(p.filter, tap)) for tap in taps]
-    wf = np.ascontiguousarray(np.stack([np.swapaxes(w[(Ellipsis,) + f], 1, 2) for f in flipped], axis=2)
+    wt = np.ascontiguousarray(np.stack([np.swapaxes(w[(Ellipsis,) + t], 1, 2) for t in taps], axis=2)
                               .reshape(g, c, len(taps) * k))
-    lead = [(r - 1) * d for r, d in zip(p.filter, p.dilation)]
-    # dyp spans every index a window reads, [0, I + lo + (R-1)*d); dy values past its end would land on dx indices
-    # past I (the high border's crop) and are left out
-    extent = [i + lo + ld for i, lo, ld in zip(p.input, p.pad_lo, lead)]
-    placed = tuple(slice(ld, min(ld + (o - 1) * s + 1, e), s) for ld, o, s, e in zip(lead, p.output, p.stride, extent))
-    kept = tuple(slice(0, len(range(*sl.indices(e)))) for sl, e in zip(placed, extent))
-    windows = [tuple(slice(lo + y * d, lo + y * d + i) for lo, y, d, i in zip(p.pad_lo, tap, p.dilation, p.input))
-               for tap in taps]
+    ranges = [_tap_ranges(p, t) for t in taps]
+    everything = (slice(None),) * 3
 
     def chunk_result(chunk: slice) -> None:
         dyc = _chunk64(dy, chunk)
-        dyp = np.zeros((dyc.shape[0], g, k, *extent), dtype=np.float64)
-        dyp[(slice(None),) * 3 + placed] = dyc[(slice(None),) * 3 + kept]
-        cols = np.empty((dyc.shape[0], g, len(taps), k, *p.input), dtype=np.float64)
-        for j, window in enumerate(windows):
-            cols[:, :, j] = dyp[(slice(None),) * 3 + window]
-        dx[chunk] = np.matmul(wf, cols.reshape(dyc.shape[0], g, len(taps) * k, -1)).reshape(-1, g, c, *p.input)
+        cols = np.zeros((dyc.shape[0], g, len(taps), k, *p.input), dtype=np.float64)
+        for j, tap_range in enumerate(ranges):
+            if tap_range is not None:
+                cols[:, :, j][everything + tap_range[1]] = dyc[everything + tap_range[0]]
+        dx[chunk] = np.matmul(wt, cols.reshape(dyc.shape[0], g, len(taps) * k, -1)).reshape(-1, g, c, *p.input)
 
-    per_image = g * k * max(math.prod(extent), len(taps) * math.prod(p.input))
+    per_image = g * max(k * math.prod(p.output), len(taps) * k * math.prod(p.input))
     _per_chunk(chunk_result, _batch_chunks(p, per_image))
 
 
@@ -270,14 +270,12 @@ def _grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray) -> np.ndarray:
     """dw[g,k,c,y] = sum_{n,o} x[n,g,c,o*s+y*d-lo] * dy[n,g,k,o]: dy (G, K, O) @ the stacked windows transposed
     (G, O, taps*C), summed over the batch (chunk partials added in batch order).  x, dy: canonical views; the
     result is canonical float64."""
-    pad = [(0, 0)] * 3 + list(zip(p.pad_lo, p.pad_hi))
     g, k, c, positions = p.groups, p.out_channels, p.in_channels, math.prod(p.output)
-    per_image = g * max(c * math.prod(_padded_spatial(p)), (len(_taps(p)) * c + k) * positions)
+    per_image = g * max(c * math.prod(p.input), (len(_taps(p)) * c + k) * positions)
 
     def chunk_partial(chunk: slice) -> np.ndarray:
-        xp = np.pad(_chunk64(x, chunk), pad)
         dyc = _chunk64(dy, chunk).reshape(-1, g, k, positions)
-        return np.matmul(dyc, np.swapaxes(_windows(p, xp), 2, 3)).sum(axis=0)  # (G, K, taps*C)
+        return np.matmul(dyc, np.swapaxes(_windows(p, _chunk64(x, chunk)), 2, 3)).sum(axis=0)  # (G, K, taps*C)
 
     stacked = sum(_per_chunk(chunk_partial, _batch_chunks(p, per_image)))
     # (G, K, (taps, C)) -> (G, K, C, taps...)

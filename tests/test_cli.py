@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from convdsl.cli import main
@@ -674,3 +675,56 @@ def test_tune_collect_without_cases_names_the_flag(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["convdsl: error: tune collect: --cases is required: the cases.json that `convdsl tune candidates` "
                    "wrote (e.g. --cases tune-build/cases.json)"]
+
+
+DILATED = """conv d {
+  dims = 1; batch = 1; in_channels = 1; out_channels = 1
+  input = [8]; filter = [3]; dilation = 1000000000; padding = [[1000000000, 1000000000]]
+}
+kernel f = forward(d)
+kernel di = grad_input(d)
+"""
+
+
+def test_check_warns_of_a_padded_operand_of_gigabytes(tmp_path, capsys):
+    src = tmp_path / "dilated.conv"
+    src.write_text(DILATED)
+    assert main(["check", str(src)]) == 0  # valid: warned of, not refused
+    captured = capsys.readouterr()
+    assert captured.out.strip().endswith("2 kernels, no errors")
+    warnings = captured.err.strip().splitlines()
+    assert warnings == [
+        f"{src}: warning: kernel f: its zero-padded x spans 2000000008 positions per channel (input [8] with padding "
+        "[1000000000]/[1000000000], dilation [1000000000]): about 8 GB at batch 1; the compiled kernel may need that "
+        "much workspace",
+        f"{src}: warning: kernel di: its zero-padded dy spans 3000000008 positions per channel (input [8], padding "
+        "[1000000000] and the dilated filter's reach, dilation [1000000000]): about 12 GB at batch 1; the compiled "
+        "kernel may need that much workspace"]
+
+
+def test_check_of_ordinary_padding_warns_of_nothing(tmp_path, capsys):
+    src = tmp_path / "tiny.conv"
+    # 1.6 GB of padded dy at this batch, but mostly data: a size the user chose, not a padding mistake
+    src.write_text(TINY.replace("batch = 1", "batch = 4000000"))
+    assert main(["check", str(src)]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_kernel_that_fails_to_run_is_one_line_naming_the_padded_cost(tmp_path, monkeypatch, capsys):
+    from convdsl.module import Kernel
+
+    src = tmp_path / "dilated.conv"
+    src.write_text(DILATED)
+
+    def exhausted(self, *args):  # what IREE raises when the workspace cannot be allocated
+        raise RuntimeError("Error invoking function: c/runtime/src/iree/hal/allocator.c:1: RESOURCE_EXHAUSTED; "
+                           "allocation failed\n  more lines")
+
+    monkeypatch.setattr(Kernel, "__call__", exhausted)
+    assert main(["run", str(src), "--target", "cpu", "--kernel", "f", "--check"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    assert err[0].startswith("convdsl: error: kernel f: the kernel failed on cpu:")
+    assert "RESOURCE_EXHAUSTED; allocation failed; its zero-padded x spans 2000000008 positions" in err[0]
+    assert "--batch" not in err[0]  # the batch is 1: the padding is the cost
+

@@ -351,3 +351,44 @@ def test_f32_inputs_large_reduction_within_tolerance() -> None:
     for ty, tx in itertools.product(range(3), range(3)):
         got[..., ty, tx] = np.einsum("ngchw,ngkhw->gkc", xp[:, :, :, ty:ty + 16, tx:tx + 16], dyc)
     assert relative_error(to_layout(p, "w", got), want) < tolerance(p)
+
+
+# --- padding that dwarfs the data: never made -----------------------------------------------------
+@pytest.mark.parametrize("op", ["forward", "grad_input", "grad_weight"])
+def test_wide_padding_and_taps_that_only_see_padding_match_brute_force(op: str) -> None:
+    # padding past the filter's reach in both dims, strides and dilations: several taps read only padding
+    p = ConvProblem(op=op, dims=2, groups=2, batch=2, in_channels=2, out_channels=3, input=(4, 5), filter=(3, 2),
+                    stride=(2, 3), dilation=(4, 5), pad_lo=(9, 6), pad_hi=(7, 11))
+    x, w, dy = _canon_arrays(p, 11)
+    xl, wl, dyl = to_layout(p, "x", x), to_layout(p, "w", w), to_layout(p, "y", dy)
+    if op == "forward":
+        np.testing.assert_allclose(reference(p, xl, wl), to_layout(p, "y", brute_forward(p, x, w)), rtol=1e-12)
+    elif op == "grad_input":
+        np.testing.assert_allclose(reference(p, dyl, wl), to_layout(p, "x", brute_grad_input(p, dy, w)), rtol=1e-12)
+    else:  # grad_weight: dw[g,k,c,y] = sum_{n,o} x[o*s+y*d-lo] dy[o], from forward's brute force by linearity
+        want = np.zeros((p.groups, p.out_channels, p.in_channels, *p.filter))
+        for g, k, c in itertools.product(range(p.groups), range(p.out_channels), range(p.in_channels)):
+            for tap in itertools.product(*(range(r) for r in p.filter)):
+                unit = np.zeros_like(w)
+                unit[(g, k, c) + tap] = 1.0
+                want[(g, k, c) + tap] = np.vdot(brute_forward(p, x, unit), dy)
+        np.testing.assert_allclose(reference(p, xl, dyl), to_layout(p, "w", want), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("op", ["forward", "grad_input", "grad_weight"])
+def test_a_dilation_of_a_billion_costs_no_padded_copy(op: str) -> None:
+    # input 8, filter 3, dilation 10^9, padding 10^9 per side: only the middle tap reads the input (o -> o), so
+    # y = w[1] x, dx = w[1] dy, dw[1] = x . dy and dw[0] = dw[2] = 0.  A padded copy would take 16 GB of float64.
+    p = ConvProblem(op=op, dims=1, groups=1, batch=1, in_channels=1, out_channels=1, input=(8,), filter=(3,),
+                    stride=(1,), dilation=(10**9,), pad_lo=(10**9,), pad_hi=(10**9,))
+    assert p.output == (8,)
+    x, w, dy = _canon_arrays(p, 5)
+    xl, wl, dyl = to_layout(p, "x", x), to_layout(p, "w", w), to_layout(p, "y", dy)
+    if op == "forward":
+        np.testing.assert_allclose(reference(p, xl, wl), to_layout(p, "y", w[..., 1:2] * x), rtol=1e-12)
+    elif op == "grad_input":
+        np.testing.assert_allclose(reference(p, dyl, wl), to_layout(p, "x", w[..., 1:2] * dy), rtol=1e-12)
+    else:
+        want = np.zeros_like(w)
+        want[..., 1] = np.vdot(x, dy)
+        np.testing.assert_allclose(reference(p, xl, dyl), to_layout(p, "w", want), rtol=1e-12)
