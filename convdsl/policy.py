@@ -14,14 +14,14 @@ from typing import NamedTuple, Optional, Sequence
 from dataclasses import dataclass, replace
 
 from .algebra import grad_input_phases
-from .kernels.launch import (ELEMENT, ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST_STRIDE, SPLIT_PRODUCTS, Launch, TmaMap,
+from .kernels.launch import (ELEMENT, ELEMENT_BYTES, GRID_YZ_MOST, IM2COL_CORNERS, IM2COL_MOST_STRIDE, SPLIT_PRODUCTS, Launch, TmaMap,
                              arch_number, depthwise_channel_blocks, flat_elements, flat_planes, forward_direct_launch,
                              forward_halo_launch, forward_launch, forward_tma_launch, geometry, gluon_tma_im2col,
                              grad_input_direct_launch, grad_input_launch, grad_input_phases_tiles,
                              grad_input_phases_tma_launch, grad_weight_depthwise_launch, grad_weight_flat_tma_launch,
                              grad_weight_launch, grad_weight_tma_launch, halo_grid, im2col_box, output_tiles, pad3,
                              packable, packed_sizes, pad_planes_launch, phases_window, reduction_steps,
-                             round_fp8_launch, split_bf16_launch, split_chunks, tiles_within_images, triton_version)
+                             round_fp8_launch, split_bf16_launch, tiles_within_images, triton_version)
 from .kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
 from .problem import ConvProblem, weight_axes
 from .targets import Target
@@ -43,8 +43,11 @@ MIN_PARTIALS = 600_000
 
 
 def gather_applies(p: ConvProblem) -> bool:
-    """Is `p` a small-group gradient that the gather forms handle (static shapes, no fp8 compute)?"""
-    if p.groups == 1 or p.in_channels * p.out_channels > MAX_GROUP_MACS or p.dynamic_batch or p.fp8_compute:
+    """Is `p` a small-group gradient that the gather forms handle (static shapes, no fp8 compute)?  A split_k
+    asked for keeps grad_weight off it: its partial sums are blocks of output rows of its own
+    (gather_row_blocks), not split-K chunks."""
+    if p.groups == 1 or p.in_channels * p.out_channels > MAX_GROUP_MACS or p.dynamic_batch or p.fp8_compute \
+            or p.split_k is not None:
         return False
     if p.op in ("grad_input", "transposed"):
         return math.prod(p.filter) * p.out_channels <= MAX_WEIGHT_SLICES
@@ -89,9 +92,10 @@ def cpu_im2col(p: ConvProblem, target: Target) -> bool:
     and its matmul microkernels; its implicit-GEMM generics ran 3 to 30x slower than PyTorch
     (docs/decisions.md#cpu-im2col, #cpu-forward-im2col).
     Depthwise kernels (no GEMM) and few-channel groups (the gather form) keep their forms; fp8 compute, bf16x3
-    (whose split operands feed the implicit-GEMM form) and `batch = ?` keep the implicit-GEMM form."""
+    (whose split operands feed the implicit-GEMM form), `batch = ?` and a split_k the im2col grad_weight cannot cut
+    (cpu_im2col_split_reason) keep the implicit-GEMM form, which cuts the batch (algebra.plan_split_k)."""
     return (target.backend == "cpu" and not p.depthwise and not gather_applies(p) and not cpu_gather_forward(p, target)
-            and not p.fp8_compute and not p.bf16x3 and not p.dynamic_batch)
+            and not p.fp8_compute and not p.bf16x3 and not p.dynamic_batch and cpu_im2col_split_reason(p) is None)
 
 
 # im2col forward and grad_input on the CPU: the most columns (K, C per group) their matmul runs unpacked
@@ -158,7 +162,10 @@ def cpu_im2col_row_chunks(p: ConvProblem) -> int:
     reduction (the ResNet stem: 64 x 147 over 50176 positions at batch 4), IREE's matmul streams both operands
     once per output tile and keeps few cores busy.  Split into chunks of rows (at least CPU_SPLIT_POSITIONS
     positions each, N x chunks at most CPU_SPLIT_MOST), the chunks are the batch of a batch_matmul and their f32
-    partials are summed after (docs/decisions.md#cpu-split-k)."""
+    partials are summed after (docs/decisions.md#cpu-split-k).  A split_k asked for is honoured: S / N chunks
+    per image (cpu_im2col_split_reason says which S the form can cut; 1: one GEMM over every position)."""
+    if p.split_k is not None:
+        return max(1, p.split_k // p.batch)
     positions = p.batch * math.prod(p.output)
     if p.dynamic_batch or positions < 2 * p.out_channels * p.in_channels * math.prod(p.filter):
         return 1
@@ -171,15 +178,29 @@ def cpu_im2col_row_chunks(p: ConvProblem) -> int:
     return best
 
 
+def cpu_im2col_split_reason(p: ConvProblem) -> Optional[str]:
+    """Why the im2col grad_weight cannot cut p's split_k into its chunks (None: it can, or none is asked).  Its
+    chunks are H blocks of whole output rows in each image (cpu_im2col_row_chunks), N x H partials, or one GEMM
+    over every position: split_k = 1, or N x H with H > 1 dividing the first output dimension."""
+    if p.op != "grad_weight" or p.split_k is None or p.split_k == 1:
+        return None
+    rows, o0 = p.split_k // p.batch, p.output[0]
+    if p.split_k % p.batch or rows < 2 or o0 % rows:
+        return (f"kernel {p.name}: split_k = {p.split_k} cannot be honoured by the CPU im2col grad_weight form (its "
+                f"split is N x H blocks of whole output rows, N = {p.batch} images and H > 1 dividing the first output "
+                f"dimension {o0}; or split_k = 1)")
+    return None
+
+
 def cpu_depthwise_named(p: ConvProblem, target: Target) -> bool:
     """CPU depthwise gradients in NHWGC as IREE's named depthwise convolution (form "depthwise-named"), which its
     CPU pipeline vectorises along the channels.  grad_input: one per stride phase; the stencil generic with the
     taps innermost was 6x slower than PyTorch (docs/decisions.md#cpu-depthwise).  grad_weight: one per image,
     X as its image and dY as its filter; the gather form ran at 0.06x PyTorch (docs/decisions.md#cpu-depthwise-wgrad);
     with a few channels per group (ResNeXt's 4), one per image and output channel k over the G*C channels, dY's
-    channel k repeated along c.  `batch = ?` (grad_weight has one convolution per image) and fp8 compute keep
-    their forms."""
-    if target.backend != "cpu" or p.layout != "NHWGC" or p.fp8_compute or p.dynamic_batch:
+    channel k repeated along c.  `batch = ?` (grad_weight has one convolution per image), fp8 compute and a
+    split_k asked for (grad_weight sums its images in one loop, no split-K chunks) keep their forms."""
+    if target.backend != "cpu" or p.layout != "NHWGC" or p.fp8_compute or p.dynamic_batch or p.split_k is not None:
         return False
     if p.depthwise:
         return p.op in ("grad_input", "transposed", "grad_weight")
@@ -415,12 +436,18 @@ def promoted_tiles(tiles: TileConfig) -> TileConfig:
 
 
 def tma_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
-    """The TMA grad_weight's split-K chunks S: forced (tiles.split, then the problem's split_k), or the S of least
+    """The TMA grad_weight's split-K chunks S asked for: the problem's split_k, else the tiles' split (a knob), else
+    the S of least
     estimated time, waves x chunk steps of products at the SM's peak plus S f32 partials of the weight written
     and read back at the memory's peak.  Each program stores a [BLOCK_M, BLOCK_N] f32 tile through shared
     memory, so fewer are resident than for the cp.async kernel, and fewer, longer chunks than grad_weight_parts
     gives won: ResNet-50's 512-channel 3x3 at 7x7 0.065 -> 0.041 ms (docs/decisions.md#tma-forward)."""
-    return tiles.split or p.split_k or _least_time_parts(p, tiles, target, reduction_steps(p, tiles), 2, 1.0)
+    return p.split_k or tiles.split or _least_time_parts(p, tiles, target, reduction_steps(p, tiles), 2, 1.0)
+
+
+def tma_grad_weight_split(p: ConvProblem, tiles: TileConfig, target: Target) -> tuple[int, int]:
+    """(S, CHUNK positions) of the TMA grad_weight: tma_grad_weight_parts cut into whole reduction steps."""
+    return reduction_split(p, tiles, tma_grad_weight_parts(p, tiles, target), target, "TMA grad_weight kernel")
 
 
 def _least_time_parts(p: ConvProblem, tiles: TileConfig, target: Target, steps: int, element_bytes: int,
@@ -465,12 +492,21 @@ def tma_flat_grad_weight_tiles(p: ConvProblem) -> TileConfig:
 
 
 def tma_flat_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
-    """The flat kernel's split-K chunks, as tma_grad_weight_parts estimates them, over its own steps (images x
-    position blocks) at TF32's rate (half the 16-bit one) or fp8's (twice)."""
+    """The flat kernel's split-K chunks asked for: the problem's split_k, else the tiles', else as
+    tma_grad_weight_parts estimates them, over its own steps (images x position blocks) at TF32's rate (half the
+    16-bit one) or fp8's (twice)."""
     steps = p.batch * flat_planes(p, tiles.block_k).blocks
     element_bytes = ELEMENT_BYTES[flat_elements(p)[0]]
-    return tiles.split or p.split_k or _least_time_parts(p, tiles, target, steps, element_bytes,
+    return p.split_k or tiles.split or _least_time_parts(p, tiles, target, steps, element_bytes,
                                                          2.0 / element_bytes)
+
+
+def tma_flat_grad_weight_split(p: ConvProblem, tiles: TileConfig, target: Target) -> tuple[int, int]:
+    """(S, CHUNK steps) of the flat kernel: tma_flat_grad_weight_parts cut into whole steps (images x position
+    blocks)."""
+    steps = p.batch * flat_planes(p, tiles.block_k).blocks
+    return _honoured(p, even_chunks(steps, tma_flat_grad_weight_parts(p, tiles, target), GRID_YZ_MOST),
+                     "flat-plane TMA grad_weight kernel", f"{steps} steps of images x position blocks")
 
 
 def tma_fp8_promote(p: ConvProblem, tiles: TileConfig) -> int:
@@ -838,7 +874,8 @@ def halo_forward_efficiency(p: ConvProblem, target: Target) -> float:
 
 class TmaPlan(NamedTuple):
     """A TMA kernel for the stream runner: its launch and maps, whether it reads the weight flipped
-    (grad_input_as_forward), grad_weight's partials shape (else ()), the tiles the rule chose, the copies its
+    (grad_input_as_forward), grad_weight's partials shape (else ()), the tiles the rule chose (grad_weight's with
+    the split-K chunks it resolved), the copies its
     operands are staged through first (per operand in order: the copy's launch and its shape; empty: the operands
     as they come), and the axis order of the weight copy it reads (weight_copy_axes; empty: the weight itself)."""
 
@@ -904,29 +941,29 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
         tiles = tma_grad_weight_tiles(stacked, target)
         if tma_grad_weight_promote(p, tiles):
             tiles = promoted_tiles(tiles)
-        launch, maps, partials = grad_weight_tma_launch(stacked, tiles, base,
-                                                        tma_grad_weight_parts(stacked, tiles, target),
+        split = tma_grad_weight_split(stacked, tiles, target)
+        launch, maps, partials = grad_weight_tma_launch(stacked, tiles, base, split,
                                                         specialised=tma_grad_weight_specialised(tiles),
                                                         promote=tma_grad_weight_promote(p, tiles))
         staging = ((split_bf16_launch(math.prod(p.x_shape), how, 0, f"{base}_0"), stacked.x_shape),
                    (split_bf16_launch(math.prod(p.y_shape), how, 1, f"{base}_1"), stacked.y_shape))
-        return TmaPlan(launch, maps, False, partials, tiles, staging)
+        return TmaPlan(launch, maps, False, partials, replace(tiles, split=split[0]), staging)
     if tma_grad_weight_reason(p, target) is None:
         tiles = tma_grad_weight_tiles(p, target)
-        launch, maps, partials = grad_weight_tma_launch(p, tiles, base, tma_grad_weight_parts(p, tiles, target),
+        split = tma_grad_weight_split(p, tiles, target)
+        launch, maps, partials = grad_weight_tma_launch(p, tiles, base, split,
                                                         specialised=tma_grad_weight_specialised(tiles))
         # fp8 compute: X and dY rounded to their fp8 grids in f16 copies, the 16-bit products then exact
         # (docs/decisions.md#fp8-grad-weight-tma)
         staging = tuple((round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}"), shape)
                         for i, (shape, dtype, kind) in enumerate(zip(p.arg_shapes, p.arg_dtypes, p.compute))
                         ) if p.fp8_compute else ()
-        return TmaPlan(launch, maps, False, partials, tiles, staging)
+        return TmaPlan(launch, maps, False, partials, replace(tiles, split=split[0]), staging)
     if tma_flat_grad_weight_reason(p, target) is None:
         tiles = tma_flat_grad_weight_tiles(p)
-        launch, maps, partials, planes = grad_weight_flat_tma_launch(p, tiles, base,
-                                                                     tma_flat_grad_weight_parts(p, tiles, target),
-                                                                     tma_fp8_promote(p, tiles))
-        return TmaPlan(launch, maps, False, partials, tiles,
+        split = tma_flat_grad_weight_split(p, tiles, target)
+        launch, maps, partials, planes = grad_weight_flat_tma_launch(p, tiles, base, split, tma_fp8_promote(p, tiles))
+        return TmaPlan(launch, maps, False, partials, replace(tiles, split=split[0]),
                        tuple(pad_planes_launch(p, planes, name, base) for name in ("x", "dy")))
     return None
 
@@ -1083,10 +1120,10 @@ def last_wave_fill(programs: int, slots: int) -> float:
 
 
 def grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
-    """The split-K chunks S asked for: forced (tiles.split, then the problem's split_k), or the fewest chunks
-    whose programs fill the GPU's resident slots best (last_wave_fill), at most 256 chunks of at least 8
-    reduction steps (each chunk adds a weight-sized f32 partial to write and sum)."""
-    parts = tiles.split or p.split_k
+    """The split-K chunks S asked for: the problem's split_k (the user's), else the tiles' split (a knob: tuned or
+    a candidate's), else the fewest chunks whose programs fill the GPU's resident slots best (last_wave_fill), at
+    most 256 chunks of at least 8 reduction steps (each chunk adds a weight-sized f32 partial to write and sum)."""
+    parts = p.split_k or tiles.split
     if not parts:
         slots = target.gpu.sm_count * resident_programs(tiles, 4 if p.dtype == "f32" else 2, target)
         parts = fullest_split(output_tiles(p, tiles), slots, max(1, min(256, reduction_steps(p, tiles) // 8)))
@@ -1094,8 +1131,37 @@ def grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
 
 
 def grad_weight_split(p: ConvProblem, tiles: TileConfig, target: Target) -> tuple[int, int]:
-    """(S, CHUNK) of grad_weight's split-K: grad_weight_parts cut into whole chunks (launch.split_chunks)."""
-    return split_chunks(p, tiles, grad_weight_parts(p, tiles, target))
+    """(S, CHUNK positions) of grad_weight's split-K: grad_weight_parts cut into whole reduction steps."""
+    return reduction_split(p, tiles, grad_weight_parts(p, tiles, target), target, "grad_weight GEMM kernel")
+
+
+def even_chunks(steps: int, parts: int, most: int) -> tuple[int, int]:
+    """(S, CHUNK): `steps` cut into about `parts` chunks of CHUNK steps (the last one shorter), at most `most`
+    and at most one a step; S recounted so that no chunk is empty (7 steps in 3: chunks of 3, S = 3; 4 steps
+    in 3: chunks of 2, S = 2)."""
+    parts = max(1, min(parts, steps, most))
+    chunk = -(-steps // parts)
+    return -(-steps // chunk), chunk
+
+
+def _honoured(p: ConvProblem, split: tuple[int, int], kernel: str, cut: str) -> tuple[int, int]:
+    # the split, where it is the problem's split_k or none was asked for: a split_k is never silently changed
+    if p.split_k is not None and split[0] != p.split_k:
+        raise ValueError(f"kernel {p.name}: split_k = {p.split_k} cannot be honoured by the {kernel} (its split cuts "
+                         f"{cut} into chunks of equal length, at most {GRID_YZ_MOST}: {split[0]} chunks of "
+                         f"{split[1]} come nearest)")
+    return split
+
+
+def reduction_split(p: ConvProblem, tiles: TileConfig, parts: int, target: Target, kernel: str = "grad_weight kernel"
+                    ) -> tuple[int, int]:
+    """(S, CHUNK): grad_weight's reduction over N * prod(O) positions, in steps of the tiles' reduction block, cut
+    into about `parts` chunks of whole steps (even_chunks; CHUNK in positions, the last chunk shorter).  A split_k
+    this cut cannot give is refused (a ValueError naming `kernel`)."""
+    steps = reduction_steps(p, tiles)
+    parts, chunk = _honoured(p, even_chunks(steps, parts, GRID_YZ_MOST), kernel,
+                             f"{steps} reduction steps of {tiles.block_k} positions")
+    return parts, chunk * tiles.block_k
 
 
 # grad_weight_depthwise's filters with more taps than this spread their tap rows across threads (a thread
@@ -1121,10 +1187,30 @@ def depthwise_grad_weight_tiles(p: ConvProblem) -> TileConfig:
 
 
 def depthwise_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
-    """The chunks of dY rows asked for: tiles.split, else programs for 16 warps per SM (bound by memory and
-    latency: many loads in flight, and the partials few enough for one linalg sum)."""
+    """The chunks of dY rows asked for: the problem's split_k, else tiles.split, else programs for 16 warps per SM
+    (bound by memory and latency: many loads in flight, and the partials few enough for one linalg sum)."""
     blocks = depthwise_channel_blocks(p, tiles)
-    return tiles.split or 16 * target.gpu.sm_count // (blocks * tiles.warps)
+    return p.split_k or tiles.split or 16 * target.gpu.sm_count // (blocks * tiles.warps)
+
+
+def depthwise_grad_weight_split(p: ConvProblem, tiles: TileConfig, target: Target) -> tuple[int, int, bool]:
+    """(S, run, slide) of grad_weight_depthwise: S chunks of `run` dY rows each, about depthwise_grad_weight_parts
+    of them.  slide (slides_along_rows): the chunks are segments of `run` rows o1 within each plane (n, o0), as
+    many per plane as the parts ask, cut evenly; else runs of the N x O0 x O1 rows (even_chunks).  A split_k the
+    segments cannot give takes the runs; one neither can give is refused (a ValueError)."""
+    out3 = pad3(p.output, 1)
+    rows = p.batch * out3[0] * out3[1]
+    asked = depthwise_grad_weight_parts(p, tiles, target)
+    if slides_along_rows(p):
+        planes = p.batch * out3[0]
+        per_plane = min(out3[1], -(-max(1, min(rows, asked, GRID_YZ_MOST)) // planes))
+        seg = -(-out3[1] // per_plane)
+        parts = planes * -(-out3[1] // seg)  # no segment empty
+        if p.split_k is None or parts == p.split_k:
+            return parts, seg, True
+    parts, rows_per = _honoured(p, even_chunks(rows, asked, GRID_YZ_MOST), "depthwise grad_weight kernel",
+                                f"the {rows} rows of dY (N x O0 x O1)")
+    return parts, rows_per, False
 
 
 def slides_along_rows(p: ConvProblem) -> bool:
@@ -1168,11 +1254,11 @@ def plan_launches(p: ConvProblem, tiles: Optional[TileConfig], target: Target, x
         raise ValueError(f"x_layout: only grad_weight's GEMM kernel reads a copy of X ({p.name})")
     tiles = kernel_tiles(p, tiles)
     if p.op == "grad_weight" and p.depthwise and not packed:
-        launch, partials = grad_weight_depthwise_launch(p, tiles, base, depthwise_grad_weight_parts(p, tiles, target),
-                                                        slides_along_rows(p), tap_rows(p))
+        launch, partials = grad_weight_depthwise_launch(p, tiles, base, *depthwise_grad_weight_split(p, tiles, target),
+                                                        tap_rows(p))
         return tiles, (launch,), partials
     if p.op == "grad_weight":
-        launch, partials = grad_weight_launch(p, tiles, base, grad_weight_parts(p, tiles, target), dot_precision(p),
+        launch, partials = grad_weight_launch(p, tiles, base, grad_weight_split(p, tiles, target), dot_precision(p),
                                               x_layout)
         return tiles, (launch,), partials
     if direct_forward(p) and not packed:

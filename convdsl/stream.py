@@ -177,8 +177,7 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
     if tma_plan is not None:
         launch, maps, flipped, partials, tiles, staging, weight_copy = tma_plan
         summed = _uncompiled(sum_partials_launch(p, partials, launch.name)) if p.op == "grad_weight" else None
-        label = replace(tiles, split=partials[0]).label() if partials else tiles.label()
-        planned = StreamKernel(p, target.arch, p, (), (_uncompiled(launch),), partials, label, source, summed,
+        planned = StreamKernel(p, target.arch, p, (), (_uncompiled(launch),), partials, tiles.label(), source, summed,
                                weight_axes=weight_copy, tma_maps=maps, tma_flipped_weight=flipped,
                                staging=tuple(_uncompiled(la) for la, _ in staging),
                                staged_shapes=tuple(shape for _, shape in staging))

@@ -658,7 +658,7 @@ def _emulated_grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray, tiles: 
     a program's columns (tap, channel) col0.. of the [taps * C] axis, one im2col box per tap where the tile is
     wider than C, the last tile's columns past the last tap computed from its window again and left unstored."""
     tiles = tiles or policy.tma_grad_weight_tiles(p, HOPPER)
-    launch, maps, partials_shape = grad_weight_tma_launch(p, tiles, "k", 3)
+    launch, maps, partials_shape = grad_weight_tma_launch(p, tiles, "k", policy.reduction_split(p, tiles, 3, HOPPER))
     consts = dict(launch.constants)
     x_map, dy_map, p_map = maps
     bm, bn, br = tiles.block_m, tiles.block_n, tiles.block_k
@@ -843,10 +843,12 @@ def _box(a: np.ndarray, row: int, col: int, rows: int, cols: int) -> np.ndarray:
 def _emulated_flat_grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray, parts: int = 3) -> np.ndarray:
     """grad_weight_flat_tma's copies, boxes and partial stores in float64 with the coordinates the kernel
     computes, then the chunks' sum."""
-    from convdsl.kernels.launch import grad_weight_flat_tma_launch, pad_planes_launch
+    from convdsl.kernels.launch import flat_planes, grad_weight_flat_tma_launch, pad_planes_launch
 
     tiles = policy.tma_flat_grad_weight_tiles(p)
-    launch, maps, partials_shape, planes = grad_weight_flat_tma_launch(p, tiles, "k", parts)
+    steps = p.batch * flat_planes(p, tiles.block_k).blocks
+    launch, maps, partials_shape, planes = grad_weight_flat_tma_launch(p, tiles, "k",
+                                                                       policy.even_chunks(steps, parts, 65535))
     copies = [pad_planes_launch(p, planes, name, "k") for name in ("x", "dy")]
     xf, yf = (_pad_planes(a, dict(la.constants), dict(la.constants)["COPIES"])
               for a, (la, _) in zip((x, dy), copies))

@@ -319,33 +319,24 @@ def depthwise_chunk(extent: int, most: int) -> int:
     return -(-extent // chunks)
 
 
-def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int, slide_rows: bool,
-                                 tap_rows: int) -> tuple[Launch, tuple[int, ...]]:
-    """Depthwise grad_weight: f32 partials [S, G, 1, taps, 1] of S chunks of dY rows (n, o0, o1) (about `parts`
-    of them, at most one per row), summed like grad_weight_launch's.  slide_rows: the chunks are segments of
-    rows within a plane (n, o0) and the kernel slides along them (grad_weight_depthwise_rows); tap_rows: the
-    other kernel's TAP_ROWS (1: every tap in each thread)."""
+def grad_weight_depthwise_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int, run: int,
+                                 slide_rows: bool, tap_rows: int) -> tuple[Launch, tuple[int, ...]]:
+    """Depthwise grad_weight: f32 partials [S, G, 1, taps, 1] of S = `parts` chunks of `run` dY rows (n, o0, o1)
+    each (policy.depthwise_grad_weight_split), summed like grad_weight_launch's.  slide_rows: the chunks are
+    segments of `run` rows o1 within a plane (n, o0) and the kernel slides along them
+    (grad_weight_depthwise_rows); tap_rows: the other kernel's TAP_ROWS (1: every tap in each thread)."""
     out3 = pad3(p.output, 1)
-    rows = p.batch * out3[0] * out3[1]
     blocks = depthwise_channel_blocks(p, tiles)
-    parts = max(1, min(rows, parts, GRID_YZ_MOST))
     x_str = activation_strides(p, p.input, p.in_channels)
     dy_str = activation_strides(p, p.output, p.out_channels)
     common = dict(G=p.groups, N=p.batch, **geometry(p), X=x_str, DY=dy_str)
     block_w = depthwise_chunk(out3[2], tiles.block_m)
     elem = operand_element(p)
     if slide_rows:
-        # segments of seg rows o1 per plane (n, o0), as many as the parts asked for, cut evenly
-        planes = p.batch * out3[0]
-        per_plane = min(out3[1], -(-parts // planes))
-        seg = -(-out3[1] // per_plane)
-        parts = planes * -(-out3[1] // seg)  # no segment empty
-        consts = dict(common, SEG=seg, BLOCK_W=block_w, BLOCK_CH=tiles.block_n)
+        consts = dict(common, SEG=run, BLOCK_W=block_w, BLOCK_CH=tiles.block_n)
         kernel = "grad_weight_depthwise_rows"
     else:
-        rows_per = -(-rows // parts)
-        parts = -(-rows // rows_per)  # no chunk empty
-        consts = dict(common, ROWS_PER=rows_per, BLOCK_W=block_w, BLOCK_CH=tiles.block_n, TAP_ROWS=tap_rows)
+        consts = dict(common, ROWS_PER=run, BLOCK_W=block_w, BLOCK_CH=tiles.block_n, TAP_ROWS=tap_rows)
         kernel = "grad_weight_depthwise"
     consts["WIDE"] = needs_wide(p, parts * p.groups * math.prod(p.filter))
     launch = Launch(kernel, f"{base}_depthwise", (elem, elem, "fp32"), tuple(consts.items()),
@@ -376,16 +367,6 @@ def tiles_within_images(p: ConvProblem, tiles: TileConfig) -> bool:
     return math.prod(p.output) % tiles.block_k == 0
 
 
-def split_chunks(p: ConvProblem, tiles: TileConfig, parts: int) -> tuple[int, int]:
-    """(S, CHUNK): the reduction over L = N * prod(O) cut into about `parts` chunks of CHUNK steps, a multiple of
-    the tile's reduction step (the last chunk shorter); S is recomputed so that no chunk is empty."""
-    length = p.batch * math.prod(p.output)
-    steps = -(-length // tiles.block_k)
-    parts = max(1, min(parts, steps, GRID_YZ_MOST))
-    chunk = -(-steps // parts) * tiles.block_k
-    return -(-length // chunk), chunk
-
-
 def reduction_steps(p: ConvProblem, tiles: TileConfig) -> int:
     """grad_weight's reduction steps: N * prod(O) positions in steps of the tile's BLOCK_R."""
     return -(-(p.batch * math.prod(p.output)) // tiles.block_k)
@@ -397,14 +378,14 @@ def output_tiles(p: ConvProblem, tiles: TileConfig) -> int:
     return groups * -(-k // tiles.block_m) * -(-(c * math.prod(p.filter)) // tiles.block_n)
 
 
-def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int, precision: str,
+def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str, split: tuple[int, int], precision: str,
                        x_layout: Optional[str] = None) -> tuple[Launch, tuple[int, ...]]:
     """The launch and the shape of its f32 partials [S, G, K, F0, F1, F2, C] (filter padded to 3D; packed
-    groups store their diagonal blocks there, so the shape is the same), the reduction cut into about `parts`
-    split-K chunks.  x_layout: the layout of the copy of X the kernel reads (policy.dy_read_in_place), where it
-    is not p's."""
+    groups store their diagonal blocks there, so the shape is the same), the reduction cut into the split-K
+    chunks `split` = (S, CHUNK positions) (policy.grad_weight_split).  x_layout: the layout of the copy of X the
+    kernel reads (policy.dy_read_in_place), where it is not p's."""
     tiles.check_matrix()
-    parts, chunk = split_chunks(p, tiles, parts)
+    parts, chunk = split
     groups, c, k = packed_sizes(p, tiles.pack)
     x_problem = p.with_(layout=x_layout) if x_layout else p
     x_str = _pack_strides(activation_strides(x_problem, p.input, p.in_channels), tiles.pack)
@@ -633,16 +614,18 @@ def grad_input_phases_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, p
 PARTIALS_BOX_MOST = 128
 
 
-def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int, specialised: bool = False,
-                           promote: int = 0) -> tuple[Launch, tuple[TmaMap, ...], tuple[int, ...]]:
+def grad_weight_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, split: tuple[int, int],
+                           specialised: bool = False, promote: int = 0
+                           ) -> tuple[Launch, tuple[TmaMap, ...], tuple[int, ...]]:
     """grad_weight (NHWGC) on kernels/tma.grad_weight_tma: X through the im2col map of its forward (the same
     pixel box), dY as [N*O, G*K], f32 partials as [S*G*K, taps*C]; one program per (K tile, tap and C tile,
-    group, chunk); a tile wider than C spans taps.  specialised: a warp of its own issues the copies
+    group, chunk); a tile wider than C spans taps.  split: the split-K chunks (S, CHUNK positions)
+    (policy.tma_grad_weight_split).  specialised: a warp of its own issues the copies
     (policy.tma_grad_weight_specialised).  promote: wgmma sums this many steps at a time, each run then added in
     f32 by the SM (0: wgmma's accumulator throughout).  Returns the launch, its maps and the partials' shape
     [S, G, K, F0, F1, F2, C]."""
     c, k, g = p.in_channels, p.out_channels, p.groups
-    parts, chunk = split_chunks(p, tiles, parts)
+    parts, chunk = split
     rows = p.batch * math.prod(p.output)
     taps = math.prod(p.filter)
     lower, upper = im2col_box(p)
@@ -788,19 +771,18 @@ def pad_planes_launch(p: ConvProblem, planes: FlatPlanes, operand: str, base: st
                   grid, 4, 1), (copies * rows, length)
 
 
-def grad_weight_flat_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, parts: int, promote: int = 0
-                                ) -> tuple[Launch, tuple[TmaMap, ...], tuple[int, ...], FlatPlanes]:
+def grad_weight_flat_tma_launch(p: ConvProblem, tiles: TileConfig, base: str, split: tuple[int, int],
+                                promote: int = 0) -> tuple[Launch, tuple[TmaMap, ...], tuple[int, ...], FlatPlanes]:
     """grad_weight (stride 1; f32 in one-pass TF32, or fp8 compute) on kernels/tma.grad_weight_flat_tma over the
     flat plane copies of X and dY (operands 0 and 1 of its launch: pad_planes_launch's), f32 partials as
-    [S*G*K, taps*C]; one program per (K tile, tap and C tile, group, chunk).  Returns the launch, its maps, the
+    [S*G*K, taps*C]; one program per (K tile, tap and C tile, group, chunk), the split-K chunks `split` = (S,
+    CHUNK steps of images x position blocks) (policy.tma_flat_grad_weight_split).  Returns the launch, its maps, the
     partials' shape [S, G, K, F0, F1, F2, C] and the planes.  promote (fp8): positions whose products wgmma sums in
     its own accumulator before adding them to the f32 one (0: all of them)."""
     c, k, g = p.in_channels, p.out_channels, p.groups
     planes = flat_planes(p, tiles.block_k)
     steps = p.batch * planes.blocks
-    parts = max(1, min(parts, steps, GRID_YZ_MOST))
-    chunk = -(-steps // parts)
-    parts = -(-steps // chunk)
+    parts, chunk = split
     a = planes.order[0]
     p1, p2 = planes.plane
     flat = [0, 0, 0]  # each spatial dimension's stride in the flat positions
