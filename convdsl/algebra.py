@@ -11,12 +11,10 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from .problem import ConvProblem
+from .problem import ConvProblem, output_size
 
-
-def output_size(i: int, r: int, s: int, d: int, lo: int, hi: int) -> int:
-    # O = (I + lo + hi - d*(R-1) - 1) // s + 1: the number of window positions o with o*s + (R-1)*d <= I + lo + hi - 1
-    return (i + lo + hi - d * (r - 1) - 1) // s + 1
+__all__ = ["Phase", "Phase1D", "SplitK", "auto_split_k", "dy_padding", "grad_input_phases", "output_size",
+           "phases_1d", "plan_split_k", "split_chunks", "x_window"]
 
 
 @dataclass(frozen=True)

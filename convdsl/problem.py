@@ -46,6 +46,19 @@ class ProblemError(ValueError):
     """A convolution description that is inconsistent; the message names the field."""
 
 
+def output_size(i: int, r: int, s: int, d: int, lo: int, hi: int) -> int:
+    """O = (I + lo + hi - d*(R-1) - 1) // s + 1: the window positions o with o*s + (R-1)*d <= I + lo + hi - 1
+    along one dimension (the one formula: ConvProblem.output, algebra and the PyTorch wrappers use it)."""
+    return (i + lo + hi - d * (r - 1) - 1) // s + 1
+
+
+def output_sizes(size: Sequence[int], filt: Sequence[int], stride: Sequence[int], pad_lo: Sequence[int],
+                 pad_hi: Sequence[int], dilation: Sequence[int]) -> tuple[int, ...]:
+    """output_size per spatial dimension."""
+    return tuple(output_size(i, r, s, d, lo, hi)
+                 for i, r, s, lo, hi, d in zip(size, filt, stride, pad_lo, pad_hi, dilation))
+
+
 @dataclass(frozen=True)
 class Epilogue:
     """out = alpha * conv (+ beta * D for bilinear), applied in f32 before the output cast."""
@@ -204,11 +217,7 @@ class ConvProblem:
     # --- derived sizes -------------------------------------------------------------------------
     @property
     def output(self) -> tuple[int, ...]:
-        # O = (I + lo + hi - d*(R-1) - 1) // s + 1   (floor division of the padded, dilated window count)
-        return tuple(
-            (i + lo + hi - d * (r - 1) - 1) // s + 1
-            for i, r, s, d, lo, hi in zip(self.input, self.filter, self.stride, self.dilation, self.pad_lo, self.pad_hi)
-        )
+        return output_sizes(self.input, self.filter, self.stride, self.pad_lo, self.pad_hi, self.dilation)
 
     @property
     def result_dtype(self) -> str:

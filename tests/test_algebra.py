@@ -7,7 +7,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from convdsl.algebra import dy_padding, grad_input_phases, output_size, phases_1d, plan_split_k, split_chunks, x_window
-from convdsl.problem import ConvProblem
+from convdsl.problem import ConvProblem, output_sizes
+from convdsl.problem import output_size as problem_output_size
 
 
 @given(
@@ -130,3 +131,13 @@ def test_dy_window_reads_stay_in_the_padded_tensor(dims, data):
     # the forward window is exactly what the last output reads
     for k in range(dims):
         assert p.input[k] + xlo[k] + xhi[k] == (p.output[k] - 1) * stride[k] + (filt[k] - 1) * dil[k] + 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 6), st.integers(1, 4), st.integers(1, 3), st.integers(0, 5), st.integers(0, 5))
+def test_one_output_size_formula(i, r, s, d, lo, hi):
+    # ConvProblem.output and the index algebra count windows with problem.output_size, the one formula
+    assume(output_size(i, r, s, d, lo, hi) >= 1)
+    p = _problem(input=(i, 5), filter=(r, 1), stride=(s, 1), dilation=(d, 1), pad_lo=(lo, 0), pad_hi=(hi, 0))
+    assert p.output[0] == output_size(i, r, s, d, lo, hi) == output_sizes((i,), (r,), (s,), (lo,), (hi,), (d,))[0]
+    assert output_size is problem_output_size
