@@ -28,6 +28,9 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+import convdsl as _package
+
+from . import compiler
 from . import options as normalise
 from .abi import KERNEL_NAME
 from .compiler import cache_key, compile_vmfb
@@ -35,6 +38,7 @@ from .module import ArgumentError, CompiledModule, Kernel, resolve_target
 from .options import activation_letters, weight_letters
 from .problem import DYNAMIC_BATCH_NOMINAL, ConvProblem, Epilogue, ProblemError
 from .targets import Target
+from .tuning import db as tuning_db
 
 __all__ = [
     "conv",
@@ -425,16 +429,38 @@ def infer_problem(op: str, a: np.ndarray, b: np.ndarray, *, d: Optional[np.ndarr
 # cache key -> a kernel whose module is loaded on its device.  Keyed like the disk cache so that a
 # changed version (or flag) in the same process can never pick up a stale module.
 _kernels: dict[str, Kernel] = {}
+# (problem, target) -> (the key's other inputs that can change in a process, when it was found; its kernel).  Hashing
+# every field of the problem into the key took about 0.1 ms a call, as long as a small kernel runs: a repeated
+# call finds its kernel here, and the full key is made again whenever a version or the tuning database changed.
+_recent: dict[tuple[ConvProblem, Target], tuple[tuple, Kernel]] = {}
 
 
 def clear_memory_cache() -> None:
     """Forget the kernels compiled or loaded in this process (the disk cache is untouched)."""
     _kernels.clear()
+    _recent.clear()
+
+
+def _key_inputs() -> tuple:
+    """What compiler.cache_key reads besides the problem and the target that may change while a process runs:
+    convdsl's and IREE's versions, the source digest, and the tuning database the knobs come from (its file's
+    path, mtime and size: load_db reads it again on a change)."""
+    path = tuning_db.DB_PATH
+    try:
+        stat = path.stat()
+        database: tuple = (str(path), stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        database = (str(path),)
+    return _package.__version__, compiler.iree_version(), compiler.source_digest(), database
 
 
 def get_kernel(problem: ConvProblem, target: Union[str, Target] = "cpu", arch: Optional[str] = None) -> Kernel:
     """The loaded kernel for `problem`: from memory, else the disk cache, else compiled (and cached)."""
     tgt = _resolve(target, arch)
+    inputs = _key_inputs()
+    recent = _recent.get((problem, tgt))
+    if recent is not None and recent[0] == inputs:
+        return recent[1]
     key = cache_key([problem], tgt)
     kernel = _kernels.get(key)
     if kernel is None:
@@ -442,6 +468,7 @@ def get_kernel(problem: ConvProblem, target: Union[str, Target] = "cpu", arch: O
         module.loaded  # load now: a device error belongs to this call, not to a later one  # noqa: B018
         kernel = module[problem.name]
         _kernels[key] = kernel
+    _recent[(problem, tgt)] = (inputs, kernel)
     return kernel
 
 

@@ -211,3 +211,33 @@ def test_dynamic_batch_compiles_once_for_every_batch(tmp_path, monkeypatch):
         problem = api.infer_problem("grad_weight", x, dy, filter=(3, 3), stride=2, padding=1)
         assert relative_error(dw.astype(np.float64), reference(problem, x, dy)) <= 1e-5
     assert cache.stats.compiles == 1
+
+
+def test_a_repeated_call_skips_the_key_until_what_it_reads_changes(tmp_path, monkeypatch) -> None:
+    # the key hashes every field (as long as a small kernel runs): a repeated call finds its kernel without it,
+    # but a change of version, source digest or tuning database makes the full key again
+    from convdsl import compiler
+    from convdsl.tuning import db as tuning_db
+
+    p = make("forward", groups=2)
+    x, w = random_inputs(p)
+    first = convdsl.conv(x, w, padding=1)
+    keys = []
+    real_key = api.cache_key
+    monkeypatch.setattr(api, "cache_key", lambda *a, **k: keys.append(1) or real_key(*a, **k))
+    np.testing.assert_array_equal(convdsl.conv(x, w, padding=1), first)
+    assert keys == []
+    database = tmp_path / "db.json"
+    database.write_text("{}\n")
+    monkeypatch.setattr(tuning_db, "DB_PATH", database)
+    convdsl.conv(x, w, padding=1)
+    assert len(keys) == 1
+    convdsl.conv(x, w, padding=1)
+    assert len(keys) == 1
+    database.write_text('{"edited": {}}\n')  # another size: read again
+    convdsl.conv(x, w, padding=1)
+    assert len(keys) == 2
+    monkeypatch.setattr(compiler, "source_digest", lambda: "edited")
+    compiles = cache.stats.compiles
+    np.testing.assert_array_equal(convdsl.conv(x, w, padding=1), first)
+    assert len(keys) == 3 and cache.stats.compiles == compiles + 1  # a new key: compiled again
