@@ -1,10 +1,15 @@
-"""Host time per call of convdsl.torch's operators against torch.nn's (cuDNN), on one CUDA GPU: a small
-convolution (so that the GPU waits for the host) called N times back to back, forward and forward + backward.
+"""Host time per call of convdsl.torch's modules against torch.nn's (cuDNN), on one CUDA GPU: small convolutions
+(so that the GPU waits for the host) called N times back to back, forward and forward + backward, in both memory
+formats; --profile adds the Python functions that cost the most host time in convdsl's forward + backward.
 
-    python3 benchmarks/torch_overhead.py
+    python3 benchmarks/torch_overhead.py [--profile]
 """
 from __future__ import annotations
 
+import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -17,6 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import convdsl.torch as ct  # noqa: E402
 
 CALLS = 500
+# (label, Conv2d arguments, input shape, dtype): small batches, so the GPU is never the limit
+LAYERS = [
+    ("3x3 32->32 bf16", dict(in_channels=32, out_channels=32, kernel_size=3, padding=1), (2, 32, 8, 8),
+     torch.bfloat16),
+    ("3x3/2 80->112 f16", dict(in_channels=80, out_channels=112, kernel_size=3, stride=2, padding=1),
+     (2, 80, 16, 16), torch.float16),
+]
 
 
 def per_call_us(fn) -> float:
@@ -31,22 +43,40 @@ def per_call_us(fn) -> float:
     return (t1 - t0) / CALLS * 1e6
 
 
-def main() -> int:
-    x = torch.randn(2, 32, 8, 8, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
-    rows = []
-    for label, cls in (("cudnn", nn.Conv2d), ("convdsl", ct.Conv2d)):
-        torch.manual_seed(0)
-        conv = cls(32, 32, 3, padding=1).cuda().to(torch.bfloat16).to(memory_format=torch.channels_last)
-        xg = x.clone().requires_grad_()
-        fwd = per_call_us(lambda: conv(x))
-        step = per_call_us(lambda: conv(xg).sum().backward())
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            conv32 = cls(32, 32, 3, padding=1).cuda().to(memory_format=torch.channels_last)
-            auto = per_call_us(lambda: conv32(x))
-        rows.append((label, fwd, step, auto))
-    print(f"{'':10} {'forward':>10} {'fwd+bwd':>10} {'autocast fwd':>14}   (host us per call, {CALLS} calls queued)")
-    for label, fwd, step, auto in rows:
-        print(f"{label:10} {fwd:10.1f} {step:10.1f} {auto:14.1f}")
+def layer_calls(cls, kwargs: dict, shape: tuple, dtype: torch.dtype, fmt: torch.memory_format):
+    torch.manual_seed(0)
+    conv = cls(**kwargs).cuda().to(dtype).to(memory_format=fmt)
+    x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
+    xg = x.clone().requires_grad_()
+    g = torch.randn_like(conv(x))
+    return (lambda: conv(x)), (lambda: conv(xg).backward(g))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", action="store_true", help="cProfile convdsl's forward + backward calls")
+    args = ap.parse_args(argv)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; host us per call, {CALLS} calls queued")
+    print(f"{'layer':<20} {'format':<14} {'fwd cuDNN':>10} {'convdsl':>8} {'fwd+bwd cuDNN':>14} {'convdsl':>8}")
+    for label, kwargs, shape, dtype in LAYERS:
+        for fmt_name, fmt in (("channels_last", torch.channels_last), ("contiguous", torch.contiguous_format)):
+            times = {}
+            for backend, cls in (("cudnn", nn.Conv2d), ("convdsl", ct.Conv2d)):
+                fwd, step = layer_calls(cls, kwargs, shape, dtype, fmt)
+                times[backend] = (per_call_us(fwd), per_call_us(step))
+                if args.profile and backend == "convdsl":
+                    profiler = cProfile.Profile()
+                    profiler.enable()
+                    for _ in range(200):
+                        step()
+                    profiler.disable()
+                    torch.cuda.synchronize()
+                    out = io.StringIO()
+                    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(18)
+                    print(f"--- {label} {fmt_name}: convdsl forward + backward, 200 calls, by own time")
+                    print("\n".join(out.getvalue().splitlines()[4:]))
+            print(f"{label:<20} {fmt_name:<14} {times['cudnn'][0]:10.1f} {times['convdsl'][0]:8.1f} "
+                  f"{times['cudnn'][1]:14.1f} {times['convdsl'][1]:8.1f}", flush=True)
     return 0
 
 

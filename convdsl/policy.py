@@ -14,8 +14,8 @@ from typing import NamedTuple, Optional, Sequence
 from dataclasses import dataclass, replace
 
 from .algebra import grad_input_phases
-from .kernels.launch import (ELEMENT, ELEMENT_BYTES, GRID_YZ_MOST, IM2COL_CORNERS, IM2COL_MOST_STRIDE, SPLIT_PRODUCTS, Launch, TmaMap,
-                             arch_number, depthwise_channel_blocks, flat_elements, flat_planes, forward_direct_launch,
+from .kernels.launch import (ELEMENT, ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST_STRIDE, SPLIT_PRODUCTS, Launch, TmaMap,
+                             depthwise_channel_blocks, flat_elements, flat_planes, forward_direct_launch,
                              forward_halo_launch, forward_launch, forward_tma_launch, geometry, gluon_tma_im2col,
                              grad_input_direct_launch, grad_input_launch, grad_input_phases_tiles,
                              grad_input_phases_tma_launch, grad_weight_depthwise_launch, grad_weight_flat_tma_launch,
@@ -307,7 +307,7 @@ def unsupported_reason(p: ConvProblem, target: Target) -> Optional[str]:
     """Why this kernel keeps the linalg form on this target (None: the Triton GEMM core applies)."""
     if target.backend != "cuda":
         return f"the external kernels are CUDA kernels; target is {target.backend}"
-    if arch_number(target.arch) < 80:
+    if not target.has_cp_async:
         return f"the kernels need sm_80 or newer (cp.async, bf16 mma); target is {target.arch}"
     if p.dynamic_batch:
         return "batch = ?: the kernels are specialised to every size"
@@ -344,7 +344,7 @@ def extern_choice(problem: ConvProblem, target: Target, knobs: Knobs) -> tuple[b
 def _tma_common_reason(p: ConvProblem, target: Target) -> Optional[str]:
     """What every TMA kernel needs: Hopper, 16-bit exact products, NHWGC, a fixed batch, more than one tap, the
     im2col box in range, and Gluon's TMA im2col in the installed Triton."""
-    if target.backend != "cuda" or arch_number(target.arch) != 90:
+    if not (target.has_tma and target.has_wgmma):
         return f"TMA im2col with wgmma is Hopper's (sm_90); target is {target.arch}"
     fp8 = p.op in ("forward", "grad_weight") and p.dtype in ("f16", "bf16") and p.fp8_compute
     if not (p.dtype in ("f16", "bf16") and p.compute is None) and not (p.dtype == "f32" and p.tf32) and not fp8:
@@ -505,7 +505,8 @@ def tma_flat_grad_weight_split(p: ConvProblem, tiles: TileConfig, target: Target
     """(S, CHUNK steps) of the flat kernel: tma_flat_grad_weight_parts cut into whole steps (images x position
     blocks)."""
     steps = p.batch * flat_planes(p, tiles.block_k).blocks
-    return _honoured(p, even_chunks(steps, tma_flat_grad_weight_parts(p, tiles, target), GRID_YZ_MOST),
+    most = target.max_grid[2]  # the chunks are the grid's z
+    return _honoured(p, even_chunks(steps, tma_flat_grad_weight_parts(p, tiles, target), most), most,
                      "flat-plane TMA grad_weight kernel", f"{steps} steps of images x position blocks")
 
 
@@ -521,7 +522,7 @@ def tma_flat_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]
     does)."""
     if p.op != "grad_weight":
         return "not grad_weight"
-    if target.backend != "cuda" or arch_number(target.arch) != 90:
+    if not (target.has_tma and target.has_wgmma):
         return f"TMA with TF32 or fp8 wgmma is Hopper's (sm_90); target is {target.arch}"
     if not (p.dtype == "f32" and p.tf32 or p.fp8_compute) or p.out_dtype is not None:
         return "the flat-plane kernel is grad_weight in one-pass TF32 (f32) or fp8 compute"
@@ -1144,11 +1145,11 @@ def even_chunks(steps: int, parts: int, most: int) -> tuple[int, int]:
     return -(-steps // chunk), chunk
 
 
-def _honoured(p: ConvProblem, split: tuple[int, int], kernel: str, cut: str) -> tuple[int, int]:
+def _honoured(p: ConvProblem, split: tuple[int, int], most: int, kernel: str, cut: str) -> tuple[int, int]:
     # the split, where it is the problem's split_k or none was asked for: a split_k is never silently changed
     if p.split_k is not None and split[0] != p.split_k:
         raise ValueError(f"kernel {p.name}: split_k = {p.split_k} cannot be honoured by the {kernel} (its split cuts "
-                         f"{cut} into chunks of equal length, at most {GRID_YZ_MOST}: {split[0]} chunks of "
+                         f"{cut} into chunks of equal length, at most {most}: {split[0]} chunks of "
                          f"{split[1]} come nearest)")
     return split
 
@@ -1159,7 +1160,8 @@ def reduction_split(p: ConvProblem, tiles: TileConfig, parts: int, target: Targe
     into about `parts` chunks of whole steps (even_chunks; CHUNK in positions, the last chunk shorter).  A split_k
     this cut cannot give is refused (a ValueError naming `kernel`)."""
     steps = reduction_steps(p, tiles)
-    parts, chunk = _honoured(p, even_chunks(steps, parts, GRID_YZ_MOST), kernel,
+    most = target.max_grid[2]  # the chunks are the grid's z
+    parts, chunk = _honoured(p, even_chunks(steps, parts, most), most, kernel,
                              f"{steps} reduction steps of {tiles.block_k} positions")
     return parts, chunk * tiles.block_k
 
@@ -1201,14 +1203,15 @@ def depthwise_grad_weight_split(p: ConvProblem, tiles: TileConfig, target: Targe
     out3 = pad3(p.output, 1)
     rows = p.batch * out3[0] * out3[1]
     asked = depthwise_grad_weight_parts(p, tiles, target)
+    most = target.max_grid[1]  # the chunks are the grid's y
     if slides_along_rows(p):
         planes = p.batch * out3[0]
-        per_plane = min(out3[1], -(-max(1, min(rows, asked, GRID_YZ_MOST)) // planes))
+        per_plane = min(out3[1], -(-max(1, min(rows, asked, most)) // planes))
         seg = -(-out3[1] // per_plane)
         parts = planes * -(-out3[1] // seg)  # no segment empty
         if p.split_k is None or parts == p.split_k:
             return parts, seg, True
-    parts, rows_per = _honoured(p, even_chunks(rows, asked, GRID_YZ_MOST), "depthwise grad_weight kernel",
+    parts, rows_per = _honoured(p, even_chunks(rows, asked, most), most, "depthwise grad_weight kernel",
                                 f"the {rows} rows of dY (N x O0 x O1)")
     return parts, rows_per, False
 

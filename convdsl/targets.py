@@ -42,6 +42,15 @@ def _arch_number(arch: str) -> int:
     return int(re.sub(r"\D", "", arch) or 0)
 
 
+# CUDA's limits on every arch convdsl compiles for: the programs of a grid along x, y and z, and the 32-bit
+# registers of an SM and the most one thread may hold
+CUDA_MAX_GRID = (2**31 - 1, 65535, 65535)
+CUDA_REGISTERS = (65536, 255)
+# the PTX ISA of the PTX handed to the driver to JIT: 8.0 (CUDA 12.0), which any driver of the last years accepts
+# (Triton's default follows its own ptxas and can be newer than the driver on the machine)
+CUDA_PTX_VERSION = 80
+
+
 @dataclass(frozen=True)
 class GpuFacts:
     """What the planning policy (convdsl/policy.py) reads off a GPU to size its grids: streaming
@@ -199,6 +208,52 @@ class Target:
     @property
     def driver(self) -> str:
         return {"cpu": "local-task", "cuda": "cuda", "rocm": "hip"}[self.backend]
+
+    # --- CUDA's facts (kernels/launch.py compiles with them, policy.py plans with them) ----------------------
+
+    def _cuda(self, fact: str) -> None:
+        if self.backend != "cuda":
+            raise TargetError(f"{fact} is a CUDA target's fact; target is {self}")
+
+    @property
+    def arch_number(self) -> int:
+        """XY of sm_XY (sm_90a: 90)."""
+        self._cuda("arch_number")
+        return _arch_number(self.arch)
+
+    @property
+    def max_grid(self) -> tuple[int, int, int]:
+        """The most programs of a grid along x, y and z."""
+        self._cuda("max_grid")
+        return CUDA_MAX_GRID
+
+    @property
+    def registers(self) -> tuple[int, int]:
+        """32-bit registers of an SM, and the most one thread may hold."""
+        self._cuda("registers")
+        return CUDA_REGISTERS
+
+    @property
+    def ptx_version(self) -> Optional[int]:
+        """The PTX ISA of the kernels' PTX, which the driver JIT-compiles for the chip it runs on; None where they
+        ship as cubins instead: sm_90, whose wgmma needs the arch-specific sm_90a (H100/H200 only)."""
+        self._cuda("ptx_version")
+        return None if self.arch_number >= 90 else CUDA_PTX_VERSION
+
+    @property
+    def has_cp_async(self) -> bool:
+        """cp.async copies and bf16 mma (sm_80 and newer): what the Triton GEMM cores need."""
+        return self.backend == "cuda" and self.arch_number >= 80
+
+    @property
+    def has_tma(self) -> bool:
+        """TMA copies (sm_90 and newer)."""
+        return self.backend == "cuda" and self.arch_number >= 90
+
+    @property
+    def has_wgmma(self) -> bool:
+        """Hopper's wgmma (sm_90 only: newer chips have other matrix instructions)."""
+        return self.backend == "cuda" and self.arch_number == 90
 
     def __str__(self) -> str:
         return f"{self.backend}:{self.arch}"

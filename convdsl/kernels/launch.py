@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 from ..algebra import Phase, dy_padding, grad_input_phases
 from ..problem import FP8_FORMATS, ConvProblem, weight_axes
+from ..targets import CUDA_MAX_GRID, Target
 from .tiles import TileConfig, matrix_block
 
 # Kernel parameters Triton appends after the declared ones (global and profile scratch pointers).
@@ -24,7 +25,6 @@ from .tiles import TileConfig, matrix_block
 # kernel never reads, which compile_launch checks (scratch sizes 0).
 TRITON_TRAILING_PARAMS = 2
 POINTER_ALIGNMENT = 16
-PTX_VERSION = 80
 ELEMENT = {"f16": "fp16", "bf16": "bf16", "f32": "fp32"}
 
 
@@ -56,9 +56,6 @@ class Binary:
 # 64-bit ones beyond (WIDE).  The 64-bit form costs integer throughput the small problems need not pay
 # (benchmarks/wide_offsets.py).
 WIDE_ELEMENTS = 2**30
-# CUDA's grid: at most 2^31 - 1 programs along x, 65535 along y and z
-GRID_X_MOST = 2**31 - 1
-GRID_YZ_MOST = 65535
 
 
 def needs_wide(p: ConvProblem, workspace_elements: int = 0) -> bool:
@@ -68,10 +65,10 @@ def needs_wide(p: ConvProblem, workspace_elements: int = 0) -> bool:
 
 
 def check_grid(name: str, grid: tuple[int, int, int]) -> tuple[int, int, int]:
-    """The grid, or a ValueError where it exceeds CUDA's limits (policy.unsupported_reason refuses such problems
-    first: this guards the launch functions' own arithmetic)."""
-    if grid[0] > GRID_X_MOST or grid[1] > GRID_YZ_MOST or grid[2] > GRID_YZ_MOST:
-        raise ValueError(f"launch {name}: grid {grid} exceeds CUDA's ({GRID_X_MOST}, {GRID_YZ_MOST}, {GRID_YZ_MOST})")
+    """The grid, or a ValueError where it exceeds CUDA's limits (targets.CUDA_MAX_GRID; policy.unsupported_reason
+    refuses such problems first: this guards the launch functions' own arithmetic)."""
+    if any(n > most for n, most in zip(grid, CUDA_MAX_GRID)):
+        raise ValueError(f"launch {name}: grid {grid} exceeds CUDA's {CUDA_MAX_GRID}")
     return grid
 
 
@@ -816,11 +813,6 @@ def gluon_tma_im2col() -> bool:
     return hasattr(tma, "async_load_im2col")
 
 
-# registers of an SM, and the most one thread can hold (sm_90)
-REGISTERS_PER_SM = 65536
-MOST_REGISTERS = 255
-
-
 @functools.lru_cache(maxsize=None)
 def compile_tma_launch(launch: Launch, maps: tuple[TmaMap, ...], arch: str
                        ) -> tuple[Binary, tuple[TmaMap, ...], tuple[str, ...]]:
@@ -851,11 +843,14 @@ def compile_tma_launch(launch: Launch, maps: tuple[TmaMap, ...], arch: str
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", POINTER_ALIGNMENT]] for name in pointer_names}
     signature.update({name: "constexpr" for name in constexprs})
     options = {"num_warps": launch.warps}
+    target = Target("cuda", arch)
+    warp = target.gpu.subgroup_size
     if constexprs.get("SPECIALISED"):
-        # a warp-specialised kernel runs a warp group more than num_warps: registers for all of them
-        options["maxnreg"] = min(MOST_REGISTERS, REGISTERS_PER_SM // (32 * (launch.warps + 4))) // 8 * 8
+        # a warp-specialised kernel runs a warp group (4 warps) more than num_warps: registers for all of them
+        per_sm, most = target.registers
+        options["maxnreg"] = min(most, per_sm // (warp * (launch.warps + 4))) // 8 * 8
     kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", arch_number(arch), 32), options=options)
+                            target=GPUTarget("cuda", target.arch_number, warp), options=options)
     meta = kernel.metadata
     if meta.global_scratch_size or meta.profile_scratch_size:
         raise RuntimeError(f"launch {launch.name}: Triton asked for scratch memory, which the runner does not pass")
@@ -886,13 +881,6 @@ def triton_version() -> Optional[str]:
     return triton.__version__
 
 
-def arch_number(arch: str) -> int:
-    match = re.fullmatch(r"sm_(\d+)a?", arch)
-    if not match:
-        raise ValueError(f"arch: expected sm_XY, got {arch!r}")
-    return int(match.group(1))
-
-
 @functools.lru_cache(maxsize=None)
 def compile_launch(launch: Launch, arch: str) -> Binary:
     """Compile one launch with Triton for `arch` (no GPU needed: Triton's LLVM and its bundled ptxas)."""
@@ -910,18 +898,17 @@ def compile_launch(launch: Launch, arch: str) -> Binary:
     missing = set(arg_names[len(pointers):]) - set(constexprs)
     if missing:
         raise ValueError(f"launch {launch.name}: no value for {sorted(missing)}")
-    number = arch_number(arch)
+    target = Target("cuda", arch)
     # every binding starts 16-byte aligned (IREE aligns buffers and their suballocations to at least 64
     # bytes): without this fact Triton loads one element at a time and cannot pipeline through cp.async
     attrs = {(i,): [["tt.divisibility", POINTER_ALIGNMENT]] for i in range(len(pointers))}
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     # fp fusion (fma) on, Triton's historical default: the products and sums of the GEMM are fused anyway
     options = {"num_warps": launch.warps, "num_stages": launch.stages, "enable_fp_fusion": True}
-    if number < 90:
-        # PTX for the driver to JIT: ISA 8.0 (CUDA 12.0), which any driver of the last years accepts;
-        # Triton's default follows its own ptxas and can be newer than the driver on the machine
-        options["ptx_version"] = PTX_VERSION
-    kernel = triton.compile(source, target=GPUTarget("cuda", number, 32), options=options)
+    if target.ptx_version is not None:  # PTX for the driver to JIT, in an ISA the driver accepts
+        options["ptx_version"] = target.ptx_version
+    kernel = triton.compile(source, target=GPUTarget("cuda", target.arch_number, target.gpu.subgroup_size),
+                            options=options)
     meta = kernel.metadata
     if meta.global_scratch_size or meta.profile_scratch_size:
         raise RuntimeError(f"launch {launch.name}: Triton asked for scratch memory, which IREE cannot pass")
@@ -931,7 +918,7 @@ def compile_launch(launch: Launch, arch: str) -> Binary:
     if params != expected:
         raise RuntimeError(f"launch {launch.name}: kernel has {params} parameters, expected {expected}")
     entry = meta.name
-    if number >= 90:
+    if target.ptx_version is None:
         data, kind = kernel.asm["cubin"], "cubin"
     else:
         data, kind = ptx.encode(), "ptx"
@@ -1002,7 +989,7 @@ def transpose_launch(images: int, rows: int, cols: int, dtype: str, base: str) -
     """y[b, c, r] = x[b, r, c] for `images` planes of rows x cols `dtype` elements (an NGCHW activation's
     [G*C, positions] per image to NHWGC, or back), or None where the grid would pass CUDA's limits."""
     grid = (-(-cols // TRANSPOSE_BLOCK), -(-rows // TRANSPOSE_BLOCK), images)
-    if grid[1] > GRID_YZ_MOST or grid[2] > GRID_YZ_MOST:
+    if grid[1] > CUDA_MAX_GRID[1] or grid[2] > CUDA_MAX_GRID[2]:
         return None
     consts = dict(ROWS=rows, COLS=cols, BLOCK=TRANSPOSE_BLOCK, WIDE=images * rows * cols >= WIDE_ELEMENTS)
     return Launch("transpose_planes", f"{base}_transpose", (ELEMENT[dtype], ELEMENT[dtype]), tuple(consts.items()),
