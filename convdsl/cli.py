@@ -184,8 +184,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         except MemoryError:
             values = sum(math.prod(s) for s in p.arg_shapes) + (math.prod(p.result_shape) if args.check else 0)
             what = "random inputs and float64 reference" if args.check else "random inputs"
+            # at batch 1 a smaller --batch cannot help: the sizes themselves are the cost
+            advice = "choose a smaller --batch" if p.batch > 1 else "its sizes need more than this machine has"
             raise ArgumentError(f"kernel {name}: its {what} need about {values * 8 / 1e9:.3g} GB of memory at batch "
-                                f"{p.batch}, more than this machine can allocate: choose a smaller --batch") from None
+                                f"{p.batch}, more than this machine can allocate: {advice}") from None
         t0 = time.perf_counter()
         try:
             got = mod[name](*inputs)
@@ -365,21 +367,31 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+# a flag's number past this many digits is no size or seed anyone means (and int() refuses past 4300)
+_MAX_FLAG_DIGITS = 40
+
+
+def _whole(text: str) -> int:
+    """A flag's whole number, or an ArgumentTypeError that shows at most the start of a long text."""
+    shown = text if len(text) <= 40 else text[:37] + "..."
+    digits = text.strip().lstrip("+-")
+    if not digits.isdecimal() or not digits.isascii():
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {shown!r}")
+    if len(digits.lstrip("0")) > _MAX_FLAG_DIGITS:
+        raise argparse.ArgumentTypeError(f"expected a number of at most {_MAX_FLAG_DIGITS} digits, got one of "
+                                         f"{len(digits.lstrip('0'))} digits")
+    return int(text)
+
+
 def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = _whole(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected at least 1, got {value}")
     return value
 
 
 def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = _whole(text)
     if value < 0:  # NumPy's generators take non-negative seeds only
         raise argparse.ArgumentTypeError(f"expected a non-negative whole number, got {value}")
     return value

@@ -431,7 +431,7 @@ def test_batch_overrides_a_dynamic_batch(tmp_path, capsys):
     assert [line.split()[2] for line in out_lines[:-1]] == ["3x8x1x2", "3x6x1x3"]  # x, dy at batch 3
 
 
-@pytest.mark.parametrize("value", ["0", "-2", "two", "2147483648"])
+@pytest.mark.parametrize("value", ["0", "-2", "two", "2147483648", "1" + "0" * 5000])
 def test_a_bad_batch_names_the_flag(value, capsys):
     with pytest.raises(SystemExit) as bad:
         main(["run", str(EXAMPLES[0]), "--target", "cpu", "--batch", value])
@@ -728,3 +728,20 @@ def test_a_kernel_that_fails_to_run_is_one_line_naming_the_padded_cost(tmp_path,
     assert "RESOURCE_EXHAUSTED; allocation failed; its zero-padded x spans 2000000008 positions" in err[0]
     assert "--batch" not in err[0]  # the batch is 1: the padding is the cost
 
+
+
+def test_a_seed_of_thousands_of_digits_is_one_line(capsys):
+    with pytest.raises(SystemExit) as bad:
+        main(["run", str(EXAMPLES[0]), "--target", "cpu", "--seed", "1" + "0" * 5000])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert bad.value.code == 2
+    assert err[-1] == "convdsl run: error: argument --seed: expected a number of at most 40 digits, got one of 5001 digits"
+
+
+def test_inputs_too_large_at_batch_one_do_not_blame_the_batch(tmp_path, capsys):
+    src = tmp_path / "wide.conv"
+    src.write_text("conv c { dims = 1; batch = 1; in_channels = 1048576; out_channels = 1; input = [1048576]; "
+                   "filter = [1] }\nkernel f = forward(c)\n")
+    assert main(["run", str(src), "--target", "cpu", "--kernel", "f"]) in (2,)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("convdsl: error: kernel f: its random inputs need about") and "--batch" not in err[-1]
