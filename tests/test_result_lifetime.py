@@ -30,7 +30,7 @@ FORWARD = ConvProblem(op="forward", dims=2, groups=1, batch=2, in_channels=3, ou
 def _churn(fn, *args) -> None:
     """Free what can be freed, then run more calls whose buffers reuse that memory."""
     gc.collect()
-    for scale in (3.0, -5.0, 7.0):
+    for scale in (3.0, -5.0, 7.0, -2.0, 9.0):
         fn(*[a * scale for a in args])
 
 
@@ -75,3 +75,18 @@ def test_big_result_view_outlives_the_result() -> None:
     view = convdsl.conv(x, w)[0, 100:]
     _churn(convdsl.conv, x, w)
     _close(view, reference(p, x, w)[0, 100:], p)
+
+
+def test_kept_workspace_call_view_outlives_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the destination-passing path (a kept workspace, module.CompiledModule.call) makes its result buffer itself
+    from convdsl import policy
+
+    monkeypatch.setattr(policy, "cpu_keeps_workspace", lambda *args: True)
+    p = FORWARD.with_(op="grad_weight", name="wgrad")
+    mod = convdsl.compile([p], target="cpu")
+    x, dy = random_inputs(p, seed=7)
+    want = reference(p, x, dy)
+    view = mod.wgrad(x, dy)[:, 1:]
+    assert mod._into_calls["wgrad"][1] is not None  # the call went through the kept workspace
+    _churn(mod.wgrad, x, dy)
+    _close(view, want[:, 1:], p)
