@@ -439,6 +439,7 @@ def clear_memory_cache() -> None:
     """Forget the kernels compiled or loaded in this process (the disk cache is untouched)."""
     _kernels.clear()
     _recent.clear()
+    _inferred.clear()
 
 
 def _key_inputs() -> tuple:
@@ -472,9 +473,44 @@ def get_kernel(problem: ConvProblem, target: Union[str, Target] = "cpu", arch: O
     return kernel
 
 
+# (op, the arrays' shapes and dtypes, the options with their types) -> the problem infer_problem made of them.
+# Building and checking a ConvProblem took about 50 us a call, a tenth of a small kernel's time; only the arrays'
+# types, shapes and dtypes and the options decide it, so a repeated call takes it from here.  Bounded: a program
+# that calls with ever new shapes only refills it.
+_inferred: dict[tuple, ConvProblem] = {}
+_INFERRED_LIMIT = 4096
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable stand-in for an option's value that tells apart what the normalisers tell apart: the type rides
+    along (stride=1.0 is refused where stride=1 is not, though 1.0 == 1), lists become tuples."""
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__, tuple(_frozen(v) for v in value)
+    hash(value)  # TypeError for anything else unhashable: no memo then
+    return type(value), value
+
+
+def _inferred_key(op: str, a: Any, b: Any, d: Any, options: Mapping[str, Any]) -> Optional[tuple]:
+    arrays = (a, b) if d is None else (a, b, d)
+    if not all(type(x) is np.ndarray for x in arrays):  # anything else takes the checks (and their errors)
+        return None
+    try:
+        frozen = tuple(sorted((name, _frozen(v)) for name, v in options.items()))
+    except TypeError:
+        return None
+    return (op, *((x.shape, x.dtype) for x in arrays), d is None, frozen)
+
+
 def _run(op: str, a: np.ndarray, b: np.ndarray, options: Mapping[str, Any], d: Optional[np.ndarray],
          target: Union[str, Target], arch: Optional[str], dynamic_batch: bool) -> np.ndarray:
-    problem = infer_problem(op, a, b, d=d, **options)
+    key = _inferred_key(op, a, b, d, options)
+    problem = _inferred.get(key) if key is not None else None
+    if problem is None:
+        problem = infer_problem(op, a, b, d=d, **options)
+        if key is not None:
+            if len(_inferred) >= _INFERRED_LIMIT:
+                _inferred.clear()
+            _inferred[key] = problem
     if dynamic_batch:
         # one module for every batch size: the key no longer depends on N, the kernel accepts any N
         problem = problem.with_(dynamic_batch=True, batch=DYNAMIC_BATCH_NOMINAL)

@@ -241,3 +241,25 @@ def test_a_repeated_call_skips_the_key_until_what_it_reads_changes(tmp_path, mon
     compiles = cache.stats.compiles
     np.testing.assert_array_equal(convdsl.conv(x, w, padding=1), first)
     assert len(keys) == 3 and cache.stats.compiles == compiles + 1  # a new key: compiled again
+
+
+def test_a_repeated_call_reuses_its_problem_but_never_a_refused_spelling(monkeypatch) -> None:
+    p = make("forward", groups=2)
+    x, w = random_inputs(p)
+    first = convdsl.conv(x, w, padding=[1, 1], stride=1)
+    inferred = []
+    real = api.infer_problem
+    monkeypatch.setattr(api, "infer_problem", lambda *a, **k: inferred.append(1) or real(*a, **k))
+    np.testing.assert_array_equal(convdsl.conv(x, w, padding=[1, 1], stride=1), first)
+    assert inferred == []  # the same shapes, dtypes and options: the problem made last time
+    # equal values of another type are another spelling: checked again, and refused where they were refused
+    with pytest.raises(ProblemError, match=r"stride: expected an integer, got 1\.0"):
+        convdsl.conv(x, w, padding=[1, 1], stride=1.0)
+    with pytest.raises(ProblemError, match=r"padding"):
+        convdsl.conv(x, w, padding=[True, 1], stride=1)
+    # other shapes or dtypes are other problems
+    with pytest.raises(ArgumentError, match=r"argument 'w' .* has C = 2, expected C = 3"):
+        convdsl.conv(x, w[..., :2], padding=[1, 1], stride=1)
+    got = convdsl.conv(x[:1], w, padding=[1, 1], stride=1)
+    assert got.shape == (1, *first.shape[1:])
+    assert len(inferred) == 4
