@@ -473,7 +473,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ProblemError, TargetError, ArgumentError, CompileError, LoweringError, ValueError) as err:
         print(f"convdsl: error: {err}", file=sys.stderr)
     except FileNotFoundError as err:
-        print(f"convdsl: error: {err.filename}: no such file", file=sys.stderr)
+        # the compiler takes only regular files as paths: a device or pipe that exists is not "missing"
+        what = ("expected a regular .conv file, got a device, pipe or socket"
+                if err.filename and os.path.exists(err.filename) else "no such file")
+        print(f"convdsl: error: {err.filename}: {what}", file=sys.stderr)
     except IsADirectoryError as err:
         print(f"convdsl: error: {err.filename}: is a directory, expected a .conv file", file=sys.stderr)
     except OSError as err:  # unreadable input, unwritable output, ...

@@ -647,15 +647,18 @@ def test_a_negative_seed_names_the_flag(capsys):
 
 
 @pytest.mark.parametrize("path", ["/dev/zero", "fifo"])
-def test_check_refuses_a_device_or_a_pipe(path, tmp_path, capsys):
+@pytest.mark.parametrize("command", ["check", "compile", "run", "explain"])
+def test_every_command_refuses_a_device_or_a_pipe(command, path, tmp_path, capsys):
     import os
 
     if path == "fifo":
         path = str(tmp_path / "fifo")
         os.mkfifo(path)  # reading it would wait forever for a writer
-    assert main(["check", path]) == 2
+    extra = ["-o", str(tmp_path / "x.vmfb")] if command == "compile" else []
+    assert main([command, path, *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[0] == f"{path}:1:1: error: expected a regular .conv file, got a device, pipe or socket"
+    assert err[0] in (f"{path}:1:1: error: expected a regular .conv file, got a device, pipe or socket",
+                      f"convdsl: error: {path}: expected a regular .conv file, got a device, pipe or socket")
 
 
 def test_check_refuses_a_file_too_large_to_be_a_source(tmp_path, monkeypatch, capsys):
