@@ -160,3 +160,30 @@ def test_public_ops_declare_their_options_once() -> None:
         convdsl.conv(X, W, input=(5, 5))
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'strid'; did you mean 'stride'\?"):
         convdsl.conv(X, W, strid=2)
+
+
+@pytest.mark.parametrize("epilogue, dtype, at, fragment", [
+    (Epilogue("scale", 1e30), "f16", (0,), "alpha representable in the output dtype f16 (|alpha| <= 65504)"),
+    (Epilogue("scale", -7e4), "f16", (0,), "alpha representable in the output dtype f16"),
+    (Epilogue("bilinear", 1.0, 3.4e38), "bf16", (1,), "beta representable in the output dtype bf16"),
+    (Epilogue("scale", 1e39), "f32", (0,), "alpha representable in the output dtype f32"),
+    (Epilogue("scale", 1e-46), "f32", (0,), "alpha representable as the f32 constant it is applied as"),
+])
+def test_epilogue_arguments_past_the_output_dtype_are_refused(epilogue, dtype, at, fragment) -> None:
+    with pytest.raises(OptionError) as info:
+        options.epilogue_range(epilogue, dtype)
+    assert info.value.key == "epilogue" and info.value.at == at and fragment in str(info.value)
+
+
+@pytest.mark.parametrize("epilogue, dtype", [
+    (Epilogue("scale", 65504.0), "f16"), (Epilogue("scale", 1e30), "f32"), (Epilogue("scale", 1e30), "bf16"),
+    (Epilogue("bilinear", 0.0, -1.5e-45), "f32"), (Epilogue(), "f16"),
+])
+def test_epilogue_arguments_the_output_dtype_holds_are_kept(epilogue, dtype) -> None:
+    assert options.epilogue_range(epilogue, dtype) is epilogue
+
+
+def test_split_k_stops_at_the_size_limit() -> None:
+    assert options.split_k(2**31 - 1) == 2**31 - 1
+    with pytest.raises(OptionError, match=r"split_k: expected at most 2147483647 \(2\^31 - 1\), got 9223372036854775808"):
+        options.split_k(2**63)
