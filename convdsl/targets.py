@@ -68,6 +68,11 @@ class GpuFacts:
     # datasheets' peaks: what a cost model weighs a split-K partial's memory traffic against its products with
     matrix_flops: float = 0.0
     memory_bandwidth: float = 0.0
+    # what `convdsl explain` names: the chip planned for, its matrix instructions, and every subgroup size the
+    # chip runs (the first its native one, IREE's default)
+    chip: str = ""
+    matrix_unit: str = ""
+    subgroup_sizes: tuple[int, ...] = ()
 
 
 # The chip each arch is planned for (where one arch spans several chips, its data-centre part): the split-K
@@ -82,9 +87,50 @@ AMPERE = GpuFacts(sm_count=108, shared_per_sm=164 * 1024, shared_reserved_per_bl
                   workgroup_memory=163 * 1024, subgroup_size=32, matrix_flops=312e12, memory_bandwidth=2.04e12)
 ADA = GpuFacts(sm_count=142, shared_per_sm=100 * 1024, shared_reserved_per_block=1024, warps_per_sm=48,
                workgroup_memory=99 * 1024, subgroup_size=32, matrix_flops=362e12, memory_bandwidth=0.864e12)
+
+# ROCm: compute units, wavefront size and LDS from AMD's GPU specifications table (ROCm docs,
+# reference/gpu-arch-specs.rst): MI300X (gfx942) 304 CUs, wave64, 64 KiB of LDS per CU; MI250X (gfx90a) 110 CUs per
+# GCD, which ROCm shows as one device (MI210: 104), wave64, 64 KiB; RX 7900 XTX (gfx1100) 96 CUs (48 WGPs), wave32,
+# 128 KiB of LDS per WGP.  A workgroup may use 64 KiB on all three, IREE's max_workgroup_memory_bytes.  CDNA
+# multiplies matrices with MFMA, RDNA3 with WMMA (IREE: mma = [<MFMA_...>] / [<WMMAR3_...>]); gfx1100 also runs
+# wave64 (IREE: subgroup_size_choices = [32, 64]).  Peaks (datasheets): MI250X 383 TFLOP/s bf16 and 3.2 TB/s over its
+# two GCDs; RX 7900 XTX 122.8 TFLOP/s f16 and 960 GB/s.
 CDNA3 = GpuFacts(sm_count=304, shared_per_sm=64 * 1024, shared_reserved_per_block=0, warps_per_sm=32,
-                 workgroup_memory=64 * 1024, subgroup_size=64, matrix_flops=1307e12, memory_bandwidth=5.3e12)
-GPU_FACTS = {"sm_80": AMPERE, "sm_86": AMPERE, "sm_89": ADA, "sm_90": HOPPER, "gfx942": CDNA3}
+                 workgroup_memory=64 * 1024, subgroup_size=64, matrix_flops=1307e12, memory_bandwidth=5.3e12,
+                 chip="MI300X", matrix_unit="MFMA", subgroup_sizes=(64,))
+CDNA2 = GpuFacts(sm_count=110, shared_per_sm=64 * 1024, shared_reserved_per_block=0, warps_per_sm=32,
+                 workgroup_memory=64 * 1024, subgroup_size=64, matrix_flops=191.5e12, memory_bandwidth=1.6e12,
+                 chip="MI250X GCD", matrix_unit="MFMA", subgroup_sizes=(64,))
+# LDS: 128 KiB per WGP of two CUs, 64 KiB per CU on average (what shared_per_sm counts)
+RDNA3 = GpuFacts(sm_count=96, shared_per_sm=64 * 1024, shared_reserved_per_block=0, warps_per_sm=32,
+                 workgroup_memory=64 * 1024, subgroup_size=32, matrix_flops=122.8e12, memory_bandwidth=0.96e12,
+                 chip="RX 7900 XTX", matrix_unit="WMMA", subgroup_sizes=(32, 64))
+GPU_FACTS = {"sm_80": AMPERE, "sm_86": AMPERE, "sm_89": ADA, "sm_90": HOPPER,
+             "gfx90a": CDNA2, "gfx942": CDNA3, "gfx1100": RDNA3}
+
+
+def _gfx_version(arch: str) -> tuple[int, int]:
+    """A gfx arch's major version and its minor version and stepping, for ordering: the last two digits (hex) are
+    minor and stepping (gfx90a -> (9, 0x0a), gfx942 -> (9, 0x42), gfx1100 -> (0x11, 0x00))."""
+    digits = arch[3:]
+    return int(digits[:-2], 16), int(digits[-2:], 16)
+
+
+def _rocm_family(arch: str) -> str:
+    """GCN and CDNA chips have a one-digit major version (gfx9xx), RDNA chips two (gfx10xx and newer): wave64 MFMA
+    chips against wave32 WMMA ones."""
+    return "cdna" if len(arch) == 6 else "rdna"
+
+
+def rocm_facts(arch: str) -> GpuFacts:
+    """The facts of a gfx arch: its own, else those of the newest arch of its family (CDNA or RDNA) below it, else
+    the oldest of its family, so an RDNA chip is never planned with a CDNA chip's wavefronts and CUs."""
+    if arch in GPU_FACTS:
+        return GPU_FACTS[arch]
+    family = sorted((a for a in GPU_FACTS if a.startswith("gfx") and _rocm_family(a) == _rocm_family(arch)),
+                    key=_gfx_version)
+    below = [a for a in family if _gfx_version(a) <= _gfx_version(arch)]
+    return GPU_FACTS[below[-1] if below else family[0]]
 
 
 def native_cuda_arch(device: int = 0) -> Optional[str]:
@@ -200,7 +246,9 @@ class Target:
     @property
     def gpu(self) -> GpuFacts:
         """The GPU facts of this target's arch; an arch not in the table takes those of the newest one below it
-        (sm_87 plans as sm_86), and one below them all those of the oldest."""
+        (sm_87 plans as sm_86), and one below them all those of the oldest; ROCm archs by family (rocm_facts)."""
+        if self.backend == "rocm":
+            return rocm_facts(self.arch)
         same_kind = sorted((a for a in GPU_FACTS if a[:3] == self.arch[:3]), key=_arch_number)
         below = [a for a in same_kind if _arch_number(a) <= _arch_number(self.arch)]
         return GPU_FACTS[below[-1] if below else same_kind[0]]

@@ -8,6 +8,7 @@ from typing import Sequence
 from ..kernels.launch import Binary
 from ..policy import PAD_FORMS
 from ..problem import ConvProblem, weight_axes_name
+from ..targets import GPU_FACTS, Target
 from . import bf16x3
 from .plan import KernelPlan
 
@@ -18,9 +19,30 @@ def describe_binaries(binaries: Sequence[tuple[str, Binary]]) -> str:
                      f"memory, {b.params} parameters" for name, b in binaries)
 
 
+def describe_target(target: Target) -> str:
+    """The target, and for a GPU the figures its kernels are planned and their IREE configurations sized with
+    (Target.gpu): a chip's compute units, the shared memory (LDS) one workgroup may use, its subgroup size and
+    matrix instructions."""
+    if target.backend == "cpu":
+        return str(target)
+    gpu = target.gpu
+    units = "compute units" if target.backend == "rocm" else "SMs"
+    memory = "LDS per workgroup" if target.backend == "rocm" else "shared memory per block"
+    if target.backend == "rocm":
+        waves = f"wave{gpu.subgroup_size}" + "".join(f" (wave{s} also)" for s in gpu.subgroup_sizes[1:])
+    else:
+        waves = f"warps of {gpu.subgroup_size}"
+    figures = f"{gpu.sm_count} {units}, {gpu.workgroup_memory // 1024} KB of {memory}, {waves}" + (
+        f", {gpu.matrix_unit} matrix instructions" if gpu.matrix_unit else "")
+    own = GPU_FACTS.get(target.arch) is gpu
+    planned = next((a for a, f in GPU_FACTS.items() if f is gpu), target.arch)
+    chip = f"{gpu.chip}: " if gpu.chip and own else (f"{gpu.chip}, " if gpu.chip else "")
+    return f"{target} ({chip}{figures})" if own else f"{target} (planned with {planned}'s figures: {chip}{figures})"
+
+
 def describe_plan(self: KernelPlan) -> str:
     p = self.problem
-    lines = [f"kernel {p.name}: {p.describe()}", f"  target: {self.target}", f"  form: {self.form}"]
+    lines = [f"kernel {p.name}: {p.describe()}", f"  target: {describe_target(self.target)}", f"  form: {self.form}"]
     lines.append(
         "  args: " + ", ".join(
             f"{n}: {p.layout_name('w') if n == 'w' else _act(p, n)} {list(s)} {dt}"
