@@ -7,9 +7,10 @@ IR; convdsl/kernels builds the launches they decide; nothing here builds IR or r
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Union
 
 from dataclasses import dataclass, replace
 
@@ -317,11 +318,10 @@ def unsupported_reason(p: ConvProblem, target: Target) -> Optional[str]:
         return "few channels per group in a layout whose groups cannot be packed: the gather form is used"
     if triton_version() is None:
         return "triton is not installed"
-    try:  # tensors of any size (64-bit offsets where needed: launch.needs_wide), within CUDA's grid limits
-        plan_launches(p, None, target)
-    except ValueError as err:
-        return str(err)
-    return None
+    # tensors of any size (64-bit offsets where needed: launch.needs_wide), within CUDA's grid limits: the plan
+    # itself says, planned once (extern_launches reads the same plan)
+    planned = launches_or_reason(p, None, target, None, ())
+    return planned if isinstance(planned, str) else None
 
 
 def extern_choice(problem: ConvProblem, target: Target, knobs: Knobs) -> tuple[bool, Optional[TileConfig], str]:
@@ -1245,12 +1245,36 @@ def kernel_tiles(p: ConvProblem, tiles: Optional[TileConfig]) -> TileConfig:
     return direct_grad_input_tiles(p) if direct_grad_input(p) else default_grad_input_tiles(p)
 
 
+LaunchPlan = tuple[TileConfig, tuple[Launch, ...], tuple[int, ...]]
+
+
 def plan_launches(p: ConvProblem, tiles: Optional[TileConfig], target: Target, x_layout: Optional[str] = None,
-                  weight_axes: tuple[str, ...] = ()) -> tuple[TileConfig, tuple[Launch, ...], tuple[int, ...]]:
+                  weight_axes: tuple[str, ...] = ()) -> LaunchPlan:
     """(tiles, launches, f32 partials' shape for grad_weight) of one kernel, symbols named after it;
     tiles None: the defaults of the kernel it uses (kernel_tiles).  x_layout: grad_weight's GEMM kernel reads
     a copy of X in that layout (dy_read_in_place).  weight_axes: the GEMM kernel reads a copy of the weight with
-    its axes in this order (weight_copy_axes)."""
+    its axes in this order (weight_copy_axes).  A ValueError where the kernels cannot take p
+    (launches_or_reason says why)."""
+    planned = launches_or_reason(p, tiles, target, x_layout, weight_axes)
+    if isinstance(planned, str):
+        raise ValueError(planned)
+    return planned
+
+
+@functools.lru_cache(maxsize=1024)
+def launches_or_reason(p: ConvProblem, tiles: Optional[TileConfig], target: Target, x_layout: Optional[str],
+                       weight_axes: tuple[str, ...]) -> Union[LaunchPlan, str]:
+    """plan_launches' plan, or why the kernels cannot take p (a grid past CUDA's limits, a split_k they cannot
+    cut, tiles that do not fit): a pure function of frozen arguments, so each kernel is planned once however many
+    rules ask (unsupported_reason, extern_launches, the stream path)."""
+    try:
+        return _plan_launches(p, tiles, target, x_layout, weight_axes)
+    except ValueError as err:
+        return str(err)
+
+
+def _plan_launches(p: ConvProblem, tiles: Optional[TileConfig], target: Target, x_layout: Optional[str],
+                   weight_axes: tuple[str, ...]) -> LaunchPlan:
     base = re.sub(r"\W", "_", p.name)
     packed = tiles is not None and tiles.pack > 1  # depthwise too, as packed GEMMs, where tiles ask for it
     if x_layout and (p.op != "grad_weight" or (p.depthwise and not packed)):

@@ -14,6 +14,7 @@ activations are left to the framework (a permuted copy).
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import math
@@ -31,8 +32,8 @@ from .targets import Target
 from .tuning import db
 from .tuning.knobs import Knobs
 
-__all__ = ["Knobs", "StreamKernel", "StreamLaunch", "compile_kernel", "load_bundle", "plan_stream_kernel",
-           "register_bundle", "save_bundle", "stream_kernel", "unsupported_reason"]
+__all__ = ["Knobs", "StreamKernel", "StreamLaunch", "StreamPlan", "compile_kernel", "load_bundle", "plan_stream_kernel",
+           "register_bundle", "save_bundle", "stream_kernel", "stream_plan", "unsupported_reason"]
 
 BUNDLE_FORMAT = "convdsl-stream-kernels/1"
 _SUFFIX = ".stream.json"
@@ -147,13 +148,41 @@ def _knobs(p: ConvProblem, target: Target) -> tuple[Knobs, str]:
     return policy.knobs_for(p, target, None), "rules (policy.py)"
 
 
+@dataclass(frozen=True)
+class StreamPlan:
+    """The stream kernel of a problem as planned with its knobs, its launches not yet compiled, or why there is
+    none (then `kernel` is None)."""
+
+    knobs: Knobs
+    kernel: Optional[StreamKernel]
+    reason: Optional[str] = None
+
+
+def stream_plan(p: ConvProblem, target: Target) -> StreamPlan:
+    """The plan of p's stream kernel on `target` with its knobs (the tuning database's, else the rules'), or why
+    there is none: what unsupported_reason says and what stream_kernel compiles, planned once."""
+    if target.backend != "cuda":
+        return StreamPlan(Knobs(), None, f"stream kernels are CUDA kernels; target is {target.backend}")
+    knobs, source = _knobs(p, target)
+    return _planned(p, target, knobs, source)
+
+
+@functools.lru_cache(maxsize=256)
+def _planned(p: ConvProblem, target: Target, knobs: Knobs, source: str) -> StreamPlan:
+    # a pure function of frozen arguments (the database's entry arrives as the knobs): cached, so that asking
+    # whether a kernel exists and then building it plans it once
+    use, _, reason = policy.extern_choice(p, target, knobs)
+    if not use:
+        return StreamPlan(knobs, None, reason)
+    try:
+        return StreamPlan(knobs, plan_stream_kernel(p, target, knobs, source))
+    except ValueError as err:  # a plan the kernels cannot run (a split_k the TMA kernel cannot cut, ...)
+        return StreamPlan(knobs, None, str(err))
+
+
 def unsupported_reason(p: ConvProblem, target: Target) -> Optional[str]:
     """Why `p` has no stream kernel on `target` (None: it has one)."""
-    if target.backend != "cuda":
-        return f"stream kernels are CUDA kernels; target is {target.backend}"
-    knobs, _ = _knobs(p, target)
-    use, _, reason = policy.extern_choice(p, target, knobs)
-    return None if use else reason
+    return stream_plan(p, target).reason
 
 
 def kernel_key(planned: StreamKernel, knobs: Knobs) -> str:
@@ -186,7 +215,8 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
     regrouped = policy.space_to_depth_forward(p)
     ext = policy.extern_launches(regrouped or p, target, knobs)
     if ext is None:
-        raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {unsupported_reason(p, target)}")
+        _, _, reason = policy.extern_choice(regrouped or p, target, knobs)
+        raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {reason}")
 
     base = ext.launches[0].name
     staging = tuple(space_to_depth_launch(p, regrouped, name, base) for name in p.arg_names) if regrouped else ()
@@ -271,11 +301,11 @@ def stream_kernel(p: ConvProblem, target: Target) -> StreamKernel:
     found = _registered.get(_bundle_key(p, target.arch))
     if found is not None:
         return found
-    if target.backend != "cuda":
-        raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {unsupported_reason(p, target)}")
-    knobs, source = _knobs(p, target)
-    planned = plan_stream_kernel(p, target, knobs, source)
-    key = kernel_key(planned, knobs)
+    plan = stream_plan(p, target)
+    if plan.kernel is None:
+        raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {plan.reason}")
+    planned = plan.kernel
+    key = kernel_key(planned, plan.knobs)
     data = cache.load(key, verify=False, suffix=_SUFFIX)
     if data is not None:
         try:

@@ -84,3 +84,25 @@ def test_module_key_changes_with_the_kernels_tuned_knobs(db_path: Path) -> None:
     assert compiler.cache_key([WGRAD], HOPPER) != before
     _write_db(db_path, {WGRAD: {"n_scale": 2}}, version)
     assert compiler.cache_key([WGRAD], HOPPER) == before
+
+
+def test_a_stream_kernel_is_planned_once(db_path: Path) -> None:
+    # asking whether a kernel exists, then building it, plans its launches once (sm_80: no TMA kernel)
+    from convdsl import policy
+
+    ampere = Target("cuda", "sm_80")
+    p = WGRAD.with_(name="planned_once")  # a name no other test planned: nothing cached yet
+    launches, plans = policy.launches_or_reason.cache_info(), stream._planned.cache_info()
+    assert stream.unsupported_reason(p, ampere) is None
+    plan = stream.stream_plan(p, ampere)
+    assert plan.kernel is not None and plan.reason is None
+    assert policy.launches_or_reason.cache_info().misses - launches.misses == 1
+    assert stream._planned.cache_info().misses - plans.misses == 1
+    # the module's plan reads the same launches
+    from convdsl.passes.plan import plan_kernel
+
+    assert plan_kernel(p, ampere, plan.knobs).extern.launches == tuple(sl.launch for sl in plan.kernel.launches)
+    assert policy.launches_or_reason.cache_info().misses - launches.misses == 1
+    # no kernel: the reason, planned once too
+    why = stream.stream_plan(p.with_(dynamic_batch=True), ampere)
+    assert why.kernel is None and "batch" in why.reason
