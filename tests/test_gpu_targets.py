@@ -1,4 +1,5 @@
-"""Compile-only: a representative kernel of every op class for CUDA sm_80, sm_89 (sm_90) and ROCm gfx942."""
+"""Compile-only: a representative kernel of every op class for CUDA sm_80, sm_89 (sm_90) and ROCm gfx942, gfx90a and
+gfx1100."""
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,8 @@ KERNELS = {
     "depthwise_grad_input": BASE.with_(groups=16, in_channels=1, out_channels=1),
     "depthwise_grad_weight": BASE.with_(op="grad_weight", groups=16, in_channels=1, out_channels=1),
 }
-TARGETS = [Target("cuda", "sm_80"), Target("cuda", "sm_89"), Target("rocm", "gfx942")]
+TARGETS = [Target("cuda", "sm_80"), Target("cuda", "sm_89"), Target("rocm", "gfx942"), Target("rocm", "gfx90a"),
+           Target("rocm", "gfx1100")]
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=str)
@@ -47,6 +49,9 @@ def test_fp8_is_native_only_where_iree_lowers_it():
     cuda = lower_to_mlir([KERNELS["grad_weight_fp8"]], Target("cuda", "sm_89"))
     assert "f8E5M2FNUZ" in rocm and "f8E4M3FNUZ" in rocm
     assert "f8E" not in cuda and "math.roundeven" in cuda  # emulated: fp8 values held in f16
+    for arch in ("gfx90a", "gfx1100"):  # no fp8 MFMA on CDNA2, no fp8 WMMA on RDNA3: emulated too
+        rocm = lower_to_mlir([KERNELS["grad_weight_fp8"]], Target("rocm", arch))
+        assert "f8E" not in rocm and "math.roundeven" in rocm
 
 
 def test_sm90_is_described_in_the_module_and_compiles_to_sm90_ptx():
