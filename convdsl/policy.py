@@ -7,10 +7,11 @@ IR; convdsl/kernels builds the launches they decide; nothing here builds IR or r
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import re
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Iterator, NamedTuple, Optional, Sequence, Union
 
 from dataclasses import dataclass, replace
 
@@ -1399,3 +1400,40 @@ def knobs_for(p: ConvProblem, target: Target, tuned: Optional[Knobs]) -> Knobs:
     if target.backend == "cpu":
         return Knobs()
     return tuned if tuned is not None else iree_knobs(p, target)
+
+
+# --- overrides: a rule's variant, for probes and tests ---------------------------------------------------
+
+_generation = 0
+
+
+def overrides_generation() -> int:
+    """Changes whenever `overrides` replaces or restores rules: plans cached outside this module (stream.py) key
+    on it, so that none planned under other rules is served."""
+    return _generation
+
+
+@contextlib.contextmanager
+def overrides(**rules: object) -> Iterator[None]:
+    """Replace policy's rules (functions or constants, by name) while the block runs.  The rules read each other
+    through this module, so a replaced one is what every planner sees (plan_kernel, stream.plan_stream_kernel,
+    the launches); plans cached before are not served inside the block, nor those made inside after it.
+
+        with policy.overrides(tma_grad_weight_parts=lambda p, tiles, target: 4):
+            kernel = stream.plan_stream_kernel(p, target, Knobs(), compile=True)
+    """
+    global _generation
+    namespace = globals()
+    unknown = sorted(name for name in rules if name not in namespace or name.startswith("__"))
+    if unknown:
+        raise ValueError(f"policy.overrides: expected names of convdsl/policy.py's rules, got {', '.join(unknown)}")
+    saved = {name: namespace[name] for name in rules}
+    namespace.update(rules)
+    _generation += 1
+    launches_or_reason.cache_clear()
+    try:
+        yield
+    finally:
+        namespace.update(saved)
+        _generation += 1
+        launches_or_reason.cache_clear()

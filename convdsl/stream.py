@@ -164,13 +164,13 @@ def stream_plan(p: ConvProblem, target: Target) -> StreamPlan:
     if target.backend != "cuda":
         return StreamPlan(Knobs(), None, f"stream kernels are CUDA kernels; target is {target.backend}")
     knobs, source = _knobs(p, target)
-    return _planned(p, target, knobs, source)
+    return _planned(p, target, knobs, source, policy.overrides_generation())
 
 
 @functools.lru_cache(maxsize=256)
-def _planned(p: ConvProblem, target: Target, knobs: Knobs, source: str) -> StreamPlan:
-    # a pure function of frozen arguments (the database's entry arrives as the knobs): cached, so that asking
-    # whether a kernel exists and then building it plans it once
+def _planned(p: ConvProblem, target: Target, knobs: Knobs, source: str, rules: int) -> StreamPlan:
+    # a pure function of frozen arguments (the database's entry arrives as the knobs, policy.overrides as the rules'
+    # generation): cached, so that asking whether a kernel exists and then building it plans it once
     use, _, reason = policy.extern_choice(p, target, knobs)
     if not use:
         return StreamPlan(knobs, None, reason)

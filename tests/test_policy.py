@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from convdsl import policy, stream
+from convdsl.kernels.launch import triton_version
+from convdsl.passes.plan import plan_kernel
+from convdsl.problem import ConvProblem, Epilogue
 from convdsl.targets import CUDA_MAX_GRID, Target, TargetError
 
 HOPPER = Target("cuda", "sm_90")
 AMPERE = Target("cuda", "sm_80")
 CPU = Target("cpu", "host")
+# the CUDA plans take the Triton kernels only where Triton is installed (else the linalg form, saying so)
+needs_triton = pytest.mark.skipif(triton_version() is None, reason="triton is not installed")
 
 
 # --- the target's facts ------------------------------------------------------------------------------------
@@ -26,3 +32,114 @@ def test_cuda_facts_live_on_the_target():
     assert not (CPU.has_tma or CPU.has_wgmma or CPU.has_cp_async)
     with pytest.raises(TargetError, match="max_grid is a CUDA target's fact; target is cpu:host"):
         CPU.max_grid
+
+
+# --- the rules as examples: given a problem on a target, the plan's form, tiles and split -----------------------
+
+def _conv(op: str, **changes) -> ConvProblem:
+    fields = dict(op=op, dims=2, groups=1, batch=32, in_channels=64, out_channels=64, input=(56, 56), filter=(3, 3),
+                  stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), dtype="f16", name="k")
+    fields.update(changes)
+    return ConvProblem(**fields)
+
+
+RESNET_WGRAD = _conv("grad_weight")  # ResNet-50's 64-channel 3x3 at 56x56, batch 32
+STRIDED_DGRAD = _conv("grad_input", in_channels=128, out_channels=128, input=(28, 28), stride=(2, 2))
+WIDE_FORWARD = _conv("forward", in_channels=256, out_channels=256, input=(14, 14))
+DEPTHWISE_WGRAD = _conv("grad_weight", groups=64, in_channels=1, out_channels=1, batch=2, input=(14, 14))
+DEPTHWISE_DGRAD = DEPTHWISE_WGRAD.with_(op="grad_input")
+FEW_CHANNEL_WGRAD = _conv("grad_weight", groups=16, in_channels=4, out_channels=4, batch=2, input=(14, 14))
+F32_WGRAD = _conv("grad_weight", dtype="f32", batch=2, input=(14, 14))
+
+
+def _module(p: ConvProblem, target: Target) -> tuple[str, str, str, int]:
+    """(form, tiles, kernel, split-K partials) of the module's plan (0: no partials)."""
+    plan = plan_kernel(p, target, policy.knobs_for(p, target, None))
+    ext = plan.extern
+    return plan.form, ext.tiles.label(), ext.launches[0].kernel, (ext.partials_shape or (0,))[0]
+
+
+def _stream(p: ConvProblem, target: Target) -> tuple[str, str, int]:
+    """(kernel, tiles with the split it resolved, partials) of the stream path's plan."""
+    k = stream.plan_stream_kernel(p, target, policy.knobs_for(p, target, None))
+    return k.launches[0].launch.kernel, k.tiles, (k.partials_shape or (0,))[0]
+
+
+@needs_triton
+@pytest.mark.parametrize("p, target, want", [
+    # grad_weight: the cp.async GEMM kernel, its split-K filling the SMs' resident slots in whole waves
+    (RESNET_WGRAD, HOPPER, ("extern", "t64x64x64w4s4", "grad_weight_partials", 44)),
+    (RESNET_WGRAD, AMPERE, ("extern", "t64x64x64w4s4", "grad_weight_partials", 24)),  # fewer SMs, fewer chunks
+    (F32_WGRAD, HOPPER, ("extern", "t64x64x32w4s3", "grad_weight_partials", 1)),
+    # strided grad_input: every stride phase in one launch; forward on the same kernel
+    (STRIDED_DGRAD, HOPPER, ("extern", "t128x128x64w8s3", "grad_input_phases", 0)),
+    (WIDE_FORWARD, AMPERE, ("extern", "t128x128x64w8s3", "grad_input_phases", 0)),
+    # depthwise: direct sums, grad_weight a segment of dY rows per chunk
+    (DEPTHWISE_WGRAD, HOPPER, ("extern", "t8x32x1w1s1", "grad_weight_depthwise_rows", 28)),
+    (DEPTHWISE_DGRAD, HOPPER, ("extern", "t32x64x1w1s1", "grad_input_direct", 0)),
+    # few channels per group in NHWGC: 8 groups packed per GEMM
+    (FEW_CHANNEL_WGRAD, HOPPER, ("extern", "t32x128x64w4s4p8", "grad_weight_partials", 1)),
+])
+def test_cuda_module_plans(p, target, want):
+    assert _module(p, target) == want
+
+
+@needs_triton
+@pytest.mark.parametrize("p, target, want", [
+    # Hopper's stream path: the TMA kernels, with their own tiles and split-K (fewer, longer chunks)
+    (RESNET_WGRAD, HOPPER, ("grad_weight_tma", "t64x64x128w4s3k28", 28)),
+    (WIDE_FORWARD, HOPPER, ("forward_tma", "t128x128x64w4s4", 0)),
+    (F32_WGRAD, HOPPER, ("grad_weight_tma", "t64x64x128w4s3k5", 5)),  # f32 as bf16 parts on the 16-bit kernel
+    # sm_80: the module's kernels
+    (RESNET_WGRAD, AMPERE, ("grad_weight_partials", "t64x64x64w4s4", 24)),
+    (WIDE_FORWARD, AMPERE, ("grad_input_phases", "t128x128x64w8s3", 0)),
+])
+def test_cuda_stream_plans(p, target, want):
+    assert _stream(p, target) == want
+
+
+@pytest.mark.parametrize("p, form, row_chunks", [
+    # GEMMs with channels: a window gather and a named matmul; grad_weight's reduction split along output rows
+    (RESNET_WGRAD, "im2col", 2),
+    (STRIDED_DGRAD, "im2col", 1),
+    (F32_WGRAD, "im2col", 1),
+    # depthwise and few channels per group in NHWGC: IREE's named depthwise convolution
+    (DEPTHWISE_WGRAD, "depthwise-named", 1),
+    (DEPTHWISE_DGRAD, "depthwise-named", 1),
+    (FEW_CHANNEL_WGRAD, "depthwise-named", 1),
+    # few channels per group in GNHWC: the gather form
+    (FEW_CHANNEL_WGRAD.with_(layout="GNHWC"), "gather", 1),
+])
+def test_cpu_plans(p, form, row_chunks):
+    plan = plan_kernel(p, CPU)
+    assert (plan.form, plan.row_chunks) == (form, row_chunks)
+
+
+@needs_triton
+@pytest.mark.parametrize("p, target, why", [
+    (RESNET_WGRAD, Target("cuda", "sm_75"), "sm_80 or newer"),
+    (RESNET_WGRAD.with_(dynamic_batch=True), HOPPER, "batch = ?"),
+    (RESNET_WGRAD.with_(op="forward", epilogue=Epilogue("bilinear", 1.0, 1.0)), HOPPER, "bilinear"),
+])
+def test_cuda_kernels_that_keep_the_linalg_form_say_why(p, target, why):
+    plan = plan_kernel(p, target)
+    assert plan.form != "extern" and why in plan.linalg_reason
+    assert why in stream.unsupported_reason(p, target)
+
+
+# --- overriding a rule (probes plan variants through this, not mock.patch) ----------------------------------
+
+@needs_triton
+def test_overrides_replace_a_rule_for_every_planner_and_restore_it():
+    assert _module(RESNET_WGRAD, AMPERE)[3] == 24 and stream.stream_plan(RESNET_WGRAD, AMPERE).kernel.partials_shape[0] == 24
+    with policy.overrides(grad_weight_parts=lambda p, tiles, target: 3):
+        # the cached plans of the rule's own split are not served
+        assert _module(RESNET_WGRAD, AMPERE)[3] == 3
+        assert stream.stream_plan(RESNET_WGRAD, AMPERE).kernel.partials_shape[0] == 3
+    assert _module(RESNET_WGRAD, AMPERE)[3] == 24 and stream.stream_plan(RESNET_WGRAD, AMPERE).kernel.partials_shape[0] == 24
+    with policy.overrides(tma_grad_weight_parts=lambda p, tiles, target: 4):
+        assert _stream(RESNET_WGRAD, HOPPER) == ("grad_weight_tma", "t64x64x128w4s3k4", 4)
+    assert _stream(RESNET_WGRAD, HOPPER)[2] == 28
+    with pytest.raises(ValueError, match="expected names of convdsl/policy.py's rules, got no_such_rule"):
+        with policy.overrides(no_such_rule=lambda: 0):
+            pass
