@@ -341,7 +341,7 @@ class EagerPlans(dict):
 
 class _Plan:
     """One convolution module's calls for one signature of its input and weight (shapes, strides, dtypes,
-    device, autocast, TF32 flag), worked out at the first call: the forward's direct call (runtime.direct_call)
+    device, autocast, TF32 flag), worked out at the first call: the forward's planned call (runtime.planned_call)
     and, per dY strides, the two gradients' (None where a gradient's kernels cannot read dY as it lies)."""
 
     __slots__ = ("conv", "forward", "autocast", "compute_dtype", "weight_dtype", "bias_shape", "gradients")
@@ -365,8 +365,8 @@ class _Plan:
             stride, lo, hi, dilation, groups = self.conv
             conv = dict(stride=stride, pad_lo=lo, pad_hi=hi, dilation=dilation, groups=groups)
             calls = self.gradients[key] = (
-                runtime.direct_call("grad_input", dy, w, spatial=x.shape[2:], filt=w.shape[2:], **conv),
-                runtime.direct_call("grad_weight", x, dy, spatial=x.shape[2:], filt=w.shape[2:], **conv,
+                runtime.planned_call("grad_input", dy, w, spatial=x.shape[2:], filt=w.shape[2:], **conv),
+                runtime.planned_call("grad_weight", x, dy, spatial=x.shape[2:], filt=w.shape[2:], **conv,
                                     out_dtype=self.weight_dtype))
         return calls
 
@@ -470,7 +470,7 @@ def plan_for(module: torch.nn.Module, x: torch.Tensor, w: torch.Tensor,
     check_call(module, x, False, w, bias)  # torch.nn's errors for bad calls, before anything is planned
     stride, lo, hi, dilation, groups = module.conv_arguments()
     xc, wc = _autocast(device_type, x, w)
-    forward = runtime.direct_call("forward", xc.detach(), wc.detach(), spatial=x.shape[2:], filt=w.shape[2:],
+    forward = runtime.planned_call("forward", xc.detach(), wc.detach(), spatial=x.shape[2:], filt=w.shape[2:],
                                   stride=stride, pad_lo=lo, pad_hi=hi, dilation=dilation, groups=groups)
     plan = plans[key] = (None if forward is None else
                          _Plan((stride, lo, hi, dilation, groups), forward,

@@ -225,12 +225,25 @@ class _Call:
     result_dtype: torch.dtype = torch.float32
     # no kernel could be had (fallback.py says why): PyTorch's own convolution computes the call
     fallback: bool = False
+    # a stream call whose arguments, as they come, are in the memory formats the problem maps (no copy into
+    # another format first): `launch` runs it, direct or through the kernel's own layout copies
+    planned: bool = False
 
     def launch(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """A direct call on its arguments as they lie (the caller checked `aligned`): the result, queued."""
+        """A planned call on its arguments as they lie (the caller checked `aligned`): the result, queued.  Direct
+        kernels read and write PyTorch's memory as it lies; the others through their layout views."""
         out = torch.empty(self.result_shape, dtype=self.result_dtype, device=a.device,
                           memory_format=self.result_format)
-        return self.runner.run_into(a, b, out)
+        if self.direct:
+            return self.runner.run_into(a, b, out)
+        p = self.problem
+        av = activation_view(a, p.groups, p.layout)
+        if p.op == "grad_weight":
+            bv, ov = activation_view(b, p.groups, p.layout), weight_view(out, p.groups, p.weight_layout)
+        else:
+            bv, ov = weight_view(b, p.groups, p.weight_layout), activation_view(out, p.groups, p.layout)
+        self.runner(av, bv, out=ov)
+        return out
 
 
 def on_stream_device(t: torch.Tensor) -> bool:
@@ -311,10 +324,10 @@ def _call_of(key: tuple, op: str, a: torch.Tensor, b: torch.Tensor,
         p = problem_for(op, laid_a, laid_b, spatial=spatial, filt=filt, stride=stride, pad_lo=pad_lo,
                         pad_hi=pad_hi, dilation=dilation, groups=groups, out_dtype=out_dtype)
         call = _new_call(p, laid_a.device, laid_a, laid_b)
-        # direct only where the arguments as they come are already laid out (no copy was needed)
+        # direct or planned only where the arguments as they come are already laid out (no copy was needed)
         as_given = laid_a is a and laid_b is b
-        if call.direct and not as_given:
-            call = dataclasses.replace(call, direct=False)
+        call = dataclasses.replace(call, direct=call.direct and as_given,
+                                   planned=call.runner is not None and as_given)
         call = _calls.setdefault(key, call)
     return call
 
@@ -336,15 +349,15 @@ def _check_groups(op: str, a: torch.Tensor, b: torch.Tensor, groups: int) -> Non
                            f"but got input of size {list(a.shape)} instead")
 
 
-def direct_call(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], filt: Sequence[int],
-                stride: Sequence[int], pad_lo: Sequence[int], pad_hi: Sequence[int], dilation: Sequence[int],
-                groups: int, out_dtype: Optional[torch.dtype] = None) -> Optional[_Call]:
-    """The call of op on tensors shaped and strided like a and b where its kernels read them as they lie
+def planned_call(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], filt: Sequence[int],
+                 stride: Sequence[int], pad_lo: Sequence[int], pad_hi: Sequence[int], dilation: Sequence[int],
+                 groups: int, out_dtype: Optional[torch.dtype] = None) -> Optional[_Call]:
+    """The call of op on tensors shaped and strided like a and b where its stream kernels take them as they lie
     (`_Call.launch`), else None: callers that see the same tensors every step keep it (ops.py's eager plans).
     out_dtype: the result's dtype, where not a's (problem_for)."""
     key = _key(op, a, b, spatial, filt, stride, pad_lo, pad_hi, dilation, groups, out_dtype)
     call = _call_of(key, op, a, b, None, spatial, filt, stride, pad_lo, pad_hi, dilation, groups, out_dtype)
-    return call if call.direct else None
+    return call if call.planned else None
 
 
 def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], filt: Sequence[int],
@@ -353,7 +366,7 @@ def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], fi
     """op's result as a PyTorch tensor in a's memory format."""
     key = _key(op, a, b, spatial, filt, stride, pad_lo, pad_hi, dilation, groups)
     call = _calls.get(key)
-    if call is not None and call.direct and aligned(a, b):
+    if call is not None and call.planned and aligned(a, b):
         # the kernels read the values through data pointers; autograd is the ops' own
         return call.launch(a, b)
     if call is None:
@@ -364,8 +377,6 @@ def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], fi
     laid_a, laid_b = _as_laid_out(op, a, b)
     a, b = laid_a.detach(), laid_b.detach()
     p = call.problem
-    if call.direct and aligned(a, b):
-        return call.launch(a, b)
     av = activation_view(a, groups, p.layout)
     bv = weight_view(b, groups, p.weight_layout) if op != "grad_weight" else activation_view(b, groups, p.layout)
     # the result is allocated as PyTorch's tensor (never a view of another, so in-place ops on it work as on

@@ -220,7 +220,9 @@ class StreamRunner:
             result = out if direct else torch.empty(self._result_shape, dtype=self._result_dtype, device=self.device)
             self.core(stream, operands[0], operands[1], result)
             if k.result_copied and self.copy_out is not None:  # NHWGC -> NGCHW by the transpose kernel
-                back = torch.empty(k.problem.result_shape, dtype=self._result_dtype, device=self.device)
+                into_out = out is not None and out.is_contiguous() and out.data_ptr() % ALIGNMENT == 0
+                back = out if into_out else torch.empty(k.problem.result_shape, dtype=self._result_dtype,
+                                                        device=self.device)
                 self.copy_out(stream, result, back)
                 result = back
             elif k.result_copied:
