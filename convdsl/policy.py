@@ -16,7 +16,7 @@ from typing import Iterator, NamedTuple, Optional, Sequence, Union
 from dataclasses import dataclass, replace
 
 from .algebra import grad_input_phases
-from .kernels.launch import (ELEMENT, ELEMENT_BYTES, IM2COL_CORNERS, IM2COL_MOST_STRIDE, SPLIT_PRODUCTS, Launch, TmaMap,
+from .kernels.launch import (ELEMENT, ELEMENT_BYTES, SPLIT_PRODUCTS, Launch, TmaMap,
                              depthwise_channel_blocks, flat_elements, flat_planes, forward_direct_launch,
                              forward_halo_launch, forward_launch, forward_tma_launch, geometry, gluon_tma_im2col,
                              grad_input_direct_launch, grad_input_launch, grad_input_phases_tiles,
@@ -358,9 +358,9 @@ def _tma_common_reason(p: ConvProblem, target: Target) -> Optional[str]:
         # shapes (up to 1.7x; the TMA kernel won only past 1024 reduction channels; docs/decisions.md#tma-forward)
         return "one tap: the cp.async kernel's one-tap loop"
     lower, upper = im2col_box(p)
-    low, high = IM2COL_CORNERS[p.dims + 2]
-    if any(not low <= v <= high for v in (*lower, *upper)) or max(p.stride) > IM2COL_MOST_STRIDE:
-        return f"padding or stride past TMA im2col's range (corners {low}..{high}, strides up to {IM2COL_MOST_STRIDE})"
+    low, high = target.tma_im2col_corners(p.dims + 2)
+    if any(not low <= v <= high for v in (*lower, *upper)) or max(p.stride) > target.tma_most_stride:
+        return f"padding or stride past TMA im2col's range (corners {low}..{high}, strides up to {target.tma_most_stride})"
     if max(t * d for t, d in zip(p.filter, p.dilation)) >= 2**15:
         return "tap offsets past 16 bits"
     if not gluon_tma_im2col():
@@ -725,7 +725,7 @@ def tma_grad_input_phases_reason(p: ConvProblem, target: Target) -> Optional[str
     if reason is not None:
         return reason
     most, lom = phases_window(p)
-    low, high = IM2COL_CORNERS[p.dims + 2]
+    low, high = target.tma_im2col_corners(p.dims + 2)
     if any(not low <= v <= high for v in (*(-v for v in lom), *(m - o - v for m, o, v in zip(most, p.output, lom)))):
         return f"the phases' window past TMA im2col's range (corners {low}..{high})"
     tiles = tma_grad_input_phases_tiles(p)

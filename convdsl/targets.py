@@ -49,6 +49,10 @@ CUDA_REGISTERS = (65536, 255)
 # the PTX ISA of the PTX handed to the driver to JIT: 8.0 (CUDA 12.0), which any driver of the last years accepts
 # (Triton's default follows its own ptxas and can be newer than the driver on the machine)
 CUDA_PTX_VERSION = 80
+# TMA's im2col copies (cuTensorMapEncodeIm2col): the pixel box's corners per spatial dimension, by the tensor's
+# rank, and the most traversal (element) stride
+CUDA_TMA_IM2COL_CORNERS = {3: (-32768, 32767), 4: (-128, 127), 5: (-16, 15)}
+CUDA_TMA_MOST_STRIDE = 8
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,18 @@ class Target:
         ship as cubins instead: sm_90, whose wgmma needs the arch-specific sm_90a (H100/H200 only)."""
         self._cuda("ptx_version")
         return None if self.arch_number >= 90 else CUDA_PTX_VERSION
+
+    def tma_im2col_corners(self, rank: int) -> tuple[int, int]:
+        """The least and the most corner of a TMA im2col copy's pixel box along a spatial dimension of a tensor of
+        `rank` dimensions."""
+        self._cuda("tma_im2col_corners")
+        return CUDA_TMA_IM2COL_CORNERS[rank]
+
+    @property
+    def tma_most_stride(self) -> int:
+        """The longest traversal (element) stride of a TMA copy."""
+        self._cuda("tma_most_stride")
+        return CUDA_TMA_MOST_STRIDE
 
     @property
     def has_cp_async(self) -> bool:

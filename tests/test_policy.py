@@ -29,6 +29,7 @@ def test_cuda_facts_live_on_the_target():
     assert Target("cuda", "sm_100").has_tma and not Target("cuda", "sm_100").has_wgmma
     assert HOPPER.max_grid == AMPERE.max_grid == CUDA_MAX_GRID == (2**31 - 1, 65535, 65535)
     assert HOPPER.registers == (65536, 255)
+    assert HOPPER.tma_im2col_corners(4) == (-128, 127) and HOPPER.tma_most_stride == 8
     assert not (CPU.has_tma or CPU.has_wgmma or CPU.has_cp_async)
     with pytest.raises(TargetError, match="max_grid is a CUDA target's fact; target is cpu:host"):
         CPU.max_grid

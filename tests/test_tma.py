@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from convdsl import policy, stream
 from convdsl.algebra import grad_input_phases
-from convdsl.kernels.launch import (IM2COL_CORNERS, forward_tma_launch, gluon_tma_im2col, grad_input_phases_tma_launch,
+from convdsl.kernels.launch import (forward_tma_launch, gluon_tma_im2col, grad_input_phases_tma_launch,
                                     grad_weight_tma_launch, im2col_box)
 from convdsl.kernels.tiles import TileConfig
 from convdsl.problem import ConvProblem
@@ -246,7 +246,7 @@ def test_which_forwards_take_the_tma_kernel():
     assert not takes(BASE.with_(groups=8, in_channels=1, out_channels=1)), "depthwise"
     assert not takes(BASE.with_(groups=2, out_channels=24)), "a column tile would cross into the next group"
     assert not takes(BASE.with_(dynamic_batch=True))
-    low, _ = IM2COL_CORNERS[5]
+    low, _ = HOPPER.tma_im2col_corners(5)
     deep = BASE.with_(dims=3, input=(40, 8, 8), filter=(3, 3, 3), stride=(1, 1, 1), dilation=(1, 1, 1),
                       pad_lo=(-low + 1, 1, 1), pad_hi=(-low + 1, 1, 1))
     assert not takes(deep), "3D padding past the five-dimensional map's corner range"

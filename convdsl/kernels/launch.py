@@ -413,10 +413,6 @@ def grad_weight_launch(p: ConvProblem, tiles: TileConfig, base: str, split: tupl
 
 # --- TMA kernels (kernels/tma.py: sm_90, launched by the stream runner only) ---------------------------
 
-# TMA im2col: pixel box corners per spatial dimension, by the tensor's rank (CUDA's cuTensorMapEncodeIm2col)
-IM2COL_CORNERS = {3: (-32768, 32767), 4: (-128, 127), 5: (-16, 15)}
-# TMA's traversal (element) strides
-IM2COL_MOST_STRIDE = 8
 
 
 @dataclass(frozen=True)
