@@ -206,6 +206,20 @@ def test_irees_own_rejection_drops_the_offending_executables_settings_only(monke
     assert kept.applied == Knobs(m_scale=2) and kept.memory_bytes <= target.gpu.workgroup_memory
 
 
+def test_a_rejected_configuration_can_be_reproduced(monkeypatch, tmp_path):
+    # strict (tuning) raises; the command it prints must find the edited configurations after the compile
+    monkeypatch.setenv("CONVDSL_FAILURE_DIR", str(tmp_path / "failures"))
+    monkeypatch.setattr(iree_config, "fit_knobs", lambda config, knobs, memory: knobs)
+    target = Target("rocm", "gfx942")
+    mlir = lower_to_mlir([C1_FWD], target, {C1_FWD.name: LINALG})
+    with pytest.raises(_iree.CompileError) as err:
+        compile_with_knobs_reported(mlir, target, {C1_FWD.name: Knobs(n_scale=2, m_scale=2)}, strict=True)
+    folder = Path(re.search(r"--iree-hal-substitute-executable-configurations-from=(\S+)", str(err.value)).group(1))
+    assert folder.parent == tmp_path / "failures" and "106496 bytes" in str(err.value)
+    (saved,) = folder.iterdir()
+    assert saved.name.endswith("c1_fwd_dispatch_1.mlir") and "workgroup = [2, 1, 4, 32, 128, 0]" in saved.read_text()
+
+
 def test_substitution_notes_stay_off_stderr(capfd, caplog):
     target = Target("rocm", "gfx942")
     mlir = lower_to_mlir([REDUCE_DGRAD], target, {REDUCE_DGRAD.name: LINALG})

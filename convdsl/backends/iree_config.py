@@ -15,10 +15,12 @@ IREE's own for that executable alone, recorded in the KnobResult that compile_wi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import logging
 import math
 import re
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, replace
@@ -368,6 +370,17 @@ def _substitution_notes_to_log():
                 real.write(line)
 
 
+def _with_saved_configurations(err: _iree.CompileError, edited: Path) -> _iree.CompileError:
+    """`err` with the edited configurations its reproducing command reads copied beside the saved input: the
+    temporary folder they were compiled from goes away with the compile."""
+    digest = hashlib.sha256()
+    for path in sorted(edited.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    saved = _iree.failure_dir() / f"configurations-{digest.hexdigest()[:16]}"
+    shutil.copytree(edited, saved, dirs_exist_ok=True)
+    return _iree.CompileError(str(err).replace(str(edited), str(saved)))
+
+
 def compile_with_knobs(mlir: str, target: Target, knobs_by_kernel: dict[str, Knobs],
                        extra_flags: Sequence[str] = (), strict: bool = False) -> bytes:
     """Compile `mlir` with each named kernel's contraction dispatch configured by its knobs.
@@ -438,7 +451,7 @@ def compile_with_knobs_reported(mlir: str, target: Target, knobs_by_kernel: dict
                 break
             except _iree.CompileError as err:
                 if strict:
-                    raise
+                    raise _with_saved_configurations(err, edited) from None
                 # a configuration IREE cannot lower for this shape: IREE's own for the executables its errors
                 # name (every edited one where they name none), the others kept
                 message = str(err)
