@@ -438,9 +438,8 @@ def promoted_tiles(tiles: TileConfig) -> TileConfig:
 
 def tma_grad_weight_parts(p: ConvProblem, tiles: TileConfig, target: Target) -> int:
     """The TMA grad_weight's split-K chunks S asked for: the problem's split_k, else the tiles' split (a knob), else
-    the S of least
-    estimated time, waves x chunk steps of products at the SM's peak plus S f32 partials of the weight written
-    and read back at the memory's peak.  Each program stores a [BLOCK_M, BLOCK_N] f32 tile through shared
+    the S of least estimated time, waves x chunk steps of products at the SM's peak plus S f32 partials of the
+    weight written and read back at the memory's peak.  Each program stores a [BLOCK_M, BLOCK_N] f32 tile through shared
     memory, so fewer are resident than for the cp.async kernel, and fewer, longer chunks than grad_weight_parts
     gives won: ResNet-50's 512-channel 3x3 at 7x7 0.065 -> 0.041 ms (docs/decisions.md#tma-forward)."""
     return p.split_k or tiles.split or _least_time_parts(p, tiles, target, reduction_steps(p, tiles), 2, 1.0)
