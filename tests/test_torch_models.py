@@ -292,3 +292,39 @@ def test_a_training_step_of_torchvision_patterns_matches_torch_nn(channels_last)
     assert _rel(out, out_ref) <= 1e-4
     for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
         assert _rel(p.grad, pr.grad) <= 1e-4, name
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_a_step_traced_on_fake_tensors_lists_every_kernel_the_run_asks_for(channels_last, monkeypatch):
+    """A bundle is compiled from the problems a step traced on fake tensors records; the real step (here the
+    eager path that CUDA takes, its kernels a float64 reference on the CPU) must ask for none besides them,
+    under bf16 autocast, in either memory format."""
+    from test_torch import _ReferenceRunner
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(6)
+    model = ct.convert(_PatternNet())
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(memory_format=fmt)
+    with runtime.recording(as_cuda=False) as traced, FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(4, 3, 12, 12).to(memory_format=fmt)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+    asked = []
+
+    def new_call(p, device, a, b):
+        asked.append(p)
+        return runtime._new_call_with(p, _ReferenceRunner(p), a, b)
+
+    monkeypatch.setattr(runtime, "on_stream_device", lambda t: True)
+    monkeypatch.setattr(runtime, "_new_call", new_call)
+    monkeypatch.setattr(runtime, "_calls", {})
+    x = torch.randn(4, 3, 12, 12).to(memory_format=fmt)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+    assert asked and {p.op for p in asked} == {"forward", "grad_input", "grad_weight"}
+    missing = [p.describe() for p in asked if p not in traced]
+    assert not missing, missing

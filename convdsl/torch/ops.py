@@ -63,6 +63,16 @@ def _empty_like_format(shape: Sequence[int], like: torch.Tensor, dtype: torch.dt
     return torch.empty(list(shape), dtype=dtype, device=like.device, memory_format=fmt)
 
 
+def _like_forward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """dY in the memory format of its forward's result (channels-last where x or w is, as torch.nn's rule), as
+    PyTorch's convolution_backward makes it: the gradients' problems then follow from the forward alone, not
+    from the strides whatever op produced dY happened to give (a step traced on fake tensors records them)."""
+    fmt = _memory_format(x)
+    if fmt == torch.contiguous_format and w.dim() == x.dim():
+        fmt = _memory_format(w)
+    return dy.contiguous(memory_format=fmt)
+
+
 # --- forward -------------------------------------------------------------------------------------------
 
 def _forward(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], stride, pad_lo, pad_hi, dilation,
@@ -137,6 +147,7 @@ def _convolution_setup(ctx, inputs, output) -> None:
 
 def _convolution_backward(ctx, dy):
     x, w = ctx.saved_tensors
+    dy = _like_forward(dy, x, w)
     stride, pad_lo, pad_hi, dilation, groups = ctx.conv
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
@@ -234,6 +245,7 @@ def _transpose_setup(ctx, inputs, output) -> None:
 
 def _transpose_backward(ctx, dy):
     x, w = ctx.saved_tensors
+    dy = _like_forward(dy, x, w)
     stride, pad_lo, pad_hi, dilation, groups = ctx.conv
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
@@ -297,6 +309,7 @@ def _conv_gradients(needs: Sequence[bool], x: torch.Tensor, w: torch.Tensor, dy:
                     conv: tuple) -> tuple:
     """(dx, dw, db) of a convolution, each where `needs` asks.  Under create_graph (grad mode on in backward:
     double backward) through the operators, whose formulas autograd records; else the plain computations."""
+    dy = _like_forward(dy, x, w)
     grad_input, grad_weight = ((convolution_grad_input, convolution_grad_weight) if torch.is_grad_enabled()
                                else (_grad_input, _grad_weight))
     dx = grad_input(dy, w, list(x.shape), *conv) if needs[0] else None
@@ -316,6 +329,7 @@ class EagerConvTranspose(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
+        dy = _like_forward(dy, x, w)
         forward, grad_weight = ((convolution, convolution_grad_weight) if torch.is_grad_enabled()  # create_graph
                                 else (_forward, _grad_weight))
         dx = dw = db = None
@@ -358,16 +372,20 @@ class _Plan:
         self.bias_shape = (1, -1, *([1] * dims))
         self.gradients: dict[tuple, tuple] = {}
 
-    def gradients_for(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple:
-        key = (dy.stride(), runtime.tf32_allowed())
+    def gradients_for(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, needs: Sequence[bool]) -> tuple:
+        """(grad_input's planned call, grad_weight's), each only where `needs` asks for it: a gradient no step
+        asks for (the first layer's grad_input) is never planned, so no kernel is compiled or looked up for it
+        (a bundle traced from a step lacks it)."""
+        key = (dy.stride(), runtime.tf32_allowed(), needs[0], needs[1])
         calls = self.gradients.get(key)
         if calls is None:
             stride, lo, hi, dilation, groups = self.conv
             conv = dict(stride=stride, pad_lo=lo, pad_hi=hi, dilation=dilation, groups=groups)
             calls = self.gradients[key] = (
-                runtime.planned_call("grad_input", dy, w, spatial=x.shape[2:], filt=w.shape[2:], **conv),
+                runtime.planned_call("grad_input", dy, w, spatial=x.shape[2:], filt=w.shape[2:], **conv)
+                if needs[0] else None,
                 runtime.planned_call("grad_weight", x, dy, spatial=x.shape[2:], filt=w.shape[2:], **conv,
-                                    out_dtype=self.weight_dtype))
+                                     out_dtype=self.weight_dtype) if needs[1] else None)
         return calls
 
 
@@ -395,7 +413,8 @@ class PlannedConvolution(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, the weight's cast recorded too
             dx, dw, db = _conv_gradients(ctx.needs_input_grad[:3], x, parameter.to(plan.compute_dtype), dy, plan.conv)
             return dx, None if dw is None else dw.to(plan.weight_dtype), db, None
-        grad_input, grad_weight = plan.gradients_for(dy, x, w)
+        dy = _like_forward(dy, x, w)
+        grad_input, grad_weight = plan.gradients_for(dy, x, w, ctx.needs_input_grad)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = (grad_input.launch(dy, w) if grad_input is not None and runtime.aligned(dy, w)
