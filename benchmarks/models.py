@@ -14,8 +14,8 @@ Three stages; torchvision is needed where models are built (record, run), Triton
     python3 benchmarks/models.py bundle build/models.problems.json -o build/models.convk --arch sm_90
     CONVDSL_STREAM_BUNDLES=build/models.convk python3 benchmarks/models.py run -o results.json
 
-`record` traces one training step of each model on fake CUDA tensors under CUDA autocast (exactly the calls the
-GPU will make; no GPU work is done), `bundle` compiles their stream kernels ahead, `run` trains.  A kernel missing
+`record` traces one training step of each model on fake tensors under autocast (`--device cpu` where PyTorch has
+no CUDA; the gradients take dY in the forward's memory format, so the problems do not depend on the device), `bundle` compiles their stream kernels ahead, `run` trains.  A kernel missing
 from the bundles is compiled at its first call with the installed Triton, or, where none can be had, the layer
 runs cuDNN's convolution with a one-line warning (counted in the results as `fallbacks`).
 """
@@ -134,13 +134,13 @@ def record(args: argparse.Namespace) -> int:
         case = cases[name]
         for fmt in args.formats:
             memory_format = _format(case, fmt)
-            model = ct.convert(case.build()).cuda().to(memory_format=memory_format)
+            model = ct.convert(case.build()).to(args.device).to(memory_format=memory_format)
             calls: dict = {}
             with runtime.recording(as_cuda=True, calls=calls), FakeTensorMode(allow_non_fake_inputs=True):
-                x = torch.empty(case.batch, *case.input_shape, device="cuda").to(memory_format=memory_format)
-                y = (torch.zeros(case.batch, *case.input_shape[1:], dtype=torch.long, device="cuda")
-                     if case.segmentation else torch.zeros(case.batch, dtype=torch.long, device="cuda"))
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                x = torch.empty(case.batch, *case.input_shape, device=args.device).to(memory_format=memory_format)
+                y = (torch.zeros(case.batch, *case.input_shape[1:], dtype=torch.long, device=args.device)
+                     if case.segmentation else torch.zeros(case.batch, dtype=torch.long, device=args.device))
+                with torch.autocast(args.device, dtype=torch.bfloat16):
                     loss = _loss(case, model, x, y)
                 loss.backward()
             for p, n in calls.items():
@@ -357,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     rec = sub.add_parser("record", help="trace each model's training step: the problems it calls")
     common(rec)
     rec.add_argument("-o", "--out", type=Path, required=True)
+    rec.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                     help="trace on fake tensors of this device under its autocast (cpu: no CUDA build needed; "
+                          "the problems recorded are the same)")
     bun = sub.add_parser("bundle", help="compile the recorded problems' stream kernels into a bundle")
     bun.add_argument("problems", type=Path)
     bun.add_argument("-o", "--out", type=Path, required=True)
