@@ -41,6 +41,10 @@ _TAP_LETTERS = {1: "X", 2: "YX", 3: "ZYX"}
 MAX_SIZE = 2**31 - 1
 MAX_TENSOR_ELEMENTS = 2**48
 
+# Kernel names become function names of the compiled module; IREE's VM reserves names starting with this
+# (__init, __deinit): a module holding one compiles but does not load.
+RESERVED_NAME_PREFIX = "__"
+
 
 class ProblemError(ValueError):
     """A convolution description that is inconsistent; the message names the field."""
@@ -154,8 +158,15 @@ class ConvProblem:
         if self.split_k is not None:
             if self.op != "grad_weight":
                 raise ProblemError(f"split_k: only grad_weight kernels split the reduction, not {self.op}")
-            if not isinstance(self.split_k, int) or self.split_k < 1:
+            if not isinstance(self.split_k, int) or isinstance(self.split_k, bool) or self.split_k < 1:
                 raise ProblemError(f"split_k: expected a positive integer or auto, got {self.split_k!r}")
+            if self.split_k > MAX_SIZE:
+                raise ProblemError(f"split_k: expected at most {MAX_SIZE} (2^31 - 1), got {self.split_k}")
+        if not isinstance(self.name, str):
+            raise ProblemError(f"name: expected a string, got {self.name!r}")
+        if self.name.startswith(RESERVED_NAME_PREFIX):
+            raise ProblemError(f"name: expected a kernel name that does not start with '{RESERVED_NAME_PREFIX}' "
+                               f"(the compiled module reserves such names, e.g. __init), got {self.name!r}")
         for i, o in enumerate(self.output):
             if o < 1:
                 raise ProblemError(
