@@ -61,8 +61,11 @@ def _problems_of(source: Union[str, Path, Sequence[ConvProblem]], batch: Optiona
         path = Path(source)
         if path.is_dir():
             raise IsADirectoryError(21, "Is a directory", source)
-        if not path.is_file():
+        if not path.exists():
             raise FileNotFoundError(2, "No such file", source)
+        if not path.is_file():
+            # reading a device or pipe would block or never end
+            raise ConvSyntaxError("expected a regular .conv file, got a device, pipe or socket", source, 1, 1)
         return parse_file(path, batch=batch)
     return parse(str(source), batch=batch)
 
