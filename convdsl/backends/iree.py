@@ -57,6 +57,16 @@ FUSE_PAD_FLAG = "--iree-dispatch-creation-enable-fuse-padding-into-linalg-consum
 NO_BUFFER_INSTRUCTIONS_FLAG = "--iree-rocdl-enable-buffer-instructions=false"
 BUFFER_FAT_POINTER_CRASH = "Lower buffer fat pointer operations"
 
+# iree_config's edited executable configurations, compiled in place of IREE's own
+SUBSTITUTE_CONFIGURATIONS_FLAG = "--iree-hal-substitute-executable-configurations-from"
+
+
+def retries_unfused(flags: Sequence[str]) -> bool:
+    """Whether a failed compile with `flags` is compiled again without FUSE_PAD_FLAG: not where it substitutes
+    edited executable configurations, which were made for the fused module's executables (the unfused module has
+    others, so the substitution would not apply, and IREE would warn as if it had)."""
+    return FUSE_PAD_FLAG in flags and not any(f.startswith(SUBSTITUTE_CONFIGURATIONS_FLAG) for f in flags)
+
 
 def with_device_targets(mlir: str, target: Target) -> str:
     """The module with `hal.device.targets` set when the target is described in IR (Target.device_targets_attr)."""
@@ -121,7 +131,7 @@ def compile_mlir(mlir: str, target: Target, extra_flags: Sequence[str] = (), dat
                         "%s (plain global loads and stores)", target, NO_BUFFER_INSTRUCTIONS_FLAG)
             return compile_mlir(mlir, target, [*extra_flags, NO_BUFFER_INSTRUCTIONS_FLAG], data_tiling, fuse_pad,
                                 packed_matmul_tiles)
-        if FUSE_PAD_FLAG in flags:
+        if retries_unfused(flags):
             log.warning("%s: iree-compile failed with the zero borders fused (%s); compiled again with them as "
                         "copies of their own", target, FUSE_PAD_FLAG)
             return compile_mlir(mlir, target, extra_flags, data_tiling, fuse_pad=False,
