@@ -21,6 +21,8 @@ _LAZY = {
     "grad_input": "api",
     "grad_weight": "api",
     "clear_memory_cache": "api",
+    # NumPy arrays aligned for the CPU's zero-copy calls (convdsl.interop.HOST_ALIGNMENT bytes)
+    "empty": "interop",
 }
 
 __all__ = ["ConvProblem", "Epilogue", "ProblemError", "__version__", *_LAZY]
