@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -407,6 +408,9 @@ def _batch(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="convdsl", description="A compiler for convolution gradients.")
     parser.add_argument("--version", action="version", version=f"convdsl {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log the convdsl loggers' DEBUG lines too (e.g. IREE's notes of the executable "
+                             "configurations it substituted) to stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser, default_target: str) -> None:
@@ -464,10 +468,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _verbose_logging(verbose: bool) -> Iterator[None]:
+    """With `verbose`, every record of the "convdsl" loggers to stderr while the command runs; the logger is left as
+    it was afterwards (main may be called more than once in a process)."""
+    if not verbose:
+        yield
+        return
+    logger = logging.getLogger("convdsl")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        with _verbose_logging(args.verbose):
+            return args.fn(args)
     except ConvSyntaxError as err:
         print(err, file=sys.stderr)
     except (ProblemError, TargetError, ArgumentError, CompileError, LoweringError, ValueError) as err:
