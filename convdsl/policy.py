@@ -1367,7 +1367,8 @@ def iree_knobs(p: ConvProblem, target: Target) -> Knobs:
 
     Large f16/bf16 GEMMs take doubled tiles (and a third prefetch stage for long reductions), small ones a
     doubled N tile, f32 and depthwise none (docs/decisions.md#iree-knob-rules).  They are fitted to the target's
-    workgroup memory where IREE's configuration is known (backends/iree_config.fit_knobs: gfx942 has 64 KB).
+    workgroup memory where IREE's configuration is known (backends/iree_config.fit_knobs reads
+    Target.gpu.workgroup_memory: 64 KB per workgroup on gfx942, gfx90a and gfx1100).
     """
     sixteen_bit = p.dtype in ("f16", "bf16") or p.fp8_compute or p.bf16x3  # tf32: f32 on the linalg form
     if target.backend == "cpu" or p.depthwise or not sixteen_bit:
