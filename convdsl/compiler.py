@@ -14,7 +14,6 @@ The stages, in order (compile_vmfb):
 """
 from __future__ import annotations
 
-import functools
 import logging
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -32,7 +31,7 @@ from .passes import lower_to_mlir
 from .problem import ConvProblem
 from .progress import CompileStep, ProgressFn
 from .targets import Target
-from .tuning import db
+from .tuning import resolve
 from .tuning.knobs import Knobs
 
 log = logging.getLogger("convdsl.compiler")
@@ -72,22 +71,15 @@ def _problems_of(source: Union[str, Path, Sequence[ConvProblem]], batch: Optiona
 
 # --- 1. knobs -----------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
 def iree_version() -> str:
-    # the installed compiler cannot change under a running process, so ask once (importlib.metadata costs
-    # about 0.5 ms a call).  Tests monkeypatch this name to simulate an upgrade.
+    """The IREE version in the cache key (backends.iree's, asked once).  Tests monkeypatch this name to simulate
+    an upgrade."""
     return _iree.iree_version()
 
 
 def tuned_knobs(p: ConvProblem, target: Target) -> tuple[Knobs, str]:
-    """A kernel's knobs and where they come from (`convdsl explain` prints it)."""
-    if target.backend == "cpu":
-        return Knobs(), "none on the CPU (IREE's own configuration)"
-    tuned = db.lookup(p, target, iree_version())
-    if tuned is not None:
-        return tuned.knobs, tuned.source
-    knobs = policy.knobs_for(p, target, None)
-    return knobs, "rules (policy.py): no tuning database entry for this problem and target"
+    """A kernel's knobs and where they come from (`convdsl explain` prints it): the stream path's too."""
+    return resolve.lookup(p, target)
 
 
 def knobs_by_kernel(problems: Sequence[ConvProblem], target: Target) -> dict[str, Knobs]:

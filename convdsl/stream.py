@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
 from . import cache, policy
-from .backends.iree import iree_version
 from .kernels.launch import (Binary, Launch, TmaMap, compile_launch, compile_tma_launch, round_fp8_launch,
                              space_to_depth_launch, sum_partials_launch, transpose_launch, triton_version)
 from .kernels.tiles import parse_tiles
 from .problem import ConvProblem, problem_from_spec, problem_to_spec, weight_axes_name
 from .targets import Target
-from .tuning import db
+from .tuning import resolve
 from .tuning.knobs import Knobs
 
 __all__ = ["Knobs", "StreamKernel", "StreamLaunch", "StreamPlan", "compile_kernel", "load_bundle", "plan_stream_kernel",
@@ -139,13 +138,8 @@ class StreamKernel:
 
 
 def _knobs(p: ConvProblem, target: Target) -> tuple[Knobs, str]:
-    tuned = db.lookup(p, target, iree_version())  # not installed: the newest entry serves
-    if tuned is None and p.op == "grad_weight" and p.out_dtype is not None:
-        # grad_weight's result dtype is the sum's store only: the GEMM tuned for the arguments' dtype serves
-        tuned = db.lookup(p.with_(out_dtype=None), target, iree_version())
-    if tuned is not None:
-        return tuned.knobs, tuned.source
-    return policy.knobs_for(p, target, None), "rules (policy.py)"
+    # the compile driver's lookup: the stream kernel and the IREE module of a problem take the same knobs
+    return resolve.lookup(p, target)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ class CompileError(RuntimeError):
     """iree-compile rejected the IR; the message names the saved MLIR and a command that reproduces it."""
 
 
+@functools.lru_cache(maxsize=None)  # the installed packages cannot change under a running process
 def iree_version(package: str = "iree-base-compiler") -> str:
     """The installed IREE compiler's version (or another IREE package's, e.g. "iree-base-runtime"), or
     "not installed" (a machine that only runs modules has no compiler)."""
