@@ -70,7 +70,7 @@ def _compile(job):
             row_bytes, positions = (int(v) for v in variant[5:].split("x"))
             patches.enter_context(mock.patch.object(launch, "PAD_PLANES_ROW_BYTES", row_bytes))
             patches.enter_context(mock.patch.object(launch, "PAD_PLANES_POSITIONS", positions))
-        patches.enter_context(mock.patch.object(policy, "tma_fp8_promote", promote))
+        patches.enter_context(policy.overrides(tma_fp8_promote=promote))
         if variant != "cp.async" and policy.tma_flat_grad_weight_reason(p, target) is not None:
             return None
         return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), target, Knobs(), compile=True,

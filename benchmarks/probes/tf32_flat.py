@@ -15,10 +15,8 @@ from __future__ import annotations
 import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -71,9 +69,7 @@ def _compile(job):
         s = rule_parts(q, t, tgt)
         return max(1, s // 2) if variant.endswith("S/2") else s
 
-    with ExitStack() as patches:
-        patches.enter_context(mock.patch.object(policy, "tma_flat_grad_weight_tiles", tiles))
-        patches.enter_context(mock.patch.object(policy, "tma_flat_grad_weight_parts", parts))
+    with policy.overrides(tma_flat_grad_weight_tiles=tiles, tma_flat_grad_weight_parts=parts):
         named = p.with_(name=f"{p.name}:{variant}")
         if variant != "staged" and policy.tma_flat_grad_weight_reason(p, target) is not None:
             return None

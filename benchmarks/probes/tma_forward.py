@@ -105,17 +105,12 @@ def narrow_grad_inputs_2d(base) -> list:
 def plan_variant(p, label: str, **policy_names):
     """p's stream kernel for sm_90 as the rules plan it, named <case>:<label>, with the policy's names in
     `policy_names` replaced for the planning: how a probe builds a variant of a rule."""
-    from contextlib import ExitStack
-    from unittest import mock
-
     from convdsl import policy
     from convdsl.stream import plan_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
-    with ExitStack() as patches:
-        for name, value in policy_names.items():
-            patches.enter_context(mock.patch.object(policy, name, value))
+    with policy.overrides(**policy_names):
         return plan_stream_kernel(p.with_(name=f"{p.name}:{label}"), Target("cuda", "sm_90"), Knobs(), compile=True)
 
 

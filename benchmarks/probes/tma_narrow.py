@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -33,7 +32,7 @@ def _compile(job):
     p, label = job
     rule = policy.tma_forward_tiles
     forced = None if label == "rule" else parse_tiles(label)
-    with mock.patch.object(policy, "tma_forward_tiles", lambda q, target: forced or rule(q, target)):
+    with policy.overrides(tma_forward_tiles=lambda q, target: forced or rule(q, target)):
         return plan_stream_kernel(p.with_(name=f"{p.name}:{label}"), Target("cuda", "sm_90"), Knobs(),
                                   compile=True)
 

@@ -21,9 +21,7 @@ the rule says (policy.tma_forward_programs).
 from __future__ import annotations
 
 import sys
-from contextlib import ExitStack
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -41,15 +39,16 @@ def _compile(job):
     from convdsl.tuning.knobs import Knobs
 
     p, variant = job
-    with ExitStack() as patches:
-        if variant.startswith("t"):  # these tiles, persistent as the rule says
-            forced = parse_tiles(variant)
-            patches.enter_context(mock.patch.object(policy, "tma_forward_tiles", lambda q, target: forced))
-        elif variant != "now":
-            programs = SMS * int(variant[1:]) if variant.startswith("p") else 0
-            # in place of the rule's programs (policy.tma_forward_programs)
-            patches.enter_context(mock.patch.object(policy, "forward_tma_launch", lambda *args, **kw: (
-                launch.forward_tma_launch(*args, **{**kw, "programs": programs}))))
+    rules: dict[str, object] = {}
+    if variant.startswith("t"):  # these tiles, persistent as the rule says
+        forced = parse_tiles(variant)
+        rules["tma_forward_tiles"] = lambda q, target: forced
+    elif variant != "now":
+        programs = SMS * int(variant[1:]) if variant.startswith("p") else 0
+        # in place of the rule's programs (policy.tma_forward_programs)
+        rules["forward_tma_launch"] = lambda *args, **kw: (
+            launch.forward_tma_launch(*args, **{**kw, "programs": programs}))
+    with policy.overrides(**rules):
         try:
             return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
                                       compile=True, tma=True)

@@ -13,10 +13,8 @@ out where the ring does not fit shared memory).
 from __future__ import annotations
 
 import sys
-from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -39,13 +37,11 @@ def _compile(job):
         t = rule_tiles(q, target)
         return replace(t, stages=stages) if stages else t
 
-    with ExitStack() as patches:
-        patches.enter_context(mock.patch.object(policy, "tma_forward_tiles", tiles))
-        on = variant.startswith("ws")
-        # the persistent kernel (the rule's where its tiles outnumber the SMs) has no such option: a program per tile
-        patches.enter_context(mock.patch.object(policy, "forward_tma_launch", lambda *args, **kw: (
+    on = variant.startswith("ws")
+    # the persistent kernel (the rule's where its tiles outnumber the SMs) has no such option: a program per tile
+    with policy.overrides(tma_forward_tiles=tiles, forward_tma_launch=lambda *args, **kw: (
             launch.forward_tma_launch(*args, **{**kw, "specialised": on,
-                                                "programs": 0 if on else kw.get("programs", 0)}))))
+                                                "programs": 0 if on else kw.get("programs", 0)}))):
         try:
             return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
                                       compile=True, tma=True)

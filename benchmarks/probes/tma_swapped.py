@@ -16,9 +16,7 @@ output columns); a variant that does not fit shared memory is left out.
 from __future__ import annotations
 
 import sys
-from contextlib import ExitStack
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -38,14 +36,12 @@ def _compile(job):
     p, variant = job
     rule_tiles = policy.tma_forward_tiles
     forced = parse_tiles(variant[3:]) if variant.startswith("sw-") else None
-    with ExitStack() as patches:
-        patches.enter_context(mock.patch.object(policy, "tma_forward_tiles",
-                                                lambda q, target: forced or rule_tiles(q, target)))
-        on = forced is not None
-        # the persistent kernel (the rule's where its tiles outnumber the SMs) has no such option: a program per tile
-        patches.enter_context(mock.patch.object(policy, "forward_tma_launch", lambda *args, **kw: (
-            launch.forward_tma_launch(*args, **{**kw, "swapped": on,
-                                                "programs": 0 if on else kw.get("programs", 0)}))))
+    on = forced is not None
+    # the persistent kernel (the rule's where its tiles outnumber the SMs) has no such option: a program per tile
+    with policy.overrides(tma_forward_tiles=lambda q, target: forced or rule_tiles(q, target),
+                          forward_tma_launch=lambda *args, **kw: (
+                              launch.forward_tma_launch(*args, **{**kw, "swapped": on,
+                                                                  "programs": 0 if on else kw.get("programs", 0)}))):
         try:
             return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
                                       compile=True, tma=True)

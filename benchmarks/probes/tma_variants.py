@@ -21,11 +21,9 @@ import json
 import math
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -57,14 +55,13 @@ def _compile(job):
         t = replace(t, stages=2) if "s2" in variant else t
         return replace(t, warps=8) if "w8" in variant else t
 
-    with ExitStack() as patches:
-        patches.enter_context(mock.patch.object(policy, "_tma_common_reason", any_taps))
-        patches.enter_context(mock.patch.object(policy, "tma_forward_tiles", tiles))
-        if variant.startswith("tma-S"):
-            parts = int(variant.removeprefix("tma-S"))
-            patches.enter_context(mock.patch.object(policy, "tma_grad_weight_parts", lambda *_: parts))
-        if variant == "tma-fill":
-            patches.enter_context(mock.patch.object(policy, "tma_grad_weight_parts", policy.grad_weight_parts))
+    rules: dict[str, object] = {"_tma_common_reason": any_taps, "tma_forward_tiles": tiles}
+    if variant.startswith("tma-S"):
+        parts = int(variant.removeprefix("tma-S"))
+        rules["tma_grad_weight_parts"] = lambda *_: parts
+    if variant == "tma-fill":
+        rules["tma_grad_weight_parts"] = policy.grad_weight_parts
+    with policy.overrides(**rules):
         named = p.with_(name=f"{p.name}:{variant}")
         k = plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True, tma=variant != "cp.async")
     if variant != "cp.async" and not k.tma_maps:

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -52,9 +50,7 @@ def _compile(job):
             t = replace(t, stages=stages) if f"s{stages}" in variant else t
         return t
 
-    with ExitStack() as patches:
-        patches.enter_context(mock.patch.object(policy, "tma_grad_weight_reason", reason))
-        patches.enter_context(mock.patch.object(policy, "tma_grad_weight_tiles", tiles))
+    with policy.overrides(tma_grad_weight_reason=reason, tma_grad_weight_tiles=tiles):
         return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
                                   compile=True, tma=variant != "cp.async")
 

@@ -19,10 +19,8 @@ from __future__ import annotations
 import re
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -79,12 +77,9 @@ def _compile(job):
 
     if variant == "new":  # the policy as it is
         return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), target, Knobs(), compile=True, tma=True)
-    with ExitStack() as patches:
-        patches.enter_context(mock.patch.object(policy, "tma_grad_weight_tiles",
-                                                lambda q, target: _tiles(variant, rule_tiles, q, target)))
-        patches.enter_context(mock.patch.object(policy, "tma_grad_weight_parts", parts))
-        patches.enter_context(mock.patch.object(policy, "tma_grad_weight_specialised",
-                                                lambda tiles: variant.startswith("ws-")))
+    with policy.overrides(tma_grad_weight_tiles=lambda q, target: _tiles(variant, rule_tiles, q, target),
+                          tma_grad_weight_parts=parts,
+                          tma_grad_weight_specialised=lambda tiles: variant.startswith("ws-")):
         return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), target, Knobs(), compile=True, tma=True)
 
 
