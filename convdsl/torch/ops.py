@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from ..problem import ConvProblem
+from ..problem import ConvProblem, output_sizes
 from . import runtime
 
 LIB = "convdsl"
@@ -30,13 +30,6 @@ LIB = "convdsl"
 
 def _ints(values: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
-
-
-def output_size(size: Sequence[int], filt: Sequence[int], stride: Sequence[int], pad_lo: Sequence[int],
-                pad_hi: Sequence[int], dilation: Sequence[int]) -> list[int]:
-    """O = (I + lo + hi - d*(R-1) - 1) // s + 1 per spatial dimension."""
-    return [(i + lo + hi - d * (r - 1) - 1) // s + 1
-            for i, r, s, lo, hi, d in zip(size, filt, stride, pad_lo, pad_hi, dilation)]
 
 
 def transposed_output_size(size: Sequence[int], filt: Sequence[int], stride: Sequence[int], pad_lo: Sequence[int],
@@ -134,7 +127,7 @@ conv_transpose = torch.ops.convdsl.conv_transpose.default
 def _(x, w, bias, stride, pad_lo, pad_hi, dilation, groups):
     runtime.note("forward", x, w, spatial=x.shape[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
                  pad_hi=pad_hi, dilation=dilation, groups=groups)
-    out = output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, dilation)
+    out = output_sizes(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, dilation)
     return _empty_like_format([x.shape[0], w.shape[0], *out], x, runtime.result_dtype(x), w)
 
 
@@ -538,7 +531,7 @@ def _note_eager_grad_weight(x, w, stride, pad_lo, pad_hi, dilation, groups) -> N
     if w.dtype == dtype or not w.is_floating_point():
         return
     xc = x.to(dtype)
-    out = output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, dilation)
+    out = output_sizes(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, dilation)
     dy = _empty_like_format([x.shape[0], w.shape[0], *out], xc, dtype)
     runtime.note("grad_weight", xc, dy, counted=False, spatial=x.shape[2:], filt=w.shape[2:], stride=stride,
                  pad_lo=pad_lo, pad_hi=pad_hi, dilation=dilation, groups=groups, out_dtype=w.dtype)
