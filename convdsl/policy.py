@@ -100,6 +100,22 @@ def cpu_im2col(p: ConvProblem, target: Target) -> bool:
             and not p.fp8_compute and not p.bf16x3 and not p.dynamic_batch and cpu_im2col_split_reason(p) is None)
 
 
+def cpu_depth_to_space(p: ConvProblem, target: Target) -> bool:
+    """CPU im2col grad_input (and transposed) whose windows do not overlap: stride = filter (more than one tap),
+    dilation 1.  Each dX position is then reached by one (output position q, tap j) only, and grad_input is one
+    matmul over dY as it lies and W as it lies (no window gather, no weight copy) followed by a depth-to-space
+    transpose:  R[g, (n, q), (j, c)] = sum_k dY[n, q, g, k] W[g, k, j, c],  dX[n, s*q + j - lo, g, c] = R[...]
+    (zeros where no window reaches, positions past the last window; form "im2col", passes/lower.py).
+    The stride-phase form made one 1-tap GEMM per phase, each over the same dY and a strided slice W[:, j, :]; with
+    data tiling (more than CPU_UNPACKED_MOST_COLUMNS columns, or any module with a data-tiled kernel, e.g. a
+    grad_weight beside it) IREE 3.13 fused that slice's packing into the matmul's dispatch with the whole
+    reduction in one tile on the stack, past the CPU's 32,768 bytes: ConvNeXt's downsampling grad_input
+    (Conv2d(384, 768, 2, stride=2): 768 x 64 f32 + the 8 x 16 accumulator = 197,120 bytes) and every such
+    grad_input measured (C = 96 to 384) failed to compile (issue 45)."""
+    return (cpu_im2col(p, target) and p.op in ("grad_input", "transposed") and tuple(p.stride) == tuple(p.filter)
+            and math.prod(p.filter) > 1 and all(d == 1 for d in p.dilation))
+
+
 # im2col forward and grad_input on the CPU: the most columns (K, C per group) their matmul runs unpacked
 # (cpu_data_tiling)
 CPU_UNPACKED_MOST_COLUMNS = 128
@@ -107,7 +123,9 @@ CPU_UNPACKED_MOST_COLUMNS = 128
 
 def _unpacked_matmul(p: ConvProblem, target: Target) -> bool:
     """An im2col kernel whose matmul multiplies a window gather by a narrow weight: forward (columns K) or
-    grad_input (columns C) with more than one tap and at most CPU_UNPACKED_MOST_COLUMNS columns."""
+    grad_input (columns C) with more than one tap and at most CPU_UNPACKED_MOST_COLUMNS columns.  A grad_input
+    of non-overlapping windows (cpu_depth_to_space: dY as it lies, no gather, taps x C columns) keeps the rule by
+    C: unpacked it ran about as fast as the phase form, packed 1.2-1.4x slower (C = 32 to 96, 2x2 stride 2)."""
     columns = p.out_channels if p.op == "forward" else p.in_channels
     return (cpu_im2col(p, target) and p.op in ("forward", "grad_input", "transposed") and math.prod(p.filter) > 1
             and columns <= CPU_UNPACKED_MOST_COLUMNS)

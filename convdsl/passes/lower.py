@@ -42,6 +42,7 @@ from .ir import (
     zeros,
 )
 from ..kernels.launch import Binary
+from .. import policy
 from . import bf16x3, extern, gather, gemm
 from .plan import KernelPlan
 
@@ -356,6 +357,8 @@ def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value
 # --- grad_input by stride phases (see convdsl/algebra.py for the derivation) -------------------
 def _grad_input(plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
     p = plan.problem
+    if plan.form == "im2col" and policy.cpu_depth_to_space(p, plan.target):
+        return _grad_input_depth_to_space(plan, dy, w, bias)
     dy_axes = activation_axes(p, "ch")
     sp = _spatial_positions(p, dy_axes)
     if p.fp8_compute:
@@ -694,6 +697,50 @@ def _grad_input_phase_im2col(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Va
     out = gemm.matmul(a, b)
     logical = [p.groups, batch, *[d.Q for d in ph.dims], p.in_channels]
     return _to_activation(p, gemm.from_matrices(out, logical, 1 + p.dims, grouped), dy_axes)
+
+
+def _grad_input_depth_to_space(plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+    # stride = filter, dilation 1 (policy.cpu_depth_to_space): the windows do not overlap, so every dX position
+    # i = s*q + j - lo is reached by one (q, j) and grad_input is one GEMM per group with W as it lies:
+    #   R[g, (n, q), (j, c)] = sum_k dY[n, q, g, k] * W[g, k, j, c]     (matmul; (c, j) columns for GKCYX)
+    #   D[n, s*q + j, g, c] = R[g, (n, q), (j, c)]                     (depth-to-space: one transpose)
+    #   dX[n, i, g, c] = D[n, i + lo, g, c], 0 past D                  (a crop / zero border only where padded)
+    # dY is a reshape where its axes come as (g,) n, q.., k (NHWGC with one group, GNHWC), else one transpose.
+    p = plan.problem
+    dy_axes = activation_axes(p, "ch")
+    grouped = p.groups > 1
+    batch = sizes_of(dy)[p.batch_axis("y")]
+    sp = [f"sp{i}" for i in range(p.dims)]
+    rows = ["g", "n", *sp, "ch"]
+    if dy_axes == rows or (not grouped and [a for a in dy_axes if a != "g"] == rows[1:]):
+        last = len(dy_axes) - 1  # [G, N*Q, K] (GNHWC), or [N*Q, K] with the unit G among the rows
+        a = collapse(dy, [[0], list(range(1, last)), [last]] if grouped else [list(range(last)), [last]])
+    else:
+        q = [f"q{i}" for i in range(p.dims)]
+        space = gemm.parallel_space(["g", "n", *q, "k"])
+        dy_map = {"n": space["n"], "g": space["g"], "ch": space["k"], **{s: space[t] for s, t in zip(sp, q)}}
+        col = gemm.gather(dy, dy_axes, dy_map, space, [p.groups, batch, *p.output, p.out_channels])
+        a = gemm.as_matrices(col, 1 + p.dims, grouped)
+    w_axes = weight_axes(p)  # [g, k, (taps, c) or (c, taps)]
+    b = collapse(w, [[0], [1], list(range(2, len(w_axes)))] if grouped else [[0, 1], list(range(2, len(w_axes)))])
+    out = gemm.matmul(a, b)
+    size = {"c": p.in_channels, **{f"t{i}": f for i, f in enumerate(p.filter)}}
+    r_axes = ["g", "n", *[f"q{i}" for i in range(p.dims)], *w_axes[2:]]
+    r = gemm.from_matrices(out, [p.groups, batch, *p.output, *[size[x] for x in w_axes[2:]]], 1 + p.dims, grouped)
+    d_axes: list[str] = []
+    for x in dy_axes:
+        d_axes += [x.replace("sp", "q"), x.replace("sp", "t")] if x.startswith("sp") else ["c" if x == "ch" else x]
+    d = permute(r, r_axes, d_axes)
+    merged, at = [], 0
+    for x in dy_axes:
+        width = 2 if x.startswith("sp") else 1
+        merged.append(list(range(at, at + width)))
+        at += width
+    d = collapse(d, merged)  # [.., s*Q, ..] in dX's layout
+    x_sp = _spatial_positions(p, dy_axes)
+    full = _shape(p, p.x_shape, dy)
+    d = window(d, {pos: lo for pos, lo in zip(x_sp, p.pad_lo)}, {pos: full[pos] for pos in x_sp}, plan.pad_form)
+    return _epilogue(p, d, bias)
 
 
 def _forward_im2col(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
