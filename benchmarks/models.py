@@ -315,6 +315,60 @@ def run_case(case: ModelCase, fmt_name: str, mode: str, args: argparse.Namespace
     return row
 
 
+def check_layers(args: argparse.Namespace) -> int:
+    """Every distinct convolution of each model on random bf16 inputs of the shapes the model gives it: forward,
+    grad_input and grad_weight of convdsl and of cuDNN against float64; a layer fails where convdsl's error
+    exceeds twice cuDNN's plus 1e-3."""
+    cases = model_cases()
+    failures = 0
+    for name in args.models:
+        case = cases[name]
+        for fmt_name in args.formats:
+            fmt = _format(case, fmt_name)
+            model = case.build().cuda().to(memory_format=fmt)
+            shapes: dict = {}
+
+            def hook(module, inputs, output, shapes=shapes):
+                key = (repr(module), tuple(inputs[0].shape))
+                shapes.setdefault(key, (module, tuple(inputs[0].shape)))
+
+            handles = [m.register_forward_hook(hook) for m in model.modules()
+                       if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d))]
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+                model(torch.randn(2, *case.input_shape, device="cuda").to(memory_format=fmt))
+            for h in handles:
+                h.remove()
+            for (text, _), (module, shape) in shapes.items():
+                shape = (case.batch, *shape[1:])
+                ref = copy.deepcopy(module).double()
+                results = {}
+                x = torch.randn(shape, device="cuda", dtype=torch.float64).to(memory_format=fmt)
+                for backend in ("exact", "cudnn", "convdsl"):
+                    m = copy.deepcopy(ref)
+                    if backend == "convdsl":
+                        ct.convert(m)
+                    if backend != "exact":
+                        m = m.to(torch.bfloat16)
+                    m = m.to(memory_format=fmt)
+                    xi = x.to(torch.bfloat16 if backend != "exact" else torch.float64).requires_grad_()
+                    y = m(xi)
+                    if backend == "exact":
+                        dy = torch.randn(y.shape, device="cuda", dtype=torch.float64).to(memory_format=fmt)
+                    y.backward(dy.to(y.dtype))
+                    results[backend] = (y.detach().double(), xi.grad.double(), m.weight.grad.double())
+                errors = {}
+                for backend in ("cudnn", "convdsl"):
+                    errors[backend] = [float((got - want).norm() / want.norm().clamp_min(1e-30))
+                                       for got, want in zip(results[backend], results["exact"])]
+                bad = [i for i in range(3) if errors["convdsl"][i] > 2 * errors["cudnn"][i] + 1e-3]
+                failures += bool(bad)
+                print(f"{name:<14} {fmt_name:<13} {'FAIL' if bad else 'ok  '} {text[:70]:<70} x{list(shape)} "
+                      + " ".join(f"{what} {errors['convdsl'][i]:.1e}/{errors['cudnn'][i]:.1e}"
+                                 for i, what in enumerate(("y", "dx", "dw"))), flush=True)
+    print(f"{failures} layers where convdsl's error exceeds twice cuDNN's + 1e-3")
+    return 1 if failures else 0
+
+
 def run(args: argparse.Namespace) -> int:
     torch.backends.cudnn.benchmark = True
     cases = model_cases()
@@ -374,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     bun.add_argument("--arch", default="sm_90")
     bun.add_argument("--shard", default="0/1", help="i/n: compile every n-th problem from the i-th (n processes "
                      "compile n bundles in parallel; CONVDSL_STREAM_BUNDLES takes several, separated by ':')")
+    chk = sub.add_parser("check", help="each distinct convolution of the models against float64 and cuDNN")
+    common(chk)
     r = sub.add_parser("run", help="train each model on both backends, interleaved")
     common(r)
     r.add_argument("--modes", type=lambda s: s.split(","), default=["eager", "compile"])
@@ -385,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--check-gradients", action="store_true")
     r.add_argument("-o", "--out", type=Path)
     args = ap.parse_args(argv)
-    return {"record": record, "bundle": bundle, "run": run}[args.stage](args)
+    return {"record": record, "bundle": bundle, "check": check_layers, "run": run}[args.stage](args)
 
 
 if __name__ == "__main__":
