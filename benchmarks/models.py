@@ -350,7 +350,7 @@ def check_layers(args: argparse.Namespace) -> int:
                     if backend != "exact":
                         m = m.to(torch.bfloat16)
                     m = m.to(memory_format=fmt)
-                    xi = x.to(torch.bfloat16 if backend != "exact" else torch.float64).requires_grad_()
+                    xi = x.detach().to(torch.bfloat16 if backend != "exact" else torch.float64).requires_grad_()
                     y = m(xi)
                     if backend == "exact":
                         dy = torch.randn(y.shape, device="cuda", dtype=torch.float64).to(memory_format=fmt)
