@@ -206,6 +206,7 @@ def _gradient_check(case: ModelCase, base: nn.Module, fmt: torch.memory_format, 
         if name == "convdsl":
             ct.convert(model)
         model = model.cuda().to(dtype).to(memory_format=fmt)
+        torch.manual_seed(0)  # the same dropout and stochastic-depth masks in the three steps
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             _loss(case, model, x.to(dtype).contiguous(memory_format=fmt), y).backward()
         grads[name] = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
