@@ -328,3 +328,20 @@ def test_a_step_traced_on_fake_tensors_lists_every_kernel_the_run_asks_for(chann
     assert asked and {p.op for p in asked} == {"forward", "grad_input", "grad_weight"}
     missing = [p.describe() for p in asked if p not in traced]
     assert not missing, missing
+
+
+def test_a_triton_failure_names_the_installed_triton_and_the_one_the_kernels_need(monkeypatch):
+    import sys
+    import types
+
+    class CompilationError(Exception):
+        pass
+
+    CompilationError.__module__ = "triton.compiler.errors"
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    with pytest.warns(fallback.KernelFallbackWarning, match=r"at 39:8; the installed Triton is 3\.6\.0, convdsl's "
+                      r"kernels need 3\.9"):
+        fallback.unavailable("grad_weight of a depthwise layer", CompilationError("at 39:8:\n  more"))
+    with pytest.warns(fallback.KernelFallbackWarning) as caught:
+        fallback.unavailable("another layer", RuntimeError("out of memory"))
+    assert "Triton" not in str(caught[0].message)

@@ -9,6 +9,7 @@ for users who must know that every convolution runs on convdsl.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Optional, Sequence
 
@@ -38,9 +39,19 @@ def strict() -> bool:
     return os.environ.get(STRICT_ENV, "") not in ("", "0")
 
 
+# the Triton convdsl's kernels are written for (pyproject's `cuda` extra); an older one, such as the one a PyTorch
+# build pins, may fail to compile some of them
+KERNELS_TRITON = "3.9"
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    line = f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    triton = sys.modules.get("triton")
+    if type(err).__module__.startswith("triton") and triton is not None and \
+            not getattr(triton, "__version__", "").startswith(KERNELS_TRITON):
+        line += f"; the installed Triton is {triton.__version__}, convdsl's kernels need {KERNELS_TRITON}"
+    return line
 
 
 def unavailable(what: str, reason: str | BaseException) -> None:
