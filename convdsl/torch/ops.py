@@ -406,7 +406,7 @@ class PlannedConvolution(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: differentiable gradients, the weight's cast recorded too
             dx, dw, db = _conv_gradients(ctx.needs_input_grad[:3], x, parameter.to(plan.compute_dtype), dy, plan.conv)
             return dx, None if dw is None else dw.to(plan.weight_dtype), db, None
-        dy = _like_forward(dy, x, w)
+        dy = dy.contiguous(memory_format=plan.forward.result_format)  # _like_forward, worked out once
         grad_input, grad_weight = plan.gradients_for(dy, x, w, ctx.needs_input_grad)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:

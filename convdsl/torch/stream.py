@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..backends.cuda_driver import LoadedFunction, TensorMaps, bind_raw, load_function
+from ..backends.cuda_driver import TENSOR_MAP_BYTES, LoadedFunction, TensorMaps, bind_raw, load_function
 from ..kernels.launch import TmaMap
 from ..problem import activation_axes, weight_axes
 from ..stream import StreamKernel, StreamLaunch
@@ -23,6 +23,8 @@ TORCH_ELEMENTS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bf
                   "fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
 # every binding of the kernels starts 16-byte aligned (kernels/launch.POINTER_ALIGNMENT)
 ALIGNMENT = 16
+# the TMA descriptors a launch keeps per map, by tensor address (TmaDriverLaunch)
+ENCODED_PER_MAP = 16
 
 try:  # the current stream's raw handle without building a Stream object (a few microseconds a call)
     _raw_stream = torch._C._cuda_getCurrentRawStream
@@ -86,6 +88,10 @@ class TmaDriverLaunch:
                 self.tensor_maps.prepare_tiled(i, element, m.shape, size, m.box, m.swizzle)
         self._operands = [m.operand for m in self.maps]
         self._addresses: list[Optional[int]] = [None] * len(self.maps)
+        # per map, the descriptors already encoded, by tensor address: a training loop's tensors come back at a few
+        # addresses (PyTorch's caching allocator), and copying a descriptor's 128 bytes costs far less host time
+        # than encoding it again
+        self._encoded: list[dict[int, bytes]] = [{} for _ in self.maps]
         # the maps' bytes in place; an operand no map reads ("ptr<i>") as its device address, set per call; every
         # other parameter (a map's shape and strides, which the kernel does not read, and Triton's scratch
         # pointers, size 0) passed as zero
@@ -102,7 +108,15 @@ class TmaDriverLaunch:
         for i, operand in enumerate(self._operands):
             address = tensors[operand].data_ptr()
             if address != addresses[i]:
-                self.tensor_maps.encode(i, address)
+                encoded = self._encoded[i]
+                known = encoded.get(address)
+                if known is not None:
+                    ctypes.memmove(self.tensor_maps.addresses[i], known, TENSOR_MAP_BYTES)
+                else:
+                    self.tensor_maps.encode(i, address)
+                    if len(encoded) >= ENCODED_PER_MAP:  # bounded: forget the oldest address
+                        del encoded[next(iter(encoded))]
+                    encoded[address] = ctypes.string_at(self.tensor_maps.addresses[i], TENSOR_MAP_BYTES)
                 addresses[i] = address
         for operand, value in self._pointers:
             value.value = tensors[operand].data_ptr()
