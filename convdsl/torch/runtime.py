@@ -236,14 +236,17 @@ class _Call:
                           memory_format=self.result_format)
         if self.direct:
             return self.runner.run_into(a, b, out)
-        p = self.problem
-        av = activation_view(a, p.groups, p.layout)
-        if p.op == "grad_weight":
-            bv, ov = activation_view(b, p.groups, p.layout), weight_view(out, p.groups, p.weight_layout)
-        else:
-            bv, ov = weight_view(b, p.groups, p.weight_layout), activation_view(out, p.groups, p.layout)
+        av, bv, ov = _layout_views(self.problem, a, b, out)
         self.runner(av, bv, out=ov)
         return out
+
+
+def _layout_views(p: ConvProblem, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple:
+    """The arguments and the result as views in p's layouts (no copies)."""
+    av = activation_view(a, p.groups, p.layout)
+    if p.op == "grad_weight":
+        return av, activation_view(b, p.groups, p.layout), weight_view(out, p.groups, p.weight_layout)
+    return av, weight_view(b, p.groups, p.weight_layout), activation_view(out, p.groups, p.layout)
 
 
 def on_stream_device(t: torch.Tensor) -> bool:
@@ -276,7 +279,7 @@ def _new_call(p: ConvProblem, device: torch.device, a: torch.Tensor, b: torch.Te
     try:
         runner = _stream_runner(p, device) if on_stream_device(a) else None
         if runner is None:
-            # a result in another dtype is a stream-path option (direct_call's out_dtype): its callers fall back
+            # a result in another dtype is a stream-path option (planned_call's out_dtype): its callers fall back
             # to the arguments' dtype, so no IREE module is compiled for it
             return _Call(p, None, None if p.out_dtype else _iree_kernel(p, device), False, *_result_spec(p))
     except Exception as err:  # noqa: BLE001 - any failure to compile or load a kernel (IREE, Triton, driver)
@@ -377,12 +380,10 @@ def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], fi
     laid_a, laid_b = _as_laid_out(op, a, b)
     a, b = laid_a.detach(), laid_b.detach()
     p = call.problem
-    av = activation_view(a, groups, p.layout)
-    bv = weight_view(b, groups, p.weight_layout) if op != "grad_weight" else activation_view(b, groups, p.layout)
     # the result is allocated as PyTorch's tensor (never a view of another, so in-place ops on it work as on
     # torch.nn's) and the kernels write into its view in the problem's layout
     out = torch.empty(call.result_shape, dtype=call.result_dtype, device=a.device, memory_format=call.result_format)
-    ov = weight_view(out, groups, p.weight_layout) if op == "grad_weight" else activation_view(out, groups, p.layout)
+    av, bv, ov = _layout_views(p, a, b, out)
     if call.runner is not None:
         call.runner(av, bv, out=ov)
     else:
