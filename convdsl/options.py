@@ -19,11 +19,15 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Sequence
 
-from .problem import COMPUTE_TYPES, DTYPES, F32_COMPUTES, LAYOUTS, MAX_SIZE, WEIGHT_LAYOUTS, Epilogue, ProblemError
+from .problem import (
+    COMPUTE_TYPES, DTYPES, F32_COMPUTES, LAYOUTS, MAX_SIZE, PROLOGUE_OPS, STEP_OPS, WEIGHT_LAYOUTS, Epilogue,
+    ProblemError, Prologue, step_text,
+)
 
 __all__ = [
     "ArityError", "Call", "ChoiceError", "DimsError", "OptionError", "compute", "did_you_mean", "dims",
-    "dtype", "epilogue", "epilogue_range", "expand", "integer", "layout", "padding", "parse_epilogue", "split_k", "weight_layout",
+    "dtype", "epilogue", "epilogue_range", "expand", "integer", "layout", "padding", "parse_epilogue",
+    "parse_prologue", "prologue", "split_k", "weight_layout",
 ]
 
 
@@ -141,6 +145,14 @@ class Call:
 
     name: str
     args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """`a, b, c` as the .conv language writes a key's several values (an epilogue's steps); `items` are plain
+    values."""
+
+    items: tuple[Any, ...]
 
 
 def _as_int(value: Any) -> Optional[int]:
@@ -369,9 +381,13 @@ def split_k(value: Any, key: str = "split_k") -> Optional[int]:
     return n
 
 
-# --- epilogue ------------------------------------------------------------------------------------------
+# --- epilogue and prologue ----------------------------------------------------------------------------
 _EPILOGUE_PARAMS = {"none": (), "scale": ("alpha",), "bilinear": ("alpha", "beta")}
+# the fused steps as written; gelu also takes torch's approximate= (gelu(tanh); gelu and gelu(none): exact erf)
+_STEP_WORDS = ("bias", "affine", "residual", "relu", "silu", "gelu", "hardswish")
+_GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 EPILOGUE_USAGE = "none, scale(alpha) or bilinear(alpha, beta)"
+_STEPS_USAGE = "bias, affine, residual, relu, silu, gelu, gelu(tanh) or hardswish"
 _CALL_TEXT = re.compile(r"^\s*([A-Za-z_]\w*)\s*(?:\((.*)\))?\s*$", re.S)
 
 
@@ -396,31 +412,127 @@ def _number_or_text(text: str) -> Any:
         return text
 
 
-def epilogue(value: Any, key: str = "epilogue", *, usage: str = EPILOGUE_USAGE) -> Epilogue:
-    """An epilogue as the language spells it, a name ("none") or a Call, or as text ("scale(0.5)",
-    "bilinear(1.0, 0.5)"); the arguments must be finite numbers.  `usage` is what the caller accepts, for
-    the message."""
-    parts = _call_parts(value)
-    if parts is None:
-        raise OptionError(key, usage, value)
-    name, args = parts
-    params = _EPILOGUE_PARAMS.get(name)
-    if params is None or (args is None and params):
+def _chain_items(value: Any) -> Optional[tuple[Any, ...]]:
+    """The steps of a chain: the language's `a, b`, a list or tuple, or text with commas outside parentheses
+    ("scale(0.5), bias, relu"); None for a single step."""
+    if isinstance(value, Chain):
+        return value.items
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    if isinstance(value, str):
+        parts, depth, start = [], 0, 0
+        for i, ch in enumerate(value):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if ch == "," and depth == 0:
+                parts.append(value[start:i])
+                start = i + 1
+        if parts:
+            return tuple(part.strip() for part in (*parts, value[start:]))
+    return None
+
+
+def _head(value: Any, name: str, args: Optional[tuple[Any, ...]], key: str, usage: str,
+          at: tuple[int, ...]) -> Epilogue:
+    """scale(alpha) / bilinear(alpha, beta) / none: the epilogue's head, its arguments finite numbers."""
+    params = _EPILOGUE_PARAMS[name]
+    if args is None and params:
         # `scale` without its arguments is most likely `scale(...)` half written
-        hint = f"; did you mean {name}({', '.join(params)})?" if params else did_you_mean(name, list(_EPILOGUE_PARAMS))
-        raise OptionError(key, usage, value, hint=hint)
+        raise OptionError(key, usage, value, at=at, hint=f"; did you mean {name}({', '.join(params)})?")
     args = args or ()
     if len(args) != len(params):
-        raise ArityError(key, name, params, value, len(args))
+        err = ArityError(key, name, params, value, len(args))
+        err.at = at
+        raise err
     signature = f"{name}({', '.join(params)})"
     values: list[float] = []
     for i, (param, arg) in enumerate(zip(params, args)):
         is_number = isinstance(arg, numbers.Real) and not isinstance(arg, bool)
         if not is_number or not math.isfinite(arg):
             what = "a finite number" if is_number else "a number"
-            raise OptionError(key, f"{what} for {param}", arg, at=(i,), within=signature)
+            raise OptionError(key, f"{what} for {param}", arg, at=(*at, i), within=signature)
         values.append(float(arg))
     return Epilogue(name, *values)
+
+
+def _step(value: Any, name: str, args: Optional[tuple[Any, ...]], key: str, at: tuple[int, ...]) -> str:
+    """A fused step's canonical name (gelu(tanh) -> gelu_tanh)."""
+    if name == "gelu" and args is not None:
+        if len(args) != 1:
+            err = ArityError(key, "gelu", ("approximate",), value, len(args))
+            err.at = at
+            raise err
+        if args[0] not in _GELU_APPROXIMATE:
+            raise OptionError(key, f"{one_of(list(_GELU_APPROXIMATE))} for approximate (as torch.nn.GELU's)",
+                              args[0], at=(*at, 0), within="gelu(approximate)",
+                              hint=did_you_mean(args[0], list(_GELU_APPROXIMATE)))
+        return _GELU_APPROXIMATE[args[0]]
+    if args is not None:
+        raise OptionError(key, f"{name} without arguments", value, at=at, within="")
+    return name
+
+
+def epilogue(value: Any, key: str = "epilogue", *, usage: str = EPILOGUE_USAGE, op: Optional[str] = None) -> Epilogue:
+    """An epilogue as the language spells it: a name ("none"), a Call, or a chain of steps (`scale(0.5), bias,
+    relu`, a list or tuple of them); or as text ("scale(0.5)", "bias, gelu(tanh)").  The scale/bilinear head
+    comes first, its arguments finite numbers; the fused steps follow, each once.  `usage` is what the caller
+    accepts, for the message; with `op`, steps that op's result cannot take are refused at the step."""
+    items = _chain_items(value)
+    chained = items is not None
+    head, steps = Epilogue(), []
+    for index, item in enumerate(items if chained else (value,)):
+        at = (index,) if chained else ()
+        shown = item if chained else value
+        parts = _call_parts(item)
+        if parts is None:
+            raise OptionError(key, f"{usage}, or {_STEPS_USAGE}", shown, at=at)
+        name, args = parts
+        if chained and name == "none":
+            raise OptionError(key, "a step (none stands alone: no epilogue)", shown, at=at, within="")
+        if name in _EPILOGUE_PARAMS:
+            if index > 0:
+                raise OptionError(key, f"{name}(...) as the first step (it acts on the convolution's sum)", shown,
+                                  at=at, within="", came=f"it after {', '.join(map(step_text, steps))}"
+                                  if steps else f"it after {head}")
+            head = _head(shown, name, args, key, usage, at)
+            continue
+        if name not in _STEP_WORDS:
+            words = [*_EPILOGUE_PARAMS, *_STEP_WORDS]
+            raise OptionError(key, f"{usage}, or {_STEPS_USAGE}", shown, at=at, hint=did_you_mean(name, words))
+        step = _step(shown, name, args, key, at)
+        if op is not None and op not in STEP_OPS:
+            raise OptionError(key, f"scale(alpha) or bilinear(alpha, beta) in a {op} kernel's epilogue ({_STEPS_USAGE} "
+                                   f"apply to {' and '.join(STEP_OPS)} results)", shown, at=at, within="",
+                              came=step_text(step))
+        if step in steps:
+            raise OptionError(key, "each step once", shown, at=at, within="", came=f"a second {step_text(step)}")
+        steps.append(step)
+    return Epilogue(head.kind, head.alpha, head.beta, tuple(steps))
+
+
+_PROLOGUE_WORDS = ("relu_backward", "silu_backward", "gelu_backward", "hardswish_backward")
+PROLOGUE_USAGE = "none, relu_backward, silu_backward, gelu_backward, gelu_backward(tanh) or hardswish_backward"
+
+
+def prologue(value: Any, key: str = "prologue", *, usage: str = PROLOGUE_USAGE, op: Optional[str] = None) -> Prologue:
+    """An activation's backward applied to dY (`relu_backward`, `gelu_backward(tanh)`, ...) or none, as a name, a
+    Call or text; with `op`, an op whose kernel reads no dY is refused."""
+    parts = _call_parts(value) if _chain_items(value) is None else None
+    if parts is None:
+        raise OptionError(key, usage, value)
+    name, args = parts
+    if name != "none" and name not in _PROLOGUE_WORDS:
+        words = ["none", *_PROLOGUE_WORDS]
+        hint = did_you_mean(name, words) or (f"; did you mean '{name}_backward'?" if name in _STEP_WORDS else "")
+        raise OptionError(key, usage, value, hint=hint)
+    kind = name
+    if name == "gelu_backward" and args is not None:
+        kind = _step(value, "gelu", args, key, ()) + "_backward"
+    elif args is not None:
+        raise OptionError(key, f"{name} without arguments", value, within="")
+    if op is not None and kind != "none" and op not in PROLOGUE_OPS:
+        raise OptionError(key, f"a prologue only on {' and '.join(PROLOGUE_OPS)} kernels (it acts on the dY they "
+                               f"read)", value, within="", came=f"it on a {op} kernel")
+    return Prologue(kind)
 
 
 # The largest finite value of each dtype: alpha * acc is computed in f32, then cast to the result's dtype
@@ -428,9 +540,10 @@ FINITE_MAX = {"f32": 3.4028234663852886e38, "f16": 65504.0, "bf16": 3.3895313892
 _F32_TINIEST = 1.401298464324817e-45  # the smallest f32 subnormal: a smaller alpha becomes 0
 
 
-def epilogue_range(value: Epilogue, result_dtype: str, key: str = "epilogue") -> Epilogue:
+def epilogue_range(value: Epilogue, result_dtype: str, key: str = "epilogue", *, at: Sequence[int] = ()) -> Epilogue:
     """The epilogue, once its arguments fit: each must be representable in the result's dtype (and as the f32
-    constant it is compiled to), else every nonzero result would silently be inf, or 0."""
+    constant it is compiled to), else every nonzero result would silently be inf, or 0.  `at`: the head's index
+    path in the caller's value (a chain's first step: (0,))."""
     params = _EPILOGUE_PARAMS[value.kind]
     signature = f"{value.kind}({', '.join(params)})"
     largest = FINITE_MAX[result_dtype]
@@ -438,10 +551,10 @@ def epilogue_range(value: Epilogue, result_dtype: str, key: str = "epilogue") ->
         x = value.beta if param == "beta" else value.alpha
         if abs(x) > largest:
             raise OptionError(key, f"{param} representable in the output dtype {result_dtype} (|{param}| <= "
-                                   f"{largest:.6g})", x, at=(i,), within=signature, came=f"{x:g}")
+                                   f"{largest:.6g})", x, at=(*at, i), within=signature, came=f"{x:g}")
         if 0 < abs(x) < _F32_TINIEST:
             raise OptionError(key, f"{param} representable as the f32 constant it is applied as (0 or |{param}| "
-                                   f">= {_F32_TINIEST:.3g})", x, at=(i,), within=signature, came=f"{x:g}")
+                                   f">= {_F32_TINIEST:.3g})", x, at=(*at, i), within=signature, came=f"{x:g}")
     return value
 
 
@@ -452,3 +565,12 @@ def parse_epilogue(value: Any, key: str = "epilogue") -> Epilogue:
     if isinstance(value, Epilogue):
         return value
     return epilogue(value, key, usage=f"an Epilogue or {EPILOGUE_USAGE}")
+
+
+def parse_prologue(value: Any, key: str = "prologue") -> Prologue:
+    """None (no prologue), a Prologue, or its spelling as `prologue` takes it ("relu_backward")."""
+    if value is None:
+        return Prologue()
+    if isinstance(value, Prologue):
+        return value
+    return prologue(value, key, usage=f"a Prologue or {PROLOGUE_USAGE}")

@@ -29,6 +29,19 @@ TF32_COMPUTE = (TF32, TF32)
 # the compute modes of f32 kernels, each stored as the pair (mode, mode), and what they do to the operands
 F32_COMPUTES = {BF16X3: "splits f32 operands into bf16 pairs", TF32: "rounds f32 operands to TF32"}
 EPILOGUES = ("none", "scale", "bilinear")
+# Fused steps an epilogue may chain after its scale/bilinear head, applied in order in f32 (forward and transposed
+# kernels: the ops whose result is an activation).  bias: + bias[g, k]; affine: * scale[g, k] + shift[g, k]
+# (BatchNorm's inference apply); residual: + a tensor of the result's shape and layout; the rest activations, as
+# torch.nn computes them (gelu: the exact erf form, gelu_tanh: approximate='tanh').
+ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh", "hardswish")
+EPILOGUE_STEPS = ("bias", "affine", "residual", *ACTIVATIONS)
+# the tensors each step reads, in argument order
+STEP_TENSORS = {"bias": ("bias",), "affine": ("scale", "shift"), "residual": ("residual",)}
+STEP_OPS = ("forward", "transposed")
+# A prologue applies an activation's backward to dY as grad_input / grad_weight read it: dY * act'(saved), saved
+# being what torch saves for that backward (relu: its output, the others: their input), in dY's shape and layout.
+PROLOGUES = ("none", *(f"{a}_backward" for a in ACTIVATIONS))
+PROLOGUE_OPS = ("grad_input", "grad_weight")
 
 DYNAMIC_BATCH_NOMINAL = 2  # the batch `convdsl run` draws inputs at for `batch = ?` (--batch N compiles for N)
 
@@ -63,28 +76,78 @@ def output_sizes(size: Sequence[int], filt: Sequence[int], stride: Sequence[int]
                  for i, r, s, lo, hi, d in zip(size, filt, stride, pad_lo, pad_hi, dilation))
 
 
+def step_text(step: str) -> str:
+    """A fused step as the language writes it (gelu_tanh is gelu(tanh))."""
+    return "gelu(tanh)" if step == "gelu_tanh" else step
+
+
 @dataclass(frozen=True)
 class Epilogue:
-    """out = alpha * conv (+ beta * D for bilinear), applied in f32 before the output cast."""
+    """out = alpha * conv (+ beta * D for bilinear), then each of `steps` in order, in f32 before the output
+    cast."""
 
     kind: str = "none"
     alpha: float = 1.0
     beta: float = 0.0
+    steps: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in EPILOGUES:
             raise ProblemError(f"epilogue: expected one of {', '.join(EPILOGUES)}, got {self.kind!r}")
+        if isinstance(self.steps, list):
+            object.__setattr__(self, "steps", tuple(self.steps))  # from a spec's JSON list: one hashable form
+        if not isinstance(self.steps, tuple) or any(s not in EPILOGUE_STEPS for s in self.steps):
+            raise ProblemError(f"epilogue: expected steps from {', '.join(EPILOGUE_STEPS)}, got {self.steps!r}")
+        if len(set(self.steps)) != len(self.steps):
+            raise ProblemError(f"epilogue: expected each step once, got {list(self.steps)}")
 
     @property
     def has_tensor(self) -> bool:
+        """Whether the bilinear head's D is an argument."""
         return self.kind == "bilinear"
+
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """The argument names of every tensor the epilogue reads, in argument order (d first)."""
+        return (("d",) if self.has_tensor else ()) + tuple(t for s in self.steps for t in STEP_TENSORS.get(s, ()))
+
+    @property
+    def fused(self) -> bool:
+        """Whether steps follow the head (the kernels' own scale epilogue cannot apply them)."""
+        return bool(self.steps)
 
     def __str__(self) -> str:
         if self.kind == "none":
-            return "none"
-        if self.kind == "scale":
-            return f"scale({self.alpha:g})"
-        return f"bilinear({self.alpha:g}, {self.beta:g})"
+            head = []
+        elif self.kind == "scale":
+            head = [f"scale({self.alpha:g})"]
+        else:
+            head = [f"bilinear({self.alpha:g}, {self.beta:g})"]
+        return ", ".join(head + [step_text(s) for s in self.steps]) or "none"
+
+
+@dataclass(frozen=True)
+class Prologue:
+    """dY * act'(saved), applied to dY as a grad_input or grad_weight kernel reads it; computed in f32 and rounded
+    to dY's dtype, as torch's activation backward returns it before the convolution's backward reads it."""
+
+    kind: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROLOGUES:
+            raise ProblemError(f"prologue: expected one of {', '.join(PROLOGUES)}, got {self.kind!r}")
+
+    @property
+    def activation(self) -> Optional[str]:
+        return None if self.kind == "none" else self.kind.removesuffix("_backward")
+
+    @property
+    def saves_output(self) -> bool:
+        """relu's backward masks by its output (as torch's threshold_backward); the others read their input."""
+        return self.kind == "relu_backward"
+
+    def __str__(self) -> str:
+        return "gelu_backward(tanh)" if self.kind == "gelu_tanh_backward" else self.kind
 
 
 @dataclass(frozen=True)
@@ -116,6 +179,7 @@ class ConvProblem:
     # One module for any batch size (`batch = ?`); `batch` is then the nominal size used for
     # FLOP counts and for the inputs `convdsl run` draws.
     dynamic_batch: bool = False
+    prologue: Prologue = field(default_factory=Prologue)
 
     def __post_init__(self) -> None:
         d = self.dims
@@ -162,6 +226,12 @@ class ConvProblem:
                 raise ProblemError(f"split_k: expected a positive integer or auto, got {self.split_k!r}")
             if self.split_k > MAX_SIZE:
                 raise ProblemError(f"split_k: expected at most {MAX_SIZE} (2^31 - 1), got {self.split_k}")
+        if self.epilogue.steps and self.op not in STEP_OPS:
+            raise ProblemError(f"epilogue: {', '.join(map(step_text, self.epilogue.steps))} apply to the result of "
+                               f"{' and '.join(STEP_OPS)} kernels, not of {self.op}")
+        if self.prologue.kind != "none" and self.op not in PROLOGUE_OPS:
+            raise ProblemError(f"prologue: {self.prologue} applies to dY as {' and '.join(PROLOGUE_OPS)} kernels read "
+                               f"it, not to a {self.op} kernel")
         if not isinstance(self.name, str):
             raise ProblemError(f"name: expected a string, got {self.name!r}")
         if self.name.startswith(RESERVED_NAME_PREFIX):
@@ -287,7 +357,7 @@ class ConvProblem:
             "grad_weight": ("x", "dy"),
             "transposed": ("x", "w"),
         }[self.op]
-        return names + (("d",) if self.epilogue.has_tensor else ())
+        return names + (("saved",) if self.prologue.kind != "none" else ()) + self.epilogue.tensors
 
     @property
     def result_name(self) -> str:
@@ -306,11 +376,30 @@ class ConvProblem:
             "grad_weight": (self.x_shape, self.y_shape),
             "transposed": (self.y_shape, self.w_shape),
         }[self.op]
-        return shapes + ((self.result_shape,) if self.epilogue.has_tensor else ())
+        return shapes + tuple(self._extra_arg(n)[0] for n in self.arg_names[2:])
 
     @property
     def arg_dtypes(self) -> tuple[str, ...]:
-        return (self.dtype, self.dtype) + ((self.result_dtype,) if self.epilogue.has_tensor else ())
+        return (self.dtype, self.dtype) + tuple(self._extra_arg(n)[1] for n in self.arg_names[2:])
+
+    @property
+    def arg_batched(self) -> tuple[bool, ...]:
+        """Per argument, whether it has the batch axis (activations do; the weight and per-channel vectors not)."""
+        return tuple(n not in ("w", "bias", "scale", "shift") for n in self.arg_names)
+
+    @property
+    def result_channels(self) -> int:
+        """Channels per group of the result (K for forward, C for transposed): a per-channel vector's length."""
+        return self.in_channels if self.op in ("grad_input", "transposed") else self.out_channels
+
+    def _extra_arg(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, dtype) of an argument after the two operands: D and the residual in the result's shape and
+        dtype, the per-channel vectors (G, channels) in f32 (as the epilogue computes), saved in dY's."""
+        if name == "saved":
+            return self.y_shape, self.dtype
+        if name in ("bias", "scale", "shift"):
+            return (self.groups, self.result_channels), "f32"
+        return self.result_shape, self.result_dtype
 
     def batch_axis(self, tensor: str) -> Optional[int]:
         """Position of N in 'x', 'y' or 'w' (None: the weight has no batch)."""
@@ -337,23 +426,29 @@ class ConvProblem:
             + (f" compute={self.compute[0]}" if self.compute and self.compute[0] in F32_COMPUTES
                else f" compute={list(self.compute)}" if self.compute else "")
             + (f" split_k={self.split_k}" if self.split_k else "")
-            + (f" epilogue={self.epilogue}" if self.epilogue.kind != "none" else "")
+            + (f" epilogue={self.epilogue}" if self.epilogue.kind != "none" or self.epilogue.steps else "")
+            + (f" prologue={self.prologue}" if self.prologue.kind != "none" else "")
             + (" batch=?" if self.dynamic_batch else "")
         )
 
 
 def problem_to_spec(p: ConvProblem) -> dict:
     """A JSON-ready dict of every field (the manifest's `spec`); `problem_from_spec` inverts it."""
-    return {
+    epilogue = {"kind": p.epilogue.kind, "alpha": p.epilogue.alpha, "beta": p.epilogue.beta}
+    spec = {
         "name": p.name, "op": p.op, "dims": p.dims, "groups": p.groups, "batch": p.batch,
         "in_channels": p.in_channels, "out_channels": p.out_channels, "input": list(p.input),
         "filter": list(p.filter), "stride": list(p.stride), "dilation": list(p.dilation),
         "pad_lo": list(p.pad_lo), "pad_hi": list(p.pad_hi), "layout": p.layout, "weight_layout": p.weight_layout,
         "dtype": p.dtype, "out_dtype": p.out_dtype, "compute": list(p.compute) if p.compute else None,
-        "split_k": p.split_k,
-        "epilogue": {"kind": p.epilogue.kind, "alpha": p.epilogue.alpha, "beta": p.epilogue.beta},
-        "dynamic_batch": p.dynamic_batch,
+        "split_k": p.split_k, "epilogue": epilogue, "dynamic_batch": p.dynamic_batch,
     }
+    # the fused forms only where present: a spec without them (the tuning database's keys) stays as it was
+    if p.epilogue.steps:
+        epilogue["steps"] = list(p.epilogue.steps)
+    if p.prologue.kind != "none":
+        spec["prologue"] = p.prologue.kind
+    return spec
 
 
 def problem_from_spec(spec: dict) -> ConvProblem:
@@ -362,6 +457,7 @@ def problem_from_spec(spec: dict) -> ConvProblem:
         fields[key] = tuple(fields[key])
     fields["compute"] = tuple(fields["compute"]) if fields.get("compute") else None
     fields["epilogue"] = Epilogue(**fields["epilogue"])
+    fields["prologue"] = Prologue(fields.get("prologue", "none"))
     return ConvProblem(**fields)
 
 

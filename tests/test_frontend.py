@@ -214,7 +214,7 @@ BAD_KEYS = "conv c {\n  dims = 2; batch = 2; in_channels = 3; out_channels = 5\n
         # Lark syntax errors, with terminal names turned into words
         ("stride 2", 10, ("expected '=', got '2'",), "         ^"),
         ("stride = = 2", 12, ("expected a name, a number, '?' or '[', got '='",), "           ^"),
-        ("stride = 1 @", 14, ("expected ';', '}' or a newline, got '@'",), "             ^"),
+        ("stride = 1 @", 14, ("expected ',', ';', '}' or a newline, got '@'",), "             ^"),
         # key checks
         ("strid = 2", 3, ("expected a conv key, got 'strid'; did you mean 'stride'?", "valid conv keys: dims, groups"), "  ^~~~~"),
         ("split_k = 2", 3, ("expected a conv key, got 'split_k'", "is a kernel option"), "  ^~~~~~~"),
@@ -278,9 +278,10 @@ def test_empty_output_is_pinned_to_conv() -> None:
         ("kernel j = grad_input(c) { split_k = 2 }", 28, ("expected split_k only on grad_weight kernels, got it on a grad_input kernel",), " " * 27 + "^~~~~~~"),
         ("kernel j = grad_weight(c) { split_k = 0 }", 39, ("expected auto or a positive integer for split_k, got 0",), " " * 38 + "^"),
         ("kernel j = forward(c) { stride = 2 }", 25, ("expected a kernel option, got 'stride'", "is a conv key"), " " * 24 + "^~~~~~"),
-        ("kernel j = forward(c) { epilog = none }", 25, ("expected a kernel option, got 'epilog'; did you mean 'epilogue'?", "valid kernel options: split_k, out_dtype, epilogue, compute"), " " * 24 + "^~~~~~"),
+        ("kernel j = forward(c) { epilog = none }", 25, ("expected a kernel option, got 'epilog'; did you mean 'epilogue'?", "valid kernel options: split_k, out_dtype, epilogue, prologue, compute"), " " * 24 + "^~~~~~"),
         ("kernel j = forward(c) { epilogue = scale(1, 2) }", 36, ("expected 1 argument for scale(alpha), got 2",), " " * 35 + "^~~~~~~~~~~"),
-        ("kernel j = forward(c) { epilogue = relu(1) }", 36, ("expected none, scale(alpha) or bilinear(alpha, beta) for epilogue, got relu(1)",), " " * 35 + "^~~~~~~"),
+        ("kernel j = forward(c) { epilogue = relu(1) }", 36, ("expected relu without arguments, got relu(1)",), " " * 35 + "^~~~~~~"),
+        ("kernel j = forward(c) { epilogue = relu6(1) }", 36, ("expected none, scale(alpha) or bilinear(alpha, beta), or bias, affine, residual, relu, silu, gelu, gelu(tanh) or hardswish for epilogue, got relu6(1); did you mean 'relu'?",), " " * 35 + "^~~~~~~~"),
         ("kernel j = forward(c) { epilogue = bilinear(1, x) }", 48, ("expected a number for beta in bilinear(alpha, beta), got 'x'",), " " * 47 + "^"),
         ("kernel j = forward(c) { out_dtype = f8 }", 37, ("expected a dtype (f32, f16 or bf16) for out_dtype, got 'f8'",), " " * 36 + "^~"),
         ("kernel def = forward(c)", 8, ("expected a kernel name that is not a Python keyword, got 'def'",), "       ^~~"),

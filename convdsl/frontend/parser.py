@@ -48,8 +48,10 @@ from lark.lark import PostLex
 from lark.lexer import PatternStr
 
 from convdsl import options
-from convdsl.options import Call, DimsError, OptionError, did_you_mean, one_of
-from convdsl.problem import DYNAMIC_BATCH_NOMINAL, F32_COMPUTES, OPS, ConvProblem, Epilogue, ProblemError
+from convdsl.options import Call, Chain, DimsError, OptionError, did_you_mean, one_of
+from convdsl.problem import (
+    DYNAMIC_BATCH_NOMINAL, F32_COMPUTES, OPS, PROLOGUE_OPS, ConvProblem, Epilogue, ProblemError, Prologue,
+)
 
 __all__ = ["ConvSyntaxError", "parse", "parse_file", "CONV_KEYS", "KERNEL_KEYS", "REQUIRED_CONV_KEYS"]
 
@@ -59,7 +61,9 @@ CONV_KEYS = (
     "dilation", "padding", "layout", "weight_layout", "dtype", "out_dtype", "compute",
 )
 REQUIRED_CONV_KEYS = ("dims", "batch", "in_channels", "out_channels", "input", "filter")
-KERNEL_KEYS = ("split_k", "out_dtype", "epilogue", "compute")
+KERNEL_KEYS = ("split_k", "out_dtype", "epilogue", "prologue", "compute")
+# the keys that take several comma-separated values (a chain of steps)
+_CHAIN_KEYS = ("epilogue",)
 
 # Nothing in the language nests deeper than padding's [[lo, hi], ...]; the limit only keeps a
 # pathological `[[[[...` from turning into a RecursionError in the tree walk.
@@ -352,8 +356,14 @@ def _to_value(src: _Source, node: Tree, depth: int = 0) -> _Value:
 def _entries(src: _Source, nodes: Sequence[Tree]) -> list[_Entry]:
     out = []
     for node in nodes:
-        key_tok, value_node = node.children
-        out.append(_Entry(str(key_tok), _span(key_tok), _to_value(src, value_node)))
+        key_tok, *value_nodes = node.children
+        values = [_to_value(src, v) for v in value_nodes]
+        value = values[0]
+        if len(values) > 1:  # `a, b, c`: one chain value spanning its items
+            first, last = values[0].span, values[-1].span
+            span = _Span(first.line, first.column, last.end_line, last.end_column, first.start_pos, last.end_pos)
+            value = _Value("chain", span, src.snippet(span), items=tuple(values))
+        out.append(_Entry(str(key_tok), _span(key_tok), value))
     return out
 
 
@@ -376,6 +386,11 @@ def _collect(src: _Source, entries: Sequence[_Entry], block: str) -> dict[str, _
                 f"expected {noun}, got '{e.key}'{did_you_mean(e.key, valid)}",
                 [f"note: valid {'conv keys' if block == 'conv' else 'kernel options'}: {', '.join(valid)}"],
             )
+        if e.value.kind == "chain" and e.key not in _CHAIN_KEYS:
+            raise src.error(e.value.items[1].span,
+                            f"expected one value for {e.key}, got {len(e.value.items)} separated by ','",
+                            ["note: only an epilogue chains values (epilogue = bias, relu); a list is written in "
+                             "brackets: [1, 2]"])
         if e.key in seen:
             raise src.error(
                 e.key_span,
@@ -411,6 +426,8 @@ def _python(v: _Value, quoted: bool) -> Any:
         return [_python(item, quoted) for item in v.items]
     if v.kind == "call":
         return Call(v.name, tuple(_python(item, quoted) for item in v.items))
+    if v.kind == "chain":
+        return Chain(tuple(_python(item, quoted) for item in v.items))
     return _Unaccepted(v.text)
 
 
@@ -567,7 +584,7 @@ def _kernel(src: _Source, node: Tree, convs: dict[str, _Conv]) -> tuple[ConvProb
     seen = _collect(src, _entries(src, option_block.children if option_block is not None else ()), "kernel")
     out_dtype, compute = conv.out_dtype, conv.compute
     split_k: Optional[int] = None
-    epilogue = Epilogue()
+    epilogue, prologue = Epilogue(), Prologue()
     for key, e in sorted(seen.items(), key=lambda kv: kv[1].key_span.start_pos):
         if key == "split_k":
             if op != "grad_weight":
@@ -582,7 +599,16 @@ def _kernel(src: _Source, node: Tree, convs: dict[str, _Conv]) -> tuple[ConvProb
         elif key == "compute":
             compute = _option(src, e, options.compute)
         elif key == "epilogue":
-            epilogue = _option(src, e, options.epilogue)
+            epilogue = _option(src, e, options.epilogue, op=op)
+        elif key == "prologue":
+            if op not in PROLOGUE_OPS:
+                raise src.error(
+                    e.key_span,
+                    f"expected prologue only on {' and '.join(PROLOGUE_OPS)} kernels, got it on a {op} kernel",
+                    ["note: a prologue applies an activation's backward to dY as the kernel reads it; a forward "
+                     "activation is an epilogue step (epilogue = bias, relu)"],
+                )
+            prologue = _option(src, e, options.prologue)
     if "compute" in seen and compute is not None and compute[0] in F32_COMPUTES:
         _check_f32_compute(src, seen["compute"], compute[0], conv.fields["dtype"],
                            [src.note(conv.span, f"conv {conv.name} declared here")])
@@ -590,13 +616,16 @@ def _kernel(src: _Source, node: Tree, convs: dict[str, _Conv]) -> tuple[ConvProb
         out_dtype = None  # "same as dtype", so equal sources give equal problems
     try:
         problem = ConvProblem(
-            op=op, name=name, out_dtype=out_dtype, compute=compute, split_k=split_k, epilogue=epilogue, **conv.fields
+            op=op, name=name, out_dtype=out_dtype, compute=compute, split_k=split_k, epilogue=epilogue,
+            prologue=prologue, **conv.fields
         )
     except ProblemError as err:
         raise src.error(_span(name_tok), f"invalid kernel {name}: {err}", [src.note(conv.span, f"conv {conv.name} declared here")]) from None
     if "epilogue" in seen:
         # the arguments against the result's dtype, known only now (out_dtype may come from the conv)
-        _option(src, seen["epilogue"], lambda _value, key: options.epilogue_range(epilogue, problem.result_dtype, key))
+        head = (0,) if seen["epilogue"].value.kind == "chain" else ()
+        _option(src, seen["epilogue"],
+                lambda _value, key: options.epilogue_range(epilogue, problem.result_dtype, key, at=head))
     return problem, _span(name_tok)
 
 
