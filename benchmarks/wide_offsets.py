@@ -33,7 +33,7 @@ QUEUED = 100
 def _forced_wide(kernel, arch: str):
     """The stream kernel with every launch's WIDE constant set (recompiled)."""
     from convdsl import stream
-    from convdsl.kernels.launch import compile_launch
+    from convdsl.kernels.compile import compile_launch
 
     def wide(sl):
         if sl is None:

@@ -25,7 +25,7 @@ from .cache import source_digest
 from .backends import iree as _iree
 from .backends.iree_config import compile_with_knobs_reported
 from .frontend import ConvSyntaxError, parse, parse_file
-from .kernels.launch import triton_version
+from .kernels.compile import triton_version
 from .module import CompiledModule, resolve_target
 from .passes import lower_to_mlir
 from .problem import ConvProblem

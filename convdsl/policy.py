@@ -16,14 +16,16 @@ from typing import Iterator, NamedTuple, Optional, Sequence, Union
 from dataclasses import dataclass, replace
 
 from .algebra import grad_input_phases
-from .kernels.launch import (ELEMENT, ELEMENT_BYTES, SPLIT_PRODUCTS, Launch, TmaMap,
-                             depthwise_channel_blocks, flat_elements, flat_planes, forward_direct_launch,
-                             forward_halo_launch, forward_launch, forward_tma_launch, geometry, gluon_tma_im2col,
-                             grad_input_direct_launch, grad_input_launch, grad_input_phases_tiles,
-                             grad_input_phases_tma_launch, grad_weight_depthwise_launch, grad_weight_flat_tma_launch,
-                             grad_weight_launch, grad_weight_tma_launch, halo_grid, im2col_box, output_tiles, pad3,
-                             packable, packed_sizes, pad_planes_launch, phases_window, reduction_steps,
-                             round_fp8_launch, split_bf16_launch, tiles_within_images, triton_version)
+from .kernels.compile import gluon_tma_im2col, triton_version
+from .kernels.elementwise_launches import (SPLIT_PRODUCTS, pad_planes_launch, round_fp8_launch, split_bf16_launch,
+                                           sum_partials_launch)
+from .kernels.igemm_launches import (forward_direct_launch, forward_launch, grad_input_direct_launch,
+                                     grad_input_launch, grad_weight_depthwise_launch, grad_weight_launch)
+from .kernels.launch import (ELEMENT, ELEMENT_BYTES, Launch, TmaMap, depthwise_channel_blocks, flat_elements,
+                             flat_planes, geometry, grad_input_phases_tiles, halo_grid, im2col_box, output_tiles, pad3,
+                             packable, packed_sizes, phases_window, reduction_steps, tiles_within_images)
+from .kernels.tma_launches import (forward_halo_launch, forward_tma_launch, grad_input_phases_tma_launch,
+                                   grad_weight_flat_tma_launch, grad_weight_tma_launch)
 from .kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
 from .problem import ConvProblem, weight_axes
 from .targets import Target
@@ -1377,6 +1379,12 @@ def extern_launches(problem: ConvProblem, target: Target, knobs: Knobs) -> Optio
     tiles, launches, partials = plan_launches(problem, tiles, target, weight_axes=copy_axes)
     return ExternLaunches(problem, tiles, launches, partials, weight_axes=copy_axes)
 
+
+
+def split_k_sum(p: ConvProblem, partials_shape: tuple[int, ...], base: str, target: Target) -> Launch:
+    """The stream runner's sum of grad_weight's f32 partials (kernels/elementwise.sum_partials), spread over the
+    programs the target's sum aims for (Target.sum_programs)."""
+    return sum_partials_launch(p, partials_shape, base, target.sum_programs)
 
 # --- knobs over IREE's own GPU configuration ------------------------------------------------------
 

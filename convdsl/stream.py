@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
 from . import cache, policy
-from .kernels.launch import (Binary, Launch, TmaMap, compile_launch, compile_tma_launch, round_fp8_launch,
-                             space_to_depth_launch, sum_partials_launch, transpose_launch, triton_version)
+from .kernels.compile import compile_launch, compile_tma_launch, triton_version
+from .kernels.elementwise_launches import round_fp8_launch, space_to_depth_launch, transpose_launch
+from .kernels.launch import Binary, Launch, TmaMap
 from .kernels.tiles import parse_tiles
 from .problem import ConvProblem, problem_from_spec, problem_to_spec, weight_axes_name
 from .targets import Target
@@ -199,7 +200,7 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
     tma_plan = policy.tma_stream_launch(p, target, knobs) if tma else None
     if tma_plan is not None:
         launch, maps, flipped, partials, tiles, staging, weight_copy = tma_plan
-        summed = _uncompiled(sum_partials_launch(p, partials, launch.name)) if p.op == "grad_weight" else None
+        summed = _uncompiled(policy.split_k_sum(p, partials, launch.name, target)) if p.op == "grad_weight" else None
         planned = StreamKernel(p, target.arch, p, (), (_uncompiled(launch),), partials, tiles.label(), source, summed,
                                weight_axes=weight_copy, tma_maps=maps, tma_flipped_weight=flipped,
                                staging=tuple(_uncompiled(la) for la, _ in staging),
@@ -214,7 +215,8 @@ def plan_stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str
 
     base = ext.launches[0].name
     staging = tuple(space_to_depth_launch(p, regrouped, name, base) for name in p.arg_names) if regrouped else ()
-    summed = _uncompiled(sum_partials_launch(p, ext.partials_shape, base)) if p.op == "grad_weight" else None
+    summed = (_uncompiled(policy.split_k_sum(p, ext.partials_shape, base, target)) if p.op == "grad_weight"
+              else None)
     rounds = ()
     if p.fp8_compute:
         rounds = tuple(_uncompiled(round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}"))

@@ -53,11 +53,16 @@ CUDA_PTX_VERSION = 80
 # rank, and the most traversal (element) stride
 CUDA_TMA_IM2COL_CORNERS = {3: (-32768, 32767), 4: (-128, 127), 5: (-16, 15)}
 CUDA_TMA_MOST_STRIDE = 8
+# the programs a sum over a weight-sized tensor aims for (the stream runner's split-K sum): two per SM of an
+# H100/H200 (132 SMs), the GPUs the kernels are measured on.  One number for every CUDA arch, so that a kernel's
+# constants do not depend on the arch it is planned for (sized by each arch's SMs, sm_80's would be 216 and sm_89's
+# 284: kernels no measurement asked to change)
+CUDA_SUM_PROGRAMS = 264
 
 
 @dataclass(frozen=True)
 class GpuFacts:
-    """What the planning policy (convdsl/policy.py) reads off a GPU to size its grids: streaming
+    """What the planning policy (convdsl/policy/) reads off a GPU to size its grids: streaming
     multiprocessors (compute units), the shared memory of one and what each resident block reserves of it,
     and the warps (waves) one can hold; and what bounds one workgroup's configuration (backends/iree_config.py):
     the shared memory (LDS) one workgroup may use and the threads of a subgroup (warp or wavefront)."""
@@ -261,7 +266,7 @@ class Target:
     def driver(self) -> str:
         return {"cpu": "local-task", "cuda": "cuda", "rocm": "hip"}[self.backend]
 
-    # --- CUDA's facts (kernels/launch.py compiles with them, policy.py plans with them) ----------------------
+    # --- CUDA's facts (kernels/compile.py compiles with them, policy/ plans with them) -----------------------
 
     def _cuda(self, fact: str) -> None:
         if self.backend != "cuda":
@@ -303,6 +308,12 @@ class Target:
         """The longest traversal (element) stride of a TMA copy."""
         self._cuda("tma_most_stride")
         return CUDA_TMA_MOST_STRIDE
+
+    @property
+    def sum_programs(self) -> int:
+        """The programs a sum over a weight-sized tensor (the split-K sum) aims for."""
+        self._cuda("sum_programs")
+        return CUDA_SUM_PROGRAMS
 
     @property
     def has_cp_async(self) -> bool:

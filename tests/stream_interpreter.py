@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from convdsl import stream  # noqa: E402
 from convdsl.kernels import elementwise, igemm  # noqa: E402
-from convdsl.kernels.launch import ELEMENTWISE_KERNELS  # noqa: E402
+from convdsl.kernels.compile import ELEMENTWISE_KERNELS  # noqa: E402
 from convdsl.problem import problem_from_spec  # noqa: E402
 from convdsl.reference import random_inputs, reference, relative_error  # noqa: E402
 from convdsl.targets import Target  # noqa: E402

@@ -584,7 +584,8 @@ def test_the_peak_is_two_n_cubed_over_the_timed_median(small_peak, monkeypatch):
 
 def test_explain_says_which_kernels_pytorch_calls_take(tmp_path, monkeypatch, capsys):
     import convdsl.passes.pipeline as pipeline
-    from convdsl.kernels.launch import Binary, gluon_tma_im2col
+    from convdsl.kernels.compile import gluon_tma_im2col
+    from convdsl.kernels.launch import Binary
 
     monkeypatch.setattr(pipeline, "compile_launch", lambda launch, arch: Binary(launch.name, b"\0" * 64, "cubin",
                                                                                 128, 4096, 9))

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 from convdsl.algebra import grad_input_phases
 from convdsl.backends.iree import compile_mlir
-from convdsl.kernels.launch import (FORWARD_WINDOW_MOST, activation_strides, compile_launch, depthwise_chunk,
-                                   flat_positions, grad_input_launch, weight_strides)
+from convdsl.kernels.compile import compile_launch
+from convdsl.kernels.igemm_launches import FORWARD_WINDOW_MOST, grad_input_launch
+from convdsl.kernels.launch import activation_strides, depthwise_chunk, flat_positions, weight_strides
 from convdsl.passes.explain import describe_plan
 from convdsl.policy import (
     default_pack,

@@ -17,7 +17,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from convdsl import policy, stream
-from convdsl.kernels.launch import forward_halo_launch, gluon_tma_im2col, halo_grid
+from convdsl.kernels.compile import gluon_tma_im2col
+from convdsl.kernels.launch import halo_grid
+from convdsl.kernels.tma_launches import forward_halo_launch
 from convdsl.problem import ConvProblem
 from convdsl.reference import random_inputs, reference, relative_error
 from convdsl.targets import Target

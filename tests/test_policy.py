@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from convdsl import policy, stream
-from convdsl.kernels.launch import triton_version
+from convdsl.kernels.compile import triton_version
+from convdsl.kernels.elementwise_launches import sum_partials_launch
 from convdsl.passes.plan import plan_kernel
 from convdsl.problem import ConvProblem, Epilogue
 from convdsl.targets import CUDA_MAX_GRID, Target, TargetError
@@ -33,6 +34,19 @@ def test_cuda_facts_live_on_the_target():
     assert not (CPU.has_tma or CPU.has_wgmma or CPU.has_cp_async)
     with pytest.raises(TargetError, match="max_grid is a CUDA target's fact; target is cpu:host"):
         CPU.max_grid
+
+
+def test_the_split_k_sum_spreads_over_the_programs_the_target_says():
+    # two per SM of an H100/H200 on every CUDA arch: the sum's constants do not depend on the arch planned for
+    assert HOPPER.sum_programs == AMPERE.sum_programs == Target("cuda", "sm_89").sum_programs == 264
+    shape = (4, 1, 64, 1, 3, 3, 64)
+    for target in (HOPPER, AMPERE):
+        assert policy.split_k_sum(RESNET_WGRAD, shape, "k", target) == sum_partials_launch(RESNET_WGRAD, shape, "k", 264)
+    # 36864 weights over 264 programs: blocks of 128 columns; over 4096 programs they would be 16 wide
+    assert dict(sum_partials_launch(RESNET_WGRAD, shape, "k", 264).constants)["BLOCK_E"] == 128
+    assert dict(sum_partials_launch(RESNET_WGRAD, shape, "k", 4096).constants)["BLOCK_E"] == 16
+    with pytest.raises(TargetError, match="sum_programs is a CUDA target's fact"):
+        CPU.sum_programs
 
 
 # --- the rules as examples: given a problem on a target, the plan's form, tiles and split -----------------------

@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from convdsl import policy
-from convdsl.kernels.launch import space_to_depth_launch
+from convdsl.kernels.elementwise_launches import space_to_depth_launch
 from convdsl.problem import ConvProblem
 from convdsl.reference import random_inputs, reference, relative_error
 

@@ -211,10 +211,10 @@ def test_bundle_round_trip_and_damage(tmp_path):
 
 
 def test_sum_launch_spreads_small_weights_over_the_gpu():
-    from convdsl.kernels.launch import sum_partials_launch
+    from convdsl.kernels.elementwise_launches import sum_partials_launch
 
     dw = BASE.with_(groups=144, in_channels=1, out_channels=1, filter=(3, 3))
-    launch = sum_partials_launch(dw, (3584, 144, 1, 1, 3, 3, 1), "k")
+    launch = sum_partials_launch(dw, (3584, 144, 1, 1, 3, 3, 1), "k", HOPPER.sum_programs)
     assert launch.grid[0] >= 40  # 1296 weights in blocks of 16 to 32: not one program per 1024 weights
     c = dict(launch.constants)
     assert c["BLOCK_S"] * c["BLOCK_E"] <= 4096 and c["S"] == 3584

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 from convdsl import policy, stream
 from convdsl.algebra import grad_input_phases
-from convdsl.kernels.launch import (forward_tma_launch, gluon_tma_im2col, grad_input_phases_tma_launch,
-                                    grad_weight_tma_launch, im2col_box)
+from convdsl.kernels.compile import gluon_tma_im2col
+from convdsl.kernels.launch import im2col_box
+from convdsl.kernels.tma_launches import forward_tma_launch, grad_input_phases_tma_launch, grad_weight_tma_launch
 from convdsl.kernels.tiles import TileConfig
 from convdsl.problem import ConvProblem
 from convdsl.reference import random_inputs, reference, relative_error
@@ -600,7 +601,7 @@ def test_promoted_and_reversed_copy_kernels_compile():
     # over the reversed weight copy
     from dataclasses import replace
 
-    from convdsl.kernels.launch import compile_tma_launch
+    from convdsl.kernels.compile import compile_tma_launch
 
     for p in (F32_WIDE.with_(compute=None), F32_WGRAD.with_(compute=None)):
         plan = policy.tma_stream_launch(p, HOPPER, Knobs())
@@ -843,7 +844,9 @@ def _box(a: np.ndarray, row: int, col: int, rows: int, cols: int) -> np.ndarray:
 def _emulated_flat_grad_weight(p: ConvProblem, x: np.ndarray, dy: np.ndarray, parts: int = 3) -> np.ndarray:
     """grad_weight_flat_tma's copies, boxes and partial stores in float64 with the coordinates the kernel
     computes, then the chunks' sum."""
-    from convdsl.kernels.launch import flat_planes, grad_weight_flat_tma_launch, pad_planes_launch
+    from convdsl.kernels.elementwise_launches import pad_planes_launch
+    from convdsl.kernels.launch import flat_planes
+    from convdsl.kernels.tma_launches import grad_weight_flat_tma_launch
 
     tiles = policy.tma_flat_grad_weight_tiles(p)
     steps = p.batch * flat_planes(p, tiles.block_k).blocks
@@ -975,7 +978,8 @@ import json, os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
 from convdsl.kernels import elementwise
-from convdsl.kernels.launch import flat_planes, pad_planes_launch
+from convdsl.kernels.elementwise_launches import pad_planes_launch
+from convdsl.kernels.launch import flat_planes
 from convdsl.problem import problem_from_spec
 from convdsl.reference import random_inputs
 TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8e4nv": torch.float8_e4m3fn,
@@ -993,7 +997,8 @@ for spec, scale in json.loads(sys.stdin.read()):
         out.append(y.float().numpy().tolist())
 print(json.dumps(out))
 '''
-    from convdsl.kernels.launch import FP8_MAX, flat_planes, pad_planes_launch
+    from convdsl.kernels.elementwise_launches import pad_planes_launch
+    from convdsl.kernels.launch import FP8_MAX, flat_planes
     from convdsl.problem import problem_to_spec
     from convdsl.reference import COMPUTE_DTYPES
 
@@ -1092,7 +1097,7 @@ def test_f32_grad_weight_as_stacked_bf16_parts_on_the_tma_kernel(p, split, toler
     # f32 NHWGC with stride 1: the 16-bit TMA grad_weight over X's and dY's bf16 parts stacked along N, one block
     # per product kept (launch.SPLIT_PRODUCTS; split_bf16), its tiles and partial stores in float64 through the
     # emulation, against the exact float64 result
-    from convdsl.kernels.launch import SPLIT_PRODUCTS
+    from convdsl.kernels.elementwise_launches import SPLIT_PRODUCTS
 
     products = SPLIT_PRODUCTS[split]
     stacked = p.with_(batch=len(products) * p.batch, dtype="bf16", compute=None)
@@ -1129,14 +1134,14 @@ def test_split_bf16_stacks_the_parts_of_each_product():
     import subprocess
     import sys
 
-    from convdsl.kernels.launch import SPLIT_PRODUCTS
+    from convdsl.kernels.elementwise_launches import SPLIT_PRODUCTS
 
     script = r'''
 import json, os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from convdsl.kernels import elementwise
-from convdsl.kernels.launch import split_bf16_launch
+from convdsl.kernels.elementwise_launches import split_bf16_launch
 values = torch.tensor(json.loads(sys.stdin.read()), dtype=torch.float32)
 out = {}
 for split in ("bf16x3", "bf16x6"):
@@ -1194,7 +1199,7 @@ import json, os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np, torch
 from convdsl.kernels import elementwise
-from convdsl.kernels.launch import round_fp8_launch
+from convdsl.kernels.elementwise_launches import round_fp8_launch
 values = torch.tensor(json.loads(sys.stdin.read()), dtype=torch.float16)
 out = []
 for kind, dtype in (("fp8", torch.float8_e4m3fn), ("bf8", torch.float8_e5m2)):
@@ -1223,7 +1228,7 @@ print(json.dumps(out))
 def test_swapped_forward_compiles_flipped_and_plain():
     # SWAPPED (probe benchmarks/probes/tma_swapped.py, docs/decisions.md#tma-narrow): the weight tile as wgmma's A,
     # read K-major (plain) or through a transposed view (FLIPPED, grad_input's own weight), the window as B
-    from convdsl.kernels.launch import compile_tma_launch
+    from convdsl.kernels.compile import compile_tma_launch
 
     p = BASE.with_(in_channels=64, out_channels=64, dtype="f16")
     tiles = TileConfig(128, 64, 64, warps=4, stages=4)

@@ -53,7 +53,7 @@ def problems() -> list:
 
 def _compile(job):
     from convdsl import policy
-    from convdsl.kernels import launch
+    from convdsl.kernels import elementwise_launches
     from convdsl.stream import plan_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
@@ -68,8 +68,8 @@ def _compile(job):
     with ExitStack() as patches:
         if variant.startswith("copy-"):  # the copies' tiles: source bytes of channels x positions
             row_bytes, positions = (int(v) for v in variant[5:].split("x"))
-            patches.enter_context(mock.patch.object(launch, "PAD_PLANES_ROW_BYTES", row_bytes))
-            patches.enter_context(mock.patch.object(launch, "PAD_PLANES_POSITIONS", positions))
+            patches.enter_context(mock.patch.object(elementwise_launches, "PAD_PLANES_ROW_BYTES", row_bytes))
+            patches.enter_context(mock.patch.object(elementwise_launches, "PAD_PLANES_POSITIONS", positions))
         patches.enter_context(policy.overrides(tma_fp8_promote=promote))
         if variant != "cp.async" and policy.tma_flat_grad_weight_reason(p, target) is not None:
             return None

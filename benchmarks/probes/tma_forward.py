@@ -36,7 +36,8 @@ WIDE_TILES = ["rule", "t128x256x64w8s3", "t256x128x64w8s3"]
 
 def _compile(job):
     from convdsl import policy
-    from convdsl.kernels.launch import compile_tma_launch, forward_tma_launch
+    from convdsl.kernels.compile import compile_tma_launch
+    from convdsl.kernels.tma_launches import forward_tma_launch
     from convdsl.kernels.tiles import parse_tiles
     from convdsl.stream import StreamKernel, StreamLaunch, plan_stream_kernel
     from convdsl.targets import Target

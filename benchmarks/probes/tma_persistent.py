@@ -32,7 +32,7 @@ SMS = 132
 
 def _compile(job):
     from convdsl import policy
-    from convdsl.kernels import launch
+    from convdsl.kernels import tma_launches
     from convdsl.kernels.tiles import parse_tiles
     from convdsl.stream import plan_stream_kernel
     from convdsl.targets import Target
@@ -47,7 +47,7 @@ def _compile(job):
         programs = SMS * int(variant[1:]) if variant.startswith("p") else 0
         # in place of the rule's programs (policy.tma_forward_programs)
         rules["forward_tma_launch"] = lambda *args, **kw: (
-            launch.forward_tma_launch(*args, **{**kw, "programs": programs}))
+            tma_launches.forward_tma_launch(*args, **{**kw, "programs": programs}))
     with policy.overrides(**rules):
         try:
             return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),

@@ -41,7 +41,8 @@ def problems() -> list:
 
 def _compile(job):
     from convdsl import policy
-    from convdsl.kernels.launch import compile_tma_launch, grad_input_phases_tma_launch
+    from convdsl.kernels.compile import compile_tma_launch
+    from convdsl.kernels.tma_launches import grad_input_phases_tma_launch
     from convdsl.kernels.tiles import parse_tiles
     from convdsl.stream import StreamKernel, StreamLaunch, plan_stream_kernel
     from convdsl.targets import Target

@@ -24,7 +24,7 @@ VARIANTS = ("rule", "ws", "ws-s3", "ws-s5", "ws-s6")
 
 def _compile(job):
     from convdsl import policy
-    from convdsl.kernels import launch
+    from convdsl.kernels import tma_launches
     from convdsl.stream import plan_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
@@ -40,7 +40,7 @@ def _compile(job):
     on = variant.startswith("ws")
     # the persistent kernel (the rule's where its tiles outnumber the SMs) has no such option: a program per tile
     with policy.overrides(tma_forward_tiles=tiles, forward_tma_launch=lambda *args, **kw: (
-            launch.forward_tma_launch(*args, **{**kw, "specialised": on,
+            tma_launches.forward_tma_launch(*args, **{**kw, "specialised": on,
                                                 "programs": 0 if on else kw.get("programs", 0)}))):
         try:
             return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),

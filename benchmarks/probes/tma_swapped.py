@@ -27,7 +27,7 @@ VARIANTS = ("rule", "sw-t256x64x64w4s4", "sw-t256x64x64w4s3", "sw-t256x64x64w8s4
 
 def _compile(job):
     from convdsl import policy
-    from convdsl.kernels import launch
+    from convdsl.kernels import tma_launches
     from convdsl.kernels.tiles import parse_tiles
     from convdsl.stream import plan_stream_kernel
     from convdsl.targets import Target
@@ -40,7 +40,7 @@ def _compile(job):
     # the persistent kernel (the rule's where its tiles outnumber the SMs) has no such option: a program per tile
     with policy.overrides(tma_forward_tiles=lambda q, target: forced or rule_tiles(q, target),
                           forward_tma_launch=lambda *args, **kw: (
-                              launch.forward_tma_launch(*args, **{**kw, "swapped": on,
+                              tma_launches.forward_tma_launch(*args, **{**kw, "swapped": on,
                                                                   "programs": 0 if on else kw.get("programs", 0)}))):
         try:
             return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),

@@ -11,7 +11,8 @@ from typing import Callable, Mapping, Optional, Sequence
 from iree.compiler import ir
 from iree.compiler.passmanager import PassManager
 
-from ..kernels.launch import Binary, compile_launch
+from ..kernels.compile import compile_launch
+from ..kernels.launch import Binary
 from ..problem import ConvProblem
 from ..progress import CompileStep, ProgressFn
 from ..targets import Target
