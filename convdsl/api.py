@@ -36,7 +36,7 @@ from .abi import KERNEL_NAME
 from .compiler import cache_key, compile_vmfb
 from .module import ArgumentError, CompiledModule, Kernel, resolve_target
 from .options import activation_letters, weight_letters
-from .problem import DYNAMIC_BATCH_NOMINAL, ConvProblem, Epilogue, ProblemError
+from .problem import DYNAMIC_BATCH_NOMINAL, ConvProblem, Epilogue, ProblemError, Prologue
 from .targets import Target
 from .tuning import db as tuning_db
 
@@ -85,12 +85,17 @@ class ConvOptions:
     compute: Any = None
     # grad_weight: None or "auto" lets the planner choose
     split_k: Union[None, int, str] = None
-    # "scale(alpha)", "bilinear(alpha, beta)" (which adds beta * d, so pass d=) or an Epilogue
-    epilogue: Union[None, str, Epilogue] = None
+    # "scale(alpha)", "bilinear(alpha, beta)" (which adds beta * d, so pass d=), a chain of fused steps (forward and
+    # conv_transpose: "bias, relu", "affine, residual, gelu(tanh)"; their tensors by name: bias=, scale=, shift=,
+    # residual=) or an Epilogue
+    epilogue: Union[None, str, Sequence[str], Epilogue] = None
+    # grad_input, grad_weight: an activation's backward applied to dy ("relu_backward", "gelu_backward(tanh)", ...;
+    # pass saved=, relu's output or the other activations' input) or a Prologue
+    prologue: Union[None, str, Prologue] = None
 
 
 _OPTION_FIELDS = {f.name: f for f in fields(ConvOptions)}
-_OP_OWN_OPTIONS = {"forward": (), "grad_input": ("input",), "grad_weight": ("filter", "split_k"),
+_OP_OWN_OPTIONS = {"forward": (), "grad_input": ("input", "prologue"), "grad_weight": ("filter", "split_k", "prologue"),
                    "transposed": ("input",)}
 _OP_SPECIFIC = {name for own in _OP_OWN_OPTIONS.values() for name in own}
 
@@ -364,7 +369,8 @@ def _build_problem(operands: _Operands, options: ConvOptions) -> ConvProblem:
         # out_dtype equal to dtype is stored as None, as the parser does, so both spellings share a key.
         out_dtype=None if out_dtype == operands.dtype else out_dtype,
         compute=normalise.compute(options.compute), split_k=normalise.split_k(options.split_k),
-        epilogue=normalise.parse_epilogue(options.epilogue), name=KERNEL_NAME,
+        epilogue=normalise.parse_epilogue(options.epilogue), prologue=normalise.parse_prologue(options.prologue),
+        name=KERNEL_NAME,
     )
     normalise.epilogue_range(problem.epilogue, problem.result_dtype)
     return problem
@@ -387,31 +393,62 @@ def _check_result_side(problem: ConvProblem, operands: _Operands) -> None:
     raise operands.shape_error(which, detail)
 
 
-def _check_epilogue_tensor(problem: ConvProblem, fn: str, d: Optional[np.ndarray]) -> None:
-    """d= goes with a bilinear epilogue, in the result's shape and dtype, and only with it."""
-    if not problem.epilogue.has_tensor:
-        if d is not None:
-            raise ArgumentError(f"{fn}: d= is only used by a bilinear epilogue, but epilogue is {problem.epilogue}")
-        return
-    if d is None:
-        raise ArgumentError(f"{fn}: epilogue {problem.epilogue} needs d=, the tensor it adds (beta * d), of "
-                            f"shape {list(problem.result_shape)}")
-    dtype = _check_array(d, "d", fn)
-    if tuple(d.shape) != problem.result_shape:
-        raise ArgumentError(f"{fn}: argument 'd' expected shape {list(problem.result_shape)} (the result's), "
-                            f"got {list(d.shape)}")
-    if dtype != problem.result_dtype:
-        raise ArgumentError(f"{fn}: argument 'd' expected dtype {problem.result_dtype} (the result's), got {d.dtype}")
+# The tensors after the two operands, by keyword: what reads each (for messages)
+_EXTRA_READERS = {"d": "a bilinear epilogue", "bias": "the epilogue's bias step", "scale": "the epilogue's affine step",
+                  "shift": "the epilogue's affine step", "residual": "the epilogue's residual step",
+                  "saved": "a prologue"}
+_PER_CHANNEL = ("bias", "scale", "shift")
+Extra = Mapping[str, Optional[np.ndarray]]
+
+
+def _check_extra_tensors(problem: ConvProblem, fn: str, extra: Extra) -> None:
+    """Each tensor the epilogue and prologue read is given, and only those: d and residual in the result's shape and
+    dtype, saved in dy's; a per-channel vector (bias, scale, shift) as (G, channels) or (G * channels,), in any of
+    the float dtypes (the epilogue applies it in f32)."""
+    wanted = dict(zip(problem.arg_names[2:], zip(problem.arg_shapes[2:], problem.arg_dtypes[2:])))
+    what = f"epilogue {problem.epilogue}" + (f" and prologue {problem.prologue}" if problem.prologue.kind != "none" else "")
+    for name, value in extra.items():
+        if value is not None and name not in wanted:
+            raise ArgumentError(f"{fn}: {name}= is only used by {_EXTRA_READERS[name]}, but {what} reads no {name}")
+    for name, (shape, dtype) in wanted.items():
+        value = extra.get(name)
+        if value is None:
+            reader = "prologue " + str(problem.prologue) if name == "saved" else "epilogue " + str(problem.epilogue)
+            raise ArgumentError(f"{fn}: {reader} needs {name}=, of shape {list(shape)}")
+        got = _check_array(value, name, fn)
+        if name in _PER_CHANNEL:
+            if tuple(value.shape) not in (shape, (shape[0] * shape[1],)):
+                raise ArgumentError(f"{fn}: argument {name!r} expected shape {list(shape)} (groups, channels per group) "
+                                    f"or [{shape[0] * shape[1]}], got {list(value.shape)}")
+            continue
+        side = "dy's" if name == "saved" else "the result's"
+        if tuple(value.shape) != shape:
+            raise ArgumentError(f"{fn}: argument {name!r} expected shape {list(shape)} ({side}), got {list(value.shape)}")
+        if got != dtype:
+            raise ArgumentError(f"{fn}: argument {name!r} expected dtype {dtype} ({side}), got {value.dtype}")
+
+
+def _extra_arrays(problem: ConvProblem, extra: Extra) -> tuple[np.ndarray, ...]:
+    """The checked extra tensors in argument order, per-channel vectors as f32 (G, channels)."""
+    out = []
+    for name, shape in zip(problem.arg_names[2:], problem.arg_shapes[2:]):
+        value = extra[name]
+        if name in _PER_CHANNEL:
+            value = np.ascontiguousarray(value.reshape(shape), dtype=np.float32)
+        out.append(value)
+    return tuple(out)
 
 
 @_with_options(None)
 def infer_problem(op: str, a: np.ndarray, b: np.ndarray, *, d: Optional[np.ndarray] = None,
-                  **options: Any) -> ConvProblem:
+                  bias: Optional[np.ndarray] = None, scale: Optional[np.ndarray] = None,
+                  shift: Optional[np.ndarray] = None, residual: Optional[np.ndarray] = None,
+                  saved: Optional[np.ndarray] = None, **options: Any) -> ConvProblem:
     """The ConvProblem (named KERNEL_NAME) that `op` on arrays `a`, `b` (kernel order) describes.
 
-    `options` are `op`'s ConvOptions.  Raises ArgumentError for arrays that do not fit (type, rank, dtype,
-    groups, shapes), ProblemError for inconsistent options and TypeError for an option `op` does not take;
-    nothing is compiled.
+    `options` are `op`'s ConvOptions; d, bias, scale, shift, residual and saved are the tensors its epilogue and
+    prologue read.  Raises ArgumentError for arrays that do not fit (type, rank, dtype, groups, shapes),
+    ProblemError for inconsistent options and TypeError for an option `op` does not take; nothing is compiled.
     """
     if op not in _OPERANDS:
         raise ProblemError(f"op: expected one of {', '.join(_OPERANDS)}, got {op!r}")
@@ -421,7 +458,8 @@ def infer_problem(op: str, a: np.ndarray, b: np.ndarray, *, d: Optional[np.ndarr
         operands = _read_operands(op, a, b, given)
         problem = _build_problem(operands, given)
     _check_result_side(problem, operands)
-    _check_epilogue_tensor(problem, fn, d)
+    _check_extra_tensors(problem, fn, {"d": d, "bias": bias, "scale": scale, "shift": shift, "residual": residual,
+                                       "saved": saved})
     return problem
 
 
@@ -490,23 +528,24 @@ def _frozen(value: Any) -> Any:
     return type(value), value
 
 
-def _inferred_key(op: str, a: Any, b: Any, d: Any, options: Mapping[str, Any]) -> Optional[tuple]:
-    arrays = (a, b) if d is None else (a, b, d)
+def _inferred_key(op: str, a: Any, b: Any, extra: Extra, options: Mapping[str, Any]) -> Optional[tuple]:
+    given = {name: v for name, v in extra.items() if v is not None}
+    arrays = (a, b, *given.values())
     if not all(type(x) is np.ndarray for x in arrays):  # anything else takes the checks (and their errors)
         return None
     try:
         frozen = tuple(sorted((name, _frozen(v)) for name, v in options.items()))
     except TypeError:
         return None
-    return (op, *((x.shape, x.dtype) for x in arrays), d is None, frozen)
+    return (op, *((x.shape, x.dtype) for x in arrays), tuple(given), frozen)
 
 
-def _run(op: str, a: np.ndarray, b: np.ndarray, options: Mapping[str, Any], d: Optional[np.ndarray],
+def _run(op: str, a: np.ndarray, b: np.ndarray, options: Mapping[str, Any], extra: Extra,
          target: Union[str, Target], arch: Optional[str], dynamic_batch: bool) -> np.ndarray:
-    key = _inferred_key(op, a, b, d, options)
+    key = _inferred_key(op, a, b, extra, options)
     problem = _inferred.get(key) if key is not None else None
     if problem is None:
-        problem = infer_problem(op, a, b, d=d, **options)
+        problem = infer_problem(op, a, b, **{n: v for n, v in extra.items() if v is not None}, **options)
         if key is not None:
             if len(_inferred) >= _INFERRED_LIMIT:
                 _inferred.clear()
@@ -514,45 +553,51 @@ def _run(op: str, a: np.ndarray, b: np.ndarray, options: Mapping[str, Any], d: O
     if dynamic_batch:
         # one module for every batch size: the key no longer depends on N, the kernel accepts any N
         problem = problem.with_(dynamic_batch=True, batch=DYNAMIC_BATCH_NOMINAL)
-    args = (a, b) + ((d,) if problem.epilogue.has_tensor else ())
+    args = (a, b) + _extra_arrays(problem, extra)
     return get_kernel(problem, target, arch)(*args)
 
 
 # The public ops.  Their options are ConvOptions' fields, keyword-only (with four size-like options a
 # positional slip would be silent); each op's signature lists the ones it takes (_with_options).  `input`
 # and `filter` shadow builtins on purpose: they are the README's (and .conv files') names.  d= is the
-# tensor a bilinear epilogue adds; target and arch say where the kernel runs; dynamic_batch=True compiles
-# one kernel for every batch size.
+# tensor a bilinear epilogue adds; bias=, scale=, shift= and residual= those of fused epilogue steps (forward
+# and conv_transpose); saved= the one a prologue reads (grad_input, grad_weight); target and arch say where the
+# kernel runs; dynamic_batch=True compiles one kernel for every batch size.
 @_with_options("forward")
-def conv(x: np.ndarray, w: np.ndarray, *, d: Optional[np.ndarray] = None, target: Union[str, Target] = "cpu",
-         arch: Optional[str] = None, dynamic_batch: bool = False, **options: Any) -> np.ndarray:
+def conv(x: np.ndarray, w: np.ndarray, *, d: Optional[np.ndarray] = None, bias: Optional[np.ndarray] = None,
+         scale: Optional[np.ndarray] = None, shift: Optional[np.ndarray] = None,
+         residual: Optional[np.ndarray] = None, target: Union[str, Target] = "cpu", arch: Optional[str] = None,
+         dynamic_batch: bool = False, **options: Any) -> np.ndarray:
     """Forward convolution y = conv(x, w); `groups` defaults to the G axis of x."""
-    return _run("forward", x, w, options, d, target, arch, dynamic_batch)
+    extra = {"d": d, "bias": bias, "scale": scale, "shift": shift, "residual": residual}
+    return _run("forward", x, w, options, extra, target, arch, dynamic_batch)
 
 
 @_with_options("grad_input")
-def grad_input(dy: np.ndarray, w: np.ndarray, *, d: Optional[np.ndarray] = None,
+def grad_input(dy: np.ndarray, w: np.ndarray, *, d: Optional[np.ndarray] = None, saved: Optional[np.ndarray] = None,
                target: Union[str, Target] = "cpu", arch: Optional[str] = None, dynamic_batch: bool = False,
                **options: Any) -> np.ndarray:
     """Backward data dx = grad_input(dy, w); `input=` (required) is the spatial size of dx."""
-    return _run("grad_input", dy, w, options, d, target, arch, dynamic_batch)
+    return _run("grad_input", dy, w, options, {"d": d, "saved": saved}, target, arch, dynamic_batch)
 
 
 @_with_options("grad_weight")
-def grad_weight(x: np.ndarray, dy: np.ndarray, *, d: Optional[np.ndarray] = None,
+def grad_weight(x: np.ndarray, dy: np.ndarray, *, d: Optional[np.ndarray] = None, saved: Optional[np.ndarray] = None,
                 target: Union[str, Target] = "cpu", arch: Optional[str] = None, dynamic_batch: bool = False,
                 **options: Any) -> np.ndarray:
     """Backward weight dw = grad_weight(x, dy), in `weight_layout`; `filter=` (required) is its taps."""
-    return _run("grad_weight", x, dy, options, d, target, arch, dynamic_batch)
+    return _run("grad_weight", x, dy, options, {"d": d, "saved": saved}, target, arch, dynamic_batch)
 
 
 @_with_options("transposed")
-def conv_transpose(x: np.ndarray, w: np.ndarray, *, d: Optional[np.ndarray] = None,
-                   target: Union[str, Target] = "cpu", arch: Optional[str] = None, dynamic_batch: bool = False,
-                   **options: Any) -> np.ndarray:
+def conv_transpose(x: np.ndarray, w: np.ndarray, *, d: Optional[np.ndarray] = None, bias: Optional[np.ndarray] = None,
+                   scale: Optional[np.ndarray] = None, shift: Optional[np.ndarray] = None,
+                   residual: Optional[np.ndarray] = None, target: Union[str, Target] = "cpu",
+                   arch: Optional[str] = None, dynamic_batch: bool = False, **options: Any) -> np.ndarray:
     """Transposed convolution: grad_input's arithmetic with x in dy's place.
 
     x has K channels per group and w is (G, K, taps..., C) in GKYXC; the result has C channels and the
     spatial size `input=` (required), the size of the forward convolution's input that this one inverts.
     """
-    return _run("transposed", x, w, options, d, target, arch, dynamic_batch)
+    extra = {"d": d, "bias": bias, "scale": scale, "shift": shift, "residual": residual}
+    return _run("transposed", x, w, options, extra, target, arch, dynamic_batch)

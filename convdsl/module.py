@@ -72,10 +72,10 @@ def manifest(problems: Sequence[ConvProblem], target: Target,
                 "problem": p.describe(),
                 # a dynamic batch (`batch = ?`) is written as null
                 "args": [
-                    {"name": n, "shape": _manifest_shape(p, s), "dtype": d, "layout": _layout_of(p, n)}
-                    for n, s, d in zip(p.arg_names, p.arg_shapes, p.arg_dtypes)
+                    {"name": n, "shape": _manifest_shape(p, s, batched), "dtype": d, "layout": _layout_of(p, n)}
+                    for n, s, d, batched in zip(p.arg_names, p.arg_shapes, p.arg_dtypes, p.arg_batched)
                 ],
-                "result": {"name": p.result_name, "shape": _manifest_shape(p, p.result_shape),
+                "result": {"name": p.result_name, "shape": _manifest_shape(p, p.result_shape, p.op != "grad_weight"),
                            "dtype": p.result_dtype, "layout": _layout_of(p, p.result_name)},
                 "flops": p.flops,
                 "spec": problem_to_spec(p),
@@ -105,7 +105,7 @@ def concrete_problem(p: ConvProblem, args: Sequence) -> ConvProblem:
     activation's; otherwise p itself."""
     if not p.dynamic_batch:
         return p
-    first = next(a for a, s in zip(args, p.arg_shapes) if s != p.w_shape)
+    first = next(a for a, batched in zip(args, p.arg_batched) if batched)
     return p.with_(batch=int(first.shape[p.batch_axis("x")]), dynamic_batch=False)
 
 
@@ -113,9 +113,9 @@ def _result_shape(p: ConvProblem, args: Sequence[np.ndarray]) -> tuple[int, ...]
     return concrete_problem(p, args).result_shape
 
 
-def _manifest_shape(p: ConvProblem, shape: tuple[int, ...]) -> list:
+def _manifest_shape(p: ConvProblem, shape: tuple[int, ...], batched: bool) -> list:
     sizes: list = list(shape)
-    if p.dynamic_batch and shape != p.w_shape:
+    if p.dynamic_batch and batched:
         sizes[p.batch_axis("x")] = None
     return sizes
 
@@ -123,6 +123,12 @@ def _manifest_shape(p: ConvProblem, shape: tuple[int, ...]) -> list:
 def _layout_of(p: ConvProblem, name: str) -> str:
     if name in ("w", "dw"):
         return p.layout_name("w")
+    if name in ("bias", "scale", "shift"):  # per-channel vectors (G, channels of the result)
+        return "GC" if p.op == "transposed" else "GK"
+    if name == "residual":
+        return _layout_of(p, p.result_name)
+    if name == "saved":
+        return p.layout_name("y")
     if p.op == "transposed":
         return p.layout_name("y" if name == "x" else "x")
     return p.layout_name("y" if name in ("dy", "y") else "x")
@@ -145,7 +151,7 @@ class Kernel:
         if not p.dynamic_batch:
             return
         axis = p.batch_axis("x")
-        batches = {n: a.shape[axis] for n, s, a in zip(p.arg_names, p.arg_shapes, args) if s != p.w_shape}
+        batches = {n: a.shape[axis] for n, batched, a in zip(p.arg_names, p.arg_batched, args) if batched}
         if len(set(batches.values())) > 1:
             raise ArgumentError(f"{p.name}: activation arguments must share one batch size, got {batches}")
 
@@ -154,9 +160,9 @@ class Kernel:
         sig = ", ".join(p.arg_names)
         if len(args) != len(p.arg_names):
             raise ArgumentError(f"{p.name}({sig}): expected {len(p.arg_names)} arrays, got {len(args)}")
-        for name, shape, dt, a in zip(p.arg_names, p.arg_shapes, p.arg_dtypes, args):
+        for name, shape, dt, a, batched in zip(p.arg_names, p.arg_shapes, p.arg_dtypes, args, p.arg_batched):
             got_shape = tuple(getattr(a, "shape", ()))
-            if p.dynamic_batch and shape != p.w_shape and len(got_shape) == len(shape):
+            if p.dynamic_batch and batched and len(got_shape) == len(shape):
                 # `batch = ?`: any batch is fine, as long as every activation argument has the same one
                 axis = p.batch_axis("x")
                 shape = shape[:axis] + (got_shape[axis],) + shape[axis + 1:]

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence, TypeVar
 import ml_dtypes
 import numpy as np
 
-from .problem import ConvProblem
+from .problem import ConvProblem, activation_axes
 
 A = TypeVar("A")
 T = TypeVar("T")
@@ -305,6 +305,13 @@ def reference(problem: ConvProblem, *args: np.ndarray) -> np.ndarray:
         arrays.append(a)  # in its own dtype: the ops convert to float64 a batch chunk at a time
 
     a_op, b_op = arrays[0], arrays[1]
+    named = dict(zip(p.arg_names, arrays))
+    if p.prologue.kind != "none":
+        # dY * act'(saved), rounded to dY's dtype as the kernel's operand is (torch's activation backward returns it
+        # in that dtype); the products of the convolution then run on those values in float64
+        dy = activation_backward(p.prologue.activation, named["dy"], named["saved"])
+        rounded = dy.astype(named["dy"].dtype)
+        a_op, b_op = (rounded, b_op) if p.op == "grad_input" else (a_op, rounded)
     if p.fp8_compute:
         a_op = round_to_compute(a_op, p.compute[0])
         b_op = round_to_compute(b_op, p.compute[1])
@@ -322,9 +329,75 @@ def reference(problem: ConvProblem, *args: np.ndarray) -> np.ndarray:
         raise ValueError(f"op: unknown {p.op!r}")
 
     ep = p.epilogue
-    if ep.kind == "none":
+    if ep.kind == "none" and not ep.steps:
         return conv
-    out = ep.alpha * conv
+    out = ep.alpha * conv if ep.kind != "none" else conv
     if ep.kind == "bilinear":
-        out = out + ep.beta * arrays[2].astype(np.float64)
+        out = out + ep.beta * named["d"].astype(np.float64)
+    if ep.steps:
+        out = _steps(p, out, named)
+    return out
+
+
+# --- fused epilogue steps and prologues, as torch computes them (convdsl/passes/fused.py in MLIR) ------------
+_erf = np.vectorize(math.erf, otypes=[np.float64])  # NumPy has no erf; math.erf is exact to a few ulps
+
+
+def activation(name: str, x: np.ndarray) -> np.ndarray:
+    """act(x) in float64: relu, silu, gelu (exact erf), gelu_tanh (torch's approximate='tanh') or hardswish."""
+    x = np.asarray(x, dtype=np.float64)
+    if name == "relu":
+        return np.maximum(x, 0.0)
+    if name == "silu":
+        return x / (1.0 + np.exp(-x))
+    if name == "gelu":
+        return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+    if name == "gelu_tanh":
+        return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    if name == "hardswish":
+        return x * np.clip(x + 3.0, 0.0, 6.0) / 6.0
+    raise ValueError(f"activation: unknown {name!r}")
+
+
+def activation_backward(name: str, grad: np.ndarray, saved: np.ndarray) -> np.ndarray:
+    """grad * act'(x) in float64; `saved` is relu's output (torch's threshold_backward masks by it) or the other
+    activations' input x."""
+    g, x = np.asarray(grad, dtype=np.float64), np.asarray(saved, dtype=np.float64)
+    if name == "relu":
+        return np.where(x > 0.0, g, 0.0)
+    if name == "silu":
+        s = 1.0 / (1.0 + np.exp(-x))
+        return g * s * (1.0 + x * (1.0 - s))
+    if name == "gelu":
+        return g * (0.5 * (1.0 + _erf(x / math.sqrt(2.0))) + x * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi))
+    if name == "gelu_tanh":
+        beta = math.sqrt(2.0 / math.pi)
+        t = np.tanh(beta * (x + 0.044715 * x ** 3))
+        return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * beta * (1.0 + 3 * 0.044715 * x * x))
+    if name == "hardswish":
+        return np.where(x < -3.0, 0.0, np.where(x <= 3.0, g * (x / 3.0 + 0.5), g))
+    raise ValueError(f"activation_backward: unknown {name!r}")
+
+
+def _steps(p: ConvProblem, out: np.ndarray, named: dict) -> np.ndarray:
+    """The epilogue's fused steps in order on the float64 result; per-channel vectors (G, channels) broadcast along
+    the result's G and channel axes."""
+    axes = activation_axes(p, "ch")
+
+    def per_channel(name: str) -> np.ndarray:
+        v = named[name].astype(np.float64)
+        shape = [1] * len(axes)
+        shape[axes.index("g")], shape[axes.index("ch")] = v.shape
+        # G comes before the channel axis in every layout, so (G, channels) reshapes without a transpose
+        return v.reshape(shape)
+
+    for step in p.epilogue.steps:
+        if step == "bias":
+            out = out + per_channel("bias")
+        elif step == "affine":
+            out = out * per_channel("scale") + per_channel("shift")
+        elif step == "residual":
+            out = out + named["residual"].astype(np.float64)
+        else:
+            out = activation(step, out)
     return out

@@ -148,12 +148,15 @@ def test_same_padding_in_the_language_and_the_api() -> None:
 
 def test_public_ops_declare_their_options_once() -> None:
     shared = ["stride", "dilation", "padding", "groups", "layout", "weight_layout", "out_dtype", "compute"]
-    run = ["d", "target", "arch", "dynamic_batch"]
-    for fn, own in [(convdsl.conv, []), (convdsl.grad_input, ["input"]), (convdsl.grad_weight, ["filter"]),
-                    (convdsl.conv_transpose, ["input"])]:
+    run = ["target", "arch", "dynamic_batch"]
+    forward_tensors = ["d", "bias", "scale", "shift", "residual"]  # the epilogue's tensors, by name
+    for fn, own, tensors in [(convdsl.conv, [], forward_tensors), (convdsl.grad_input, ["input"], ["d", "saved"]),
+                             (convdsl.grad_weight, ["filter"], ["d", "saved"]),
+                             (convdsl.conv_transpose, ["input"], forward_tensors)]:
         names = list(inspect.signature(fn).parameters)[2:]
         split_k = ["split_k"] if fn is convdsl.grad_weight else []
-        assert names == [*own, *shared, *split_k, "epilogue", *run], fn.__name__
+        prologue = ["prologue"] if fn in (convdsl.grad_input, convdsl.grad_weight) else []
+        assert names == [*own, *shared, *split_k, "epilogue", *prologue, *tensors, *run], fn.__name__
         assert all(p.kind is p.KEYWORD_ONLY for p in list(inspect.signature(fn).parameters.values())[2:])
     with pytest.raises(TypeError, match=r"conv: got an unexpected keyword argument 'input'; input= belongs to "
                                         r"grad_input and conv_transpose"):

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from ..kernels.launch import Binary
 from ..policy import PAD_FORMS
-from ..problem import ConvProblem, weight_axes_name
+from ..problem import ConvProblem, step_text, weight_axes_name
 from ..targets import GPU_FACTS, Target
 from . import bf16x3
 from .plan import KernelPlan
@@ -50,6 +50,7 @@ def describe_plan(self: KernelPlan) -> str:
         )
         + f" -> {p.result_name} {list(p.result_shape)} {p.result_dtype}"
     )
+    lines.extend(_describe_fused(p))
     if self.extern is not None:
         if self.extern.weight_axes:
             why = ("K innermost: TF32 matrix products read their operands reduction-major"
@@ -146,9 +147,31 @@ def _describe_depthwise_named(plan: KernelPlan) -> list[str]:
 
 
 def _act(p: ConvProblem, name: str) -> str:
+    if name in ("bias", "scale", "shift"):  # per-channel vectors
+        return "GC" if p.op == "transposed" else "GK"
+    if name == "residual":
+        return _act(p, "d")
     if p.op == "transposed" and name == "x":
         return p.layout_name("y")
     return p.layout_name("x" if name in ("x", "d") else "y")
+
+
+def _describe_fused(p: ConvProblem) -> list[str]:
+    """The fused epilogue steps and the prologue: what each computes and where it runs."""
+    lines = []
+    ep = p.epilogue
+    if ep.steps:
+        ch = "c" if p.op == "transposed" else "k"
+        words = {"bias": f"+ bias[g, {ch}]", "affine": f"* scale[g, {ch}] + shift[g, {ch}]", "residual": "+ residual"}
+        head = {"none": [], "scale": [f"* {ep.alpha:g}"], "bilinear": [f"* {ep.alpha:g} + {ep.beta:g} * d"]}[ep.kind]
+        chain = ", ".join(head + [words.get(s, step_text(s)) for s in ep.steps])
+        lines.append(f"  epilogue: {ep}: on the f32 result, in order: {chain}; one elementwise generic on the GEMM's "
+                     f"result (per-channel vectors broadcast over N and space), which IREE fuses into its dispatch")
+    if p.prologue.kind != "none":
+        saved = "the activation's output (mask > 0)" if p.prologue.saves_output else "the activation's input"
+        lines.append(f"  prologue: {p.prologue}: dY * {step_text(p.prologue.activation)}'(saved), saved being {saved};"
+                     f" in f32, rounded to {p.dtype}, one elementwise generic on dY before the GEMM reads it")
+    return lines
 
 
 # Triton's dot precisions as explain names them

@@ -43,8 +43,13 @@ from .ir import (
 )
 from ..kernels.launch import Binary
 from .. import policy
-from . import bf16x3, extern, gather, gemm
+from . import bf16x3, extern, fused, gather, gemm
 from .plan import KernelPlan
+
+# The epilogue's tensors by argument name (problem.Epilogue.tensors: d, bias, scale, shift, residual)
+_Tensors = Mapping[str, ir.Value]
+# the arguments with the batch axis, laid out like the activations (the others: w and per-channel vectors)
+_ACTIVATION_ARGS = ("x", "dy", "d", "residual", "saved")
 
 
 def emit_kernel(plan: KernelPlan, binaries: Optional[Mapping[str, Binary]] = None) -> None:
@@ -58,9 +63,11 @@ def emit_kernel(plan: KernelPlan, binaries: Optional[Mapping[str, Binary]] = Non
             extern.emit_executable(launch, binaries[launch.name])
     bound = dict(binaries or {})
     arg_types = [
-        tensor_type(_signature_shape(p, shape), element_type(dt)) for shape, dt in zip(p.arg_shapes, p.arg_dtypes)
+        tensor_type(_signature_shape(p, shape, batched), element_type(dt))
+        for shape, dt, batched in zip(p.arg_shapes, p.arg_dtypes, p.arg_batched)
     ]
-    result_type = tensor_type(_signature_shape(p, p.result_shape), element_type(p.result_dtype))
+    result_type = tensor_type(_signature_shape(p, p.result_shape, p.op != "grad_weight"),
+                              element_type(p.result_dtype))
     _emit_function(plan, p.name, arg_types, result_type, bound)
     workspace_type = ir.Type.parse("!hal.buffer")
     no_attrs = ir.DictAttr.get({})
@@ -95,6 +102,10 @@ def _emit_function(plan: KernelPlan, name: str, arg_types: list[ir.Type], result
         args = list(block.arguments)[:len(p.arg_shapes)]
         if p.dynamic_batch:
             _assert_one_batch(p, args)
+        if p.prologue.kind != "none":
+            # dY * act'(saved) before any form reads dY; every form after it sees the operands and the epilogue's
+            # tensors, as without a prologue
+            args = _prologue(p, args)
         if plan.extern is not None:
             result = _emit_extern(plan, args, binaries)
         elif plan.bf16x3 is not None:
@@ -112,9 +123,9 @@ def _assert_one_batch(p: ConvProblem, args: list[ir.Value]) -> None:
     """`batch = ?`: the activation arguments must share one batch size; a deployed module checks it itself (a
     runtime assertion), since a caller of the .vmfb may pass anything."""
     axis = arith.ConstantOp(ir.IndexType.get(), p.batch_axis("x")).result
-    activations = [a for a, shape in zip(args, p.arg_shapes) if shape != p.w_shape]
+    activations = [a for a, batched in zip(args, p.arg_batched) if batched]
     first = tensor.DimOp(activations[0], axis).result
-    for name, value in zip([n for n, s in zip(p.arg_names, p.arg_shapes) if s != p.w_shape][1:], activations[1:]):
+    for name, value in zip([n for n, batched in zip(p.arg_names, p.arg_batched) if batched][1:], activations[1:]):
         same = arith.cmpi(arith.CmpIPredicate.eq, first, tensor.DimOp(value, axis).result)
         cf.AssertOp(same, f"{p.name}: argument {name!r} must have the batch size of {p.arg_names[0]!r}")
 
@@ -155,31 +166,32 @@ def _between_layout_copies(plan: KernelPlan, args: list[ir.Value],
     """NGCHW on a GPU: the channels-last plan's kernel (`emit`) between two layout copies (see plan.py);
     the weight keeps its layout."""
     p, inner = plan.problem, plan.channels_last
-    moved = [_relayout(p, inner.problem, a) if shape != p.w_shape else a for a, shape in zip(args, p.arg_shapes)]
+    names = [n for n in p.arg_names if n != "saved"]  # the prologue has been applied (_prologue)
+    moved = [_relayout(p, inner.problem, a) if name in _ACTIVATION_ARGS else a for a, name in zip(args, names)]
     result = emit(inner, moved)
     return _relayout(inner.problem, p, result) if p.result_shape != p.w_shape else result
 
 
 def _emit_op(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
     p = plan.problem
-    bias = args[2] if p.epilogue.has_tensor else None
+    tensors = dict(zip(p.epilogue.tensors, args[2:])) if p.epilogue.tensors else None
     if plan.form == "gather":
-        epilogue = lambda acc: _epilogue(p, acc, bias)  # noqa: E731
+        epilogue = lambda acc: _epilogue(p, acc, tensors)  # noqa: E731
         if p.op == "grad_weight":
             return gather.grad_weight(p, args[0], args[1], plan.row_blocks, epilogue)
         if p.op == "forward":
             return gather.forward(p, args[0], args[1], epilogue)
         return gather.grad_input(p, args[0], args[1], epilogue)
     if p.op == "forward":
-        return _forward(plan, args[0], args[1], bias)
+        return _forward(plan, args[0], args[1], tensors)
     if p.op in ("grad_input", "transposed"):
         # transposed(x, w) is grad_input's arithmetic with x in dY's place
-        return _grad_input(plan, args[0], args[1], bias)
+        return _grad_input(plan, args[0], args[1], tensors)
     if plan.form == "im2col":
-        return _grad_weight_im2col(plan, args[0], args[1], bias)
+        return _grad_weight_im2col(plan, args[0], args[1], tensors)
     if plan.form == "depthwise-named":
-        return _grad_weight_depthwise_named(plan, args[0], args[1], bias)
-    return _grad_weight(plan, args[0], args[1], bias)
+        return _grad_weight_depthwise_named(plan, args[0], args[1], tensors)
+    return _grad_weight(plan, args[0], args[1], tensors)
 
 
 def _relayout(src: ConvProblem, dst: ConvProblem, value: ir.Value) -> ir.Value:
@@ -187,10 +199,10 @@ def _relayout(src: ConvProblem, dst: ConvProblem, value: ir.Value) -> ir.Value:
     return permute(value, activation_axes(src, "ch"), activation_axes(dst, "ch"))
 
 
-def _signature_shape(p: ConvProblem, shape: tuple[int, ...]) -> list:
-    """Argument and result shapes; with `batch = ?` the N axis of activations is dynamic."""
+def _signature_shape(p: ConvProblem, shape: tuple[int, ...], batched: bool) -> list:
+    """Argument and result shapes; with `batch = ?` the N axis of activations (`batched`) is dynamic."""
     sizes: list = list(shape)
-    if p.dynamic_batch and shape != p.w_shape:
+    if p.dynamic_batch and batched:
         sizes[p.batch_axis("x")] = ir.ShapedType.get_dynamic_size()
     return sizes
 
@@ -233,12 +245,18 @@ def _round_scalar(plan: KernelPlan, a: ir.Value, which: int) -> ir.Value:
     return convert(round_to_fp8_grid(convert(a, ir.F32Type.get()), compute[which]), out)
 
 
-def _epilogue(p: ConvProblem, acc: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
-    """out = cast(alpha * acc (+ beta * D)): one elementwise generic, fused by IREE into the producer."""
+def _epilogue(p: ConvProblem, acc: ir.Value, tensors: Optional[_Tensors]) -> ir.Value:
+    """out = cast(steps(alpha * acc (+ beta * D))): one elementwise generic, fused by IREE into the producer."""
     out_elem = element_type(p.result_dtype)
     ep = p.epilogue
-    if ep.kind == "none" and elem_of(acc) == out_elem:
+    if ep.kind == "none" and not ep.steps and elem_of(acc) == out_elem:
         return acc
+    if ep.steps:
+        rank = len(shape_of(acc))
+        space = Space([(f"d{a}", PARALLEL) for a in range(rank)])
+        inputs, maps, identity = _epilogue_operands(p, tensors or {}, space)
+        return generic(space, [acc, *inputs], empty(sizes_of(acc), out_elem), [identity, *maps, identity],
+                       lambda v, *elems: _epilogue_scalar(p, v, elems[:-1], alpha_applied=False))
     f32 = ir.F32Type.get()
 
     def body(*elems: ir.Value) -> ir.Value:
@@ -249,7 +267,51 @@ def _epilogue(p: ConvProblem, acc: ir.Value, bias: Optional[ir.Value]) -> ir.Val
             v = arith.addf(v, arith.mulf(convert(elems[1], f32), float_const(ep.beta, f32)))
         return convert(v, out_elem)
 
-    return _elementwise([acc] + ([bias] if ep.has_tensor else []), out_elem, body)
+    return _elementwise([acc] + ([tensors["d"]] if ep.has_tensor else []), out_elem, body)
+
+
+def _epilogue_operands(p: ConvProblem, tensors: _Tensors, space: Space) -> tuple[list[ir.Value], list, ir.Attribute]:
+    """The epilogue's tensors in argument order, their maps from `space` (the result's loops in its layout:
+    identity for D and the residual, (g, channel) for the per-channel vectors, broadcast over n and space) and
+    the identity map."""
+    identity = space.access(space.names, {n: space[n] for n in space.names})
+    axes = activation_axes(p, "ch")  # the result's axes: forward and transposed results are activations
+    channel = ir.AffineMapAttr.get(ir.AffineMap.get(len(space.names), 0, [
+        ir.AffineDimExpr.get(axes.index("g")), ir.AffineDimExpr.get(axes.index("ch"))]))
+    names = p.epilogue.tensors
+    maps = [channel if n in ("bias", "scale", "shift") else identity for n in names]
+    return [tensors[n] for n in names], maps, identity
+
+
+def _epilogue_scalar(p: ConvProblem, v: ir.Value, elems: tuple, alpha_applied: bool) -> ir.Value:
+    """The epilogue on one element: `v` the convolution's sum (alpha already applied with `alpha_applied`),
+    `elems` the epilogue's tensors' elements in argument order; every step in f32, then the output cast."""
+    ep, f32 = p.epilogue, ir.F32Type.get()
+    named = {n: convert(e, f32) for n, e in zip(ep.tensors, elems)}
+    v = convert(v, f32)
+    if not alpha_applied and ep.kind != "none" and ep.alpha != 1.0:
+        v = arith.mulf(v, float_const(ep.alpha, f32))
+    if ep.has_tensor:
+        v = arith.addf(v, arith.mulf(named["d"], float_const(ep.beta, f32)))
+    for step in ep.steps:
+        v = fused.step(step, v, named)
+    return convert(v, element_type(p.result_dtype))
+
+
+def _prologue(p: ConvProblem, args: list[ir.Value]) -> list[ir.Value]:
+    """The arguments with dY replaced by dY * act'(saved), computed in f32 and rounded to dY's dtype (what torch's
+    activation backward hands the convolution's backward), and `saved` dropped: one elementwise generic over dY,
+    which IREE fuses with dY's consumer where it can."""
+    names = list(p.arg_names)
+    dy, saved = args[names.index("dy")], args[names.index("saved")]
+    f32, elem = ir.F32Type.get(), elem_of(dy)
+    act = p.prologue.activation
+
+    def body(g: ir.Value, s: ir.Value, _: ir.Value) -> ir.Value:
+        return convert(fused.activation_backward(act, convert(g, f32), convert(s, f32)), elem)
+
+    scaled = _elementwise([dy, saved], elem, body)
+    return [scaled if n == "dy" else a for n, a in zip(names, args) if n != "saved"]
 
 
 def _shape(p: ConvProblem, shape: tuple[int, ...], like: ir.Value) -> list:
@@ -327,10 +389,10 @@ def _contraction_space(
 
 
 # --- forward: Y[n, o, g, k] = sum_{t, c} X[n, o*s + t*d - lo, g, c] * W[g, k, t, c] -------------
-def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, tensors: Optional[_Tensors]) -> ir.Value:
     p = plan.problem
     if plan.form == "im2col":
-        return _forward_im2col(plan, x, w, bias)
+        return _forward_im2col(plan, x, w, tensors)
     x_axes, y_axes, w_axes = activation_axes(p, "ch"), activation_axes(p, "ch"), weight_axes(p)
     if p.fp8_compute:
         x, w = _round_operand(plan, x, 0), _round_operand(plan, w, 1)
@@ -351,14 +413,14 @@ def _forward(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value
         [space.access(x_axes, x_map), space.access(w_axes, w_map), space.access(y_axes, y_map)],
         multiply_add,
     )
-    return _epilogue(p, acc, bias)
+    return _epilogue(p, acc, tensors)
 
 
 # --- grad_input by stride phases (see convdsl/algebra.py for the derivation) -------------------
-def _grad_input(plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+def _grad_input(plan: KernelPlan, dy: ir.Value, w: ir.Value, tensors: Optional[_Tensors]) -> ir.Value:
     p = plan.problem
     if plan.form == "im2col" and policy.cpu_depth_to_space(p, plan.target):
-        return _grad_input_depth_to_space(plan, dy, w, bias)
+        return _grad_input_depth_to_space(plan, dy, w, tensors)
     dy_axes = activation_axes(p, "ch")
     sp = _spatial_positions(p, dy_axes)
     if p.fp8_compute:
@@ -370,24 +432,27 @@ def _grad_input(plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.V
         plan.pad_form,
     )
     if len(plan.phases) > 1:
-        return _grad_input_interleaved(plan, dy, w, bias, sp)
+        return _grad_input_interleaved(plan, dy, w, tensors, sp)
     # stride 1: one phase with every tap, computed straight into dX's shape
     (phase,) = plan.phases
     full = _shape(p, p.x_shape, dy)
-    return _epilogue(p, _grad_input_phase(plan, phase, dy, w, full), bias)
+    return _epilogue(p, _grad_input_phase(plan, phase, dy, w, full), tensors)
 
 
 def _grad_input_interleaved(
-    plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.Value], sp: list[int]
+    plan: KernelPlan, dy: ir.Value, w: ir.Value, tensors: Optional[_Tensors], sp: list[int]
 ) -> ir.Value:
     # Each phase's GEMM writes its own compact result R_r[..., q, ...]; one all-parallel generic then
     # interleaves them:  dX[..., i, ...] = R_r[..., i div s, ...]  with  r = i mod s  (per spatial dim).
     # One strided tensor.insert_slice per phase instead was copied by IREE with an element-at-a-time
     # kernel (0.2 ms per phase of the CK 2D example on an H200); this pass reads each R_r and writes dX
-    # once, vectorised along the contiguous axis.  A bilinear epilogue reads D in this pass at dX's own
-    # positions (the phases then stay in f32 with alpha applied); other epilogues run in the phase GEMMs.
+    # once, vectorised along the contiguous axis.  An epilogue that reads a tensor (bilinear's D, fused steps'
+    # vectors and residual) runs in this pass at dX's own positions (the phases then stay in f32 with alpha
+    # applied): fused steps also act where no tap reaches, act(0 + bias) not being 0; other epilogues run in the
+    # phase GEMMs.
     p = plan.problem
     ep = p.epilogue
+    in_pass = ep.has_tensor or bool(ep.steps)
     f32 = ir.F32Type.get()
     out_elem = element_type(p.result_dtype)
     full = _shape(p, p.x_shape, dy)
@@ -399,15 +464,16 @@ def _grad_input_interleaved(
         for i, pos in enumerate(sp):
             shape[pos] = ph.dims[i].Q
         acc = _grad_input_phase(plan, ph, dy, w, shape)
-        if ep.has_tensor:
-            scaled = (lambda v, _: arith.mulf(v, float_const(ep.alpha, f32))) if ep.alpha != 1.0 else None
+        if in_pass:
+            alpha = ep.alpha if ep.kind != "none" else 1.0
+            scaled = (lambda v, _: arith.mulf(v, float_const(alpha, f32))) if alpha != 1.0 else None
             parts.append((ph, _elementwise([acc], f32, scaled) if scaled else acc))
         else:
             parts.append((ph, _epilogue(p, acc, None)))
     index = ir.IndexType.get()
     rank = len(full)
     space = Space([(f"d{a}", PARALLEL) for a in range(rank)])
-    value_elem = f32 if ep.has_tensor else out_elem
+    value_elem = f32 if in_pass else out_elem
 
     def const(v: int) -> ir.Value:
         return arith.ConstantOp(index, v).result
@@ -425,14 +491,15 @@ def _grad_input_interleaved(
                 eq = arith.cmpi(arith.CmpIPredicate.eq, r[pos], const(ph.dims[i].r))
                 match = eq if match is None else arith.andi(match, eq)
             value = arith.select(match, tensor.extract(part, coords), value)
-        if ep.has_tensor:  # out = alpha * acc + beta * D, rounded once
-            value = convert(arith.addf(value, arith.mulf(convert(elems[0], f32), float_const(ep.beta, f32))),
-                            out_elem)
+        if in_pass:  # out = steps(alpha * acc + beta * D), rounded once
+            value = _epilogue_scalar(p, value, elems[:-1], alpha_applied=True)
         return value
 
-    identity = space.access(space.names, {n: space[n] for n in space.names})
-    inputs = [bias] if ep.has_tensor else []
-    return generic(space, inputs, empty(full, out_elem), [identity] * (len(inputs) + 1), body)
+    if not in_pass:
+        identity = space.access(space.names, {n: space[n] for n in space.names})
+        return generic(space, [], empty(full, out_elem), [identity], body)
+    inputs, maps, identity = _epilogue_operands(p, tensors or {}, space)
+    return generic(space, inputs, empty(full, out_elem), [*maps, identity], body)
 
 
 def _phase_weight(plan: KernelPlan, ph: Phase, w: ir.Value) -> ir.Value:
@@ -514,7 +581,7 @@ def _grad_input_phase(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Value, sh
 
 
 # --- grad_weight with split-K -----------------------------------------------------------------
-def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, tensors: Optional[_Tensors]) -> ir.Value:
     # dW[g, k, t, c] = sum_{n, o} X[n, o*s + t*d - lo, g, c] * dY[n, o, g, k]
     # The reduction (n, o...) is cut into S chunks; each yields an f32 partial, and one more generic
     # sums the partials in chunk order (deterministic), then the epilogue casts.
@@ -529,9 +596,9 @@ def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.
     sizes = {b - a for a, b in plan.split.chunks}
     if len(plan.split.chunks) == 1:
         # no split: the whole (possibly dynamic) batch in one contraction
-        return _epilogue(p, _grad_weight_chunk(plan, x, dy, dy_axes), bias)
+        return _epilogue(p, _grad_weight_chunk(plan, x, dy, dy_axes), tensors)
     if len(sizes) == 1:
-        return _grad_weight_uniform_split(plan, x, dy, dy_axes, bias)
+        return _grad_weight_uniform_split(plan, x, dy, dy_axes, tensors)
     partials = []
     dy_n = dy_axes.index("n")
     for a, b in plan.split.chunks:
@@ -553,10 +620,10 @@ def _grad_weight(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.
             total = arith.addf(total, v)
         return total
 
-    return _epilogue(p, _elementwise(partials, ir.F32Type.get(), add_in_order), bias)
+    return _epilogue(p, _elementwise(partials, ir.F32Type.get(), add_in_order), tensors)
 
 
-def _sum_partials(p: ConvProblem, stacked: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+def _sum_partials(p: ConvProblem, stacked: ir.Value, tensors: Optional[_Tensors]) -> ir.Value:
     """dW = epilogue(sum_s P[s]): the partials are added in chunk order, so every run gives the same bits."""
     f32 = ir.F32Type.get()
     wshape = list(p.w_shape)
@@ -564,11 +631,11 @@ def _sum_partials(p: ConvProblem, stacked: ir.Value, bias: Optional[ir.Value]) -
     in_map = space.access(["s", *space.names[:-1]], {n: space[n] for n in space.names})
     out_map = space.access(space.names[:-1], {n: space[n] for n in space.names})
     total = generic(space, [stacked], zeros(wshape, f32), [in_map, out_map], lambda v, acc: arith.addf(acc, v))
-    return _epilogue(p, total, bias)
+    return _epilogue(p, total, tensors)
 
 
 def _grad_weight_uniform_split(
-    plan: KernelPlan, x: ir.Value, dy: ir.Value, dy_axes: list[str], bias: Optional[ir.Value]
+    plan: KernelPlan, x: ir.Value, dy: ir.Value, dy_axes: list[str], tensors: Optional[_Tensors]
 ) -> ir.Value:
     """Equal chunks along the batch: one generic with a parallel chunk loop s.
 
@@ -600,7 +667,7 @@ def _grad_weight_uniform_split(
         [*(m for _, m in operands), space.access(out_axes, w_map)],
         multiply_add,
     )
-    return _sum_partials(p, stacked, bias)
+    return _sum_partials(p, stacked, tensors)
 
 
 def _grad_weight_chunk(plan: KernelPlan, x: ir.Value, dy: ir.Value, dy_axes: list[str]) -> ir.Value:
@@ -699,7 +766,7 @@ def _grad_input_phase_im2col(plan: KernelPlan, ph: Phase, dy: ir.Value, w: ir.Va
     return _to_activation(p, gemm.from_matrices(out, logical, 1 + p.dims, grouped), dy_axes)
 
 
-def _grad_input_depth_to_space(plan: KernelPlan, dy: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+def _grad_input_depth_to_space(plan: KernelPlan, dy: ir.Value, w: ir.Value, tensors: Optional[_Tensors]) -> ir.Value:
     # stride = filter, dilation 1 (policy.cpu_depth_to_space): the windows do not overlap, so every dX position
     # i = s*q + j - lo is reached by one (q, j) and grad_input is one GEMM per group with W as it lies:
     #   R[g, (n, q), (j, c)] = sum_k dY[n, q, g, k] * W[g, k, j, c]     (matmul; (c, j) columns for GKCYX)
@@ -740,10 +807,10 @@ def _grad_input_depth_to_space(plan: KernelPlan, dy: ir.Value, w: ir.Value, bias
     x_sp = _spatial_positions(p, dy_axes)
     full = _shape(p, p.x_shape, dy)
     d = window(d, {pos: lo for pos, lo in zip(x_sp, p.pad_lo)}, {pos: full[pos] for pos in x_sp}, plan.pad_form)
-    return _epilogue(p, d, bias)
+    return _epilogue(p, d, tensors)
 
 
-def _forward_im2col(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+def _forward_im2col(plan: KernelPlan, x: ir.Value, w: ir.Value, tensors: Optional[_Tensors]) -> ir.Value:
     # Y as one GEMM per group over the rows m = (n, o):
     #   Xcol[g, (n, o), (t, c)] = Xpad[n, o*s + t*d, g, c]                  (window gather)
     #   Wcol[g, (t, c), k] = W[g, k, t, c]                                   (a copy of the small weight)
@@ -766,10 +833,10 @@ def _forward_im2col(plan: KernelPlan, x: ir.Value, w: ir.Value, bias: Optional[i
                        [p.groups, *p.filter, p.in_channels, p.out_channels])
     out = gemm.matmul(gemm.as_matrices(col, 1 + p.dims, grouped), gemm.as_matrices(wcol, p.dims + 1, grouped))
     logical = [p.groups, batch, *p.output, p.out_channels]
-    return _epilogue(p, _to_activation(p, gemm.from_matrices(out, logical, 1 + p.dims, grouped), x_axes), bias)
+    return _epilogue(p, _to_activation(p, gemm.from_matrices(out, logical, 1 + p.dims, grouped), x_axes), tensors)
 
 
-def _grad_weight_im2col(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+def _grad_weight_im2col(plan: KernelPlan, x: ir.Value, dy: ir.Value, tensors: Optional[_Tensors]) -> ir.Value:
     # dW as one GEMM per group over the rows m = (n, o):
     #   Xcol[g, (n, o), (t, c)] = Xpad[n, o*s + t*d, g, c]                 (window gather; (c, t) for GKCYX)
     #   dYt[g, k, (n, o)] = dY[n, o, g, k]                                (transpose)
@@ -830,7 +897,7 @@ def _grad_weight_im2col(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optio
         a = gemm.as_matrices(dyt, 1, grouped)  # [G, K, M]
         b = gemm.as_matrices(col, 1 + p.dims, grouped)  # [G, M, (t, c)]
         dw = gemm.from_matrices(gemm.matmul(a, b), list(p.w_shape), 1, grouped)
-        return _epilogue(p, dw, bias)
+        return _epilogue(p, dw, tensors)
     # [(n, h, g), K, M] x [(n, h, g), M, (t, c)]: one batch_matmul over chunks and groups
     a = collapse(dyt, [[0, 1, 2], [3], list(range(4, 4 + p.dims))])
     b = collapse(col, [[0, 1, 2], list(range(3, 3 + p.dims)), list(range(3 + p.dims, 3 + p.dims + len(inner)))])
@@ -838,7 +905,7 @@ def _grad_weight_im2col(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optio
     chunks = batch * plan.row_chunks
     stacked = expand(partials, [[0, 1], [2], list(range(3, 3 + len(inner)))],
                      [chunks, p.groups, p.out_channels, *[size[a] for a in inner]])
-    return _sum_partials(p, stacked, bias)
+    return _sum_partials(p, stacked, tensors)
 
 
 # --- the CPU form "depthwise-named": grad_input of a depthwise convolution as IREE's named depthwise op ----
@@ -874,7 +941,7 @@ def _grad_input_phase_depthwise_named(plan: KernelPlan, ph: Phase, dy: ir.Value,
     return expand(acc, channels, shape)
 
 
-def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bias: Optional[ir.Value]) -> ir.Value:
+def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, tensors: Optional[_Tensors]) -> ir.Value:
     # grad_weight with few channels per group (NHWGC; depthwise: K = C = 1), per spatial dim i (stride s,
     # dilation d):
     #   dW[g, k, t, c] = sum_n sum_o Xpad_n[o*s + t*d, g, c] * dY[n, o, g, k]     Xpad_n: image n of X from -lo
@@ -967,7 +1034,7 @@ def _grad_weight_depthwise_named(plan: KernelPlan, x: ir.Value, dy: ir.Value, bi
     dw = generic(space, [stack], empty(list(p.w_shape), ir.F32Type.get()),
                  [space.access(["k", "u", *taps, "ch"], loops), space.access(weight_axes(p), loops)],
                  lambda v, _: v)
-    return _epilogue(p, dw, bias)
+    return _epilogue(p, dw, tensors)
 
 
 def _image(value: ir.Value, n: ir.Value, channel: Optional[int] = None) -> ir.Value:
