@@ -1,11 +1,15 @@
-"""Shared test setup: hypothesis profiles and the GPU marker."""
+"""Shared test setup: hypothesis profiles, the GPU marker and replaced policy rules."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from typing import Callable, Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from convdsl import policy
 
 # CI runs on 2 cores: keep the example counts modest there; `HYPOTHESIS_PROFILE=thorough` for more.
 settings.register_profile(
@@ -16,6 +20,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Tests never read or fill the user's cache; tests of the cache itself set their own directory.
 os.environ.setdefault("CONVDSL_CACHE_DIR", tempfile.mkdtemp(prefix="convdsl-test-cache-"))
+
+
+
+@pytest.fixture
+def policy_rules() -> Iterator[Callable[..., None]]:
+    """policy_rules(name=rule, ...) replaces policy's rules until the test ends (policy.overrides: every module that
+    reads the rule sees the replacement, which monkeypatching the package's name alone would not give)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **rules: stack.enter_context(policy.overrides(**rules))
 
 
 def _cuda_present() -> bool:

@@ -22,7 +22,6 @@ from convdsl.frontend import ConvSyntaxError, parse
 from convdsl.passes import lower_to_mlir
 from convdsl.passes.explain import describe_plan
 from convdsl.passes.plan import plan_kernel
-from convdsl import policy
 from convdsl.passes.plan import plan_kernel
 from convdsl.problem import BF16X3_COMPUTE, ConvProblem, Epilogue, ProblemError, problem_from_spec, problem_to_spec
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
@@ -114,10 +113,10 @@ def test_dynamic_batch_module_serves_every_batch():
     check_every_batch(mlir, ps, lambda _: BOUND)
 
 
-def test_gpu_forms_channels_last_detour_and_1x1_grad_weight(monkeypatch):
+def test_gpu_forms_channels_last_detour_and_1x1_grad_weight(policy_rules):
     # On GPUs an NGCHW kernel runs channels-last between layout copies and a 1x1 grad_weight has dY first;
     # the split must compose with both: check them on the CPU, where they can be compared.
-    monkeypatch.setattr(policy, "CHANNELS_LAST_BACKENDS", ("cpu",))
+    policy_rules(CHANNELS_LAST_BACKENDS=("cpu",))
     ngchw = [p for p in kernels("NGCHW", "GKCYX", 2, 2) if p.name in ("fwd", "dgrad_s2", "wgrad")]
     one = kernels("NHWGC", "GKYXC", 2, 1)[-1].with_(
         name="wgrad_1x1", filter=(1, 1), stride=(1, 1), dilation=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0))

@@ -83,10 +83,10 @@ def test_gather_weight_slices_are_cut_from_a_copy(op, weight_layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("weight_layout", WEIGHT_LAYOUTS)
 @pytest.mark.parametrize("op", ["grad_input", "transposed", "grad_weight"])
-def test_gather_forms_are_exact(layout, weight_layout, op, monkeypatch):
+def test_gather_forms_are_exact(layout, weight_layout, op, policy_rules):
     # the gather forms are chosen on GPUs: check them on the CPU, where they can be compared (the CPU's own
     # depthwise-named form put aside)
-    monkeypatch.setattr(policy, "cpu_depthwise_named", lambda *_: False)
+    policy_rules(cpu_depthwise_named=lambda *_: False)
     p = DW.with_(op=op, layout=layout, weight_layout=weight_layout, dtype="bf16", in_channels=2, out_channels=3,
                  epilogue=Epilogue("bilinear", 0.5, -0.75) if op != "grad_weight" else Epilogue("scale", 2.0))
     assert plan_kernel(p, CPU).form == "gather"

@@ -35,8 +35,8 @@ def module():
     return compile_module([SPLIT, DYNAMIC], target="cpu")
 
 
-def test_a_kept_workspace_is_reused_and_each_call_returns_its_own_array(module, monkeypatch):
-    monkeypatch.setattr(policy, "CPU_KEPT_WORKSPACE_LEAST", 1)  # these small kernels keep theirs too
+def test_a_kept_workspace_is_reused_and_each_call_returns_its_own_array(module, policy_rules):
+    policy_rules(CPU_KEPT_WORKSPACE_LEAST=1)  # these small kernels keep theirs too
     module._into_calls.clear()
     x, dy = random_inputs(SPLIT, seed=2)
     first = module.gw(x, dy)
@@ -54,12 +54,12 @@ def test_a_kept_workspace_is_reused_and_each_call_returns_its_own_array(module, 
     assert relative_error(module.gw(x, dy), want) <= tolerance(SPLIT) and module._into_calls["gw"][1] is not kept
 
 
-def test_a_new_batch_makes_a_new_call_and_small_workspaces_are_not_kept(module, monkeypatch):
+def test_a_new_batch_makes_a_new_call_and_small_workspaces_are_not_kept(module, policy_rules):
     module._into_calls.clear()
     dy, w = random_inputs(DYNAMIC.with_(dynamic_batch=False), seed=3)
     assert relative_error(module.gi(dy, w), reference(DYNAMIC.with_(dynamic_batch=False), dy, w)) <= 1e-5
     assert module._into_calls["gi"][1] is None, "a small workspace: the allocating function, as before"
-    monkeypatch.setattr(policy, "CPU_KEPT_WORKSPACE_LEAST", 1)
+    policy_rules(CPU_KEPT_WORKSPACE_LEAST=1)
     module._into_calls.clear()
     calls = []
     for batch in (2, 3, 3):

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from convdsl.algebra import output_size
 from convdsl.backends.iree import LoadedModule, compile_mlir
 from convdsl.passes import lower_to_mlir
-from convdsl import policy
 from convdsl.passes.explain import describe_plan
 from convdsl.passes.plan import plan_kernel
 from convdsl.problem import DYNAMIC_BATCH_NOMINAL, LAYOUTS, WEIGHT_LAYOUTS, ConvProblem, Epilogue
@@ -206,10 +205,10 @@ def test_dynamic_batch_module_serves_every_batch(layout):
 
 
 @pytest.mark.parametrize("op", ["forward", "grad_input", "grad_weight", "transposed"])
-def test_ngchw_channels_last_detour_is_exact(op, monkeypatch):
+def test_ngchw_channels_last_detour_is_exact(op, policy_rules):
     # On GPUs, NGCHW kernels run channels-last between two layout copies (IREE miscompiles the
     # channel-first form there); check that detour on the CPU, where it can be compared.
-    monkeypatch.setattr(policy, "CHANNELS_LAST_BACKENDS", ("cpu",))
+    policy_rules(CHANNELS_LAST_BACKENDS=("cpu",))
     p = BASE.with_(op=op, layout="NGCHW", weight_layout="GKCYX", dtype="bf16", dynamic_batch=True,
                    epilogue=Epilogue("bilinear", 0.5, 1.5) if op != "grad_weight" else Epilogue("scale", 2.0))
     assert "layout: NGCHW activations copied to NHWGC" in describe_plan(plan_kernel(p, CPU))
@@ -218,10 +217,10 @@ def test_ngchw_channels_last_detour_is_exact(op, monkeypatch):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("split_k", [1, 2, 3])
-def test_gpu_1x1_grad_weight_form_is_exact(layout, split_k, monkeypatch):
+def test_gpu_1x1_grad_weight_form_is_exact(layout, split_k, policy_rules):
     # On GPUs a 1x1 grad_weight has dY as the contraction's first operand (IREE's CUDA matmul path got
     # the X-first form wrong); check that form on the CPU, where it can be compared.
-    monkeypatch.setattr(policy, "CHANNELS_LAST_BACKENDS", ("cpu",))
+    policy_rules(CHANNELS_LAST_BACKENDS=("cpu",))
     p = BASE.with_(op="grad_weight", filter=(1, 1), stride=(1, 1), dilation=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0),
                    batch=6, in_channels=6, out_channels=5, layout=layout, dtype="f16", out_dtype="f32",
                    split_k=split_k)

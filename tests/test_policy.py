@@ -7,9 +7,11 @@ import pytest
 from convdsl import policy, stream
 from convdsl.kernels.compile import triton_version
 from convdsl.kernels.elementwise_launches import sum_partials_launch
+from convdsl.kernels.launch import reduction_steps
 from convdsl.passes.plan import plan_kernel
 from convdsl.problem import ConvProblem, Epilogue
 from convdsl.targets import CUDA_MAX_GRID, Target, TargetError
+from convdsl.tuning.knobs import Knobs
 
 HOPPER = Target("cuda", "sm_90")
 AMPERE = Target("cuda", "sm_80")
@@ -41,7 +43,8 @@ def test_the_split_k_sum_spreads_over_the_programs_the_target_says():
     assert HOPPER.sum_programs == AMPERE.sum_programs == Target("cuda", "sm_89").sum_programs == 264
     shape = (4, 1, 64, 1, 3, 3, 64)
     for target in (HOPPER, AMPERE):
-        assert policy.split_k_sum(RESNET_WGRAD, shape, "k", target) == sum_partials_launch(RESNET_WGRAD, shape, "k", 264)
+        assert policy.split_k_sum(RESNET_WGRAD, shape, "k", target) == \
+            sum_partials_launch(RESNET_WGRAD, shape, "k", 264)
     # 36864 weights over 264 programs: blocks of 128 columns; over 4096 programs they would be 16 wide
     assert dict(sum_partials_launch(RESNET_WGRAD, shape, "k", 264).constants)["BLOCK_E"] == 128
     assert dict(sum_partials_launch(RESNET_WGRAD, shape, "k", 4096).constants)["BLOCK_E"] == 16
@@ -155,6 +158,29 @@ def test_overrides_replace_a_rule_for_every_planner_and_restore_it():
     with policy.overrides(tma_grad_weight_parts=lambda p, tiles, target: 4):
         assert _stream(RESNET_WGRAD, HOPPER) == ("grad_weight_tma", "t64x64x128w4s3k4", 4)
     assert _stream(RESNET_WGRAD, HOPPER)[2] == 28
-    with pytest.raises(ValueError, match="expected names of convdsl/policy.py's rules, got no_such_rule"):
+    with pytest.raises(ValueError, match="expected names of convdsl/policy's rules, got no_such_rule"):
         with policy.overrides(no_such_rule=lambda: 0):
             pass
+
+
+@needs_triton
+def test_overrides_reach_the_rule_in_every_module_that_reads_it():
+    # reduction_split is defined in policy/common.py and read by cuda.py's grad_weight_split (the cp.async kernel)
+    # and by hopper.py's tma_grad_weight_split (the TMA kernel): one override changes both plans
+    def one_chunk(p, tiles, parts, target, kernel="grad_weight kernel"):
+        return 1, reduction_steps(p, tiles) * tiles.block_k
+
+    assert _module(RESNET_WGRAD, AMPERE)[3] == 24 and _stream(RESNET_WGRAD, HOPPER)[2] == 28
+    with policy.overrides(reduction_split=one_chunk):
+        assert policy.cuda.reduction_split is policy.hopper.reduction_split is policy.reduction_split is one_chunk
+        assert _module(RESNET_WGRAD, AMPERE)[3] == 1
+        assert _stream(RESNET_WGRAD, HOPPER)[2] == 1
+    assert policy.hopper.reduction_split is policy.common.reduction_split is not one_chunk
+    assert _module(RESNET_WGRAD, AMPERE)[3] == 24 and _stream(RESNET_WGRAD, HOPPER)[2] == 28
+    # a rule of cuda.py that hopper.py reads: the TMA plan of a one-pass TF32 grad_input names the weight copy
+    # the cp.async kernel would read (weight_copy_axes)
+    tf32_dgrad = _conv("grad_input", dtype="f32", compute="tf32")
+    assert policy.tma_stream_launch(tf32_dgrad, HOPPER, Knobs()).weight_axes == ("g", "t0", "t1", "c", "k")
+    with policy.overrides(weight_copy_axes=lambda p: ("k", "g", "t0", "t1", "c")):
+        assert policy.tma_stream_launch(tf32_dgrad, HOPPER, Knobs()).weight_axes == ("k", "g", "t0", "t1", "c")
+    assert policy.tma_stream_launch(tf32_dgrad, HOPPER, Knobs()).weight_axes == ("g", "t0", "t1", "c", "k")

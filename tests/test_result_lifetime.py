@@ -77,11 +77,9 @@ def test_big_result_view_outlives_the_result() -> None:
     _close(view, reference(p, x, w)[0, 100:], p)
 
 
-def test_kept_workspace_call_view_outlives_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kept_workspace_call_view_outlives_the_result(policy_rules) -> None:
     # the destination-passing path (a kept workspace, module.CompiledModule.call) makes its result buffer itself
-    from convdsl import policy
-
-    monkeypatch.setattr(policy, "cpu_keeps_workspace", lambda *args: True)
+    policy_rules(cpu_keeps_workspace=lambda *args: True)
     p = FORWARD.with_(op="grad_weight", name="wgrad")
     mod = convdsl.compile([p], target="cpu")
     x, dy = random_inputs(p, seed=7)

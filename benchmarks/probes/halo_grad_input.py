@@ -26,13 +26,13 @@ VARIANTS = ("halo-whole", "halo-b4")
 def _compile(job):
     from benchmarks.probes.tma_forward import plan_variant
     from convdsl import policy
+    from convdsl.kernels.tma_launches import forward_halo_launch
 
     p, label = job
     if label == "tma":
         return plan_variant(p, label, halo_forward_reason=lambda q, t: "off")
     if label == "halo-whole":  # the next window copied at once
-        launch = policy.forward_halo_launch
-        return plan_variant(p, label, forward_halo_launch=lambda *a, **k: launch(*a, **k, spread=False))
+        return plan_variant(p, label, forward_halo_launch=lambda *a, **k: forward_halo_launch(*a, **k, spread=False))
     if label.startswith("halo-"):  # halo-s<split>b<weight stages>, either part optional
         match = re.fullmatch(r"halo-(?:s(\d+))?(?:b(\d+))?", label)
         split, stages = (int(v) if v else None for v in match.groups())

@@ -44,7 +44,7 @@ def _compile(job):
     from convdsl.tuning.knobs import Knobs
 
     p, variant = job
-    common, rule_tiles = policy._tma_common_reason, policy.tma_forward_tiles
+    common, rule_tiles = policy.hopper._tma_common_reason, policy.tma_forward_tiles
 
     def any_taps(q, target):  # 1x1 forward and grad_input on the TMA kernel
         reason = common(q, target)
