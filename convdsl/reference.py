@@ -375,7 +375,7 @@ def activation_backward(name: str, grad: np.ndarray, saved: np.ndarray) -> np.nd
         t = np.tanh(beta * (x + 0.044715 * x ** 3))
         return g * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * beta * (1.0 + 3 * 0.044715 * x * x))
     if name == "hardswish":
-        return np.where(x < -3.0, 0.0, np.where(x <= 3.0, g * (x / 3.0 + 0.5), g))
+        return np.where(x <= -3.0, 0.0, np.where(x < 3.0, g * (x / 3.0 + 0.5), g))  # torch's ends
     raise ValueError(f"activation_backward: unknown {name!r}")
 
 

@@ -71,10 +71,10 @@ def activation_backward(name: str, grad: ir.Value, saved: ir.Value) -> ir.Value:
         slope = arith.mulf(_c(_SQRT_2_OVER_PI), arith.addf(_c(1.0), arith.mulf(_c(3 * _GELU_CUBIC), arith.mulf(x, x))))
         right = arith.mulf(arith.mulf(arith.mulf(_c(0.5), x), arith.subf(_c(1.0), arith.mulf(t, t))), slope)
         return arith.mulf(grad, arith.addf(left, right))
-    if name == "hardswish":  # 0 below -3, x/3 + 1/2 up to 3 (both ends as torch: < -3, <= 3), 1 above
+    if name == "hardswish":  # 0 up to -3, x/3 + 1/2 strictly between, 1 from 3 on (torch's ends)
         mid = arith.mulf(grad, arith.addf(arith.divf(x, _c(3.0)), _c(0.5)))
-        above = arith.select(arith.cmpf(arith.CmpFPredicate.OLE, x, _c(3.0)), mid, grad)
-        return arith.select(arith.cmpf(arith.CmpFPredicate.OLT, x, _c(-3.0)), zero, above)
+        above = arith.select(arith.cmpf(arith.CmpFPredicate.OLT, x, _c(3.0)), mid, grad)
+        return arith.select(arith.cmpf(arith.CmpFPredicate.OLE, x, _c(-3.0)), zero, above)
     raise ValueError(f"activation_backward: unknown {name!r}")
 
 
