@@ -179,22 +179,25 @@ class _Source:
 # Lark: grammar, newline handling, syntax-error translation
 # ------------------------------------------------------------------------------------------------
 class _BracketNewlines(PostLex):
-    """Drop newlines inside [...] and (...), so lists and epilogue arguments may wrap lines."""
+    """Drop newlines inside [...] and (...), and after a comma, so lists, epilogue arguments and chains of steps may
+    wrap lines."""
 
     # The contextual lexer only lexes terminals the parser state accepts; _NL must always be
     # lexed so that this filter, not the lexer, decides where a newline is meaningful.
     always_accept = ("_NL",)
 
     def process(self, stream: Iterator[Token]) -> Iterator[Token]:
-        depth = 0
+        depth, last = 0, None
         for tok in stream:
             if tok.type == "_NL":
-                if depth:
+                # and after a comma outside brackets: a chain of epilogue steps may wrap after any of its commas
+                if depth or (last is not None and last.value == ","):
                     continue
             elif tok.value in ("[", "("):
                 depth += 1
             elif tok.value in ("]", ")"):
                 depth = max(0, depth - 1)
+            last = tok
             yield tok
 
 

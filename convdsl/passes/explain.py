@@ -149,8 +149,8 @@ def _describe_depthwise_named(plan: KernelPlan) -> list[str]:
 def _act(p: ConvProblem, name: str) -> str:
     if name in ("bias", "scale", "shift"):  # per-channel vectors
         return "GC" if p.op == "transposed" else "GK"
-    if name == "residual":
-        return _act(p, "d")
+    if name in ("d", "residual"):  # the result's layout
+        return {"forward": p.layout_name("y"), "grad_weight": p.layout_name("w")}.get(p.op, p.layout_name("x"))
     if p.op == "transposed" and name == "x":
         return p.layout_name("y")
     return p.layout_name("x" if name in ("x", "d") else "y")
