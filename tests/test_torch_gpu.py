@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import convdsl.torch as ct  # noqa: E402
-from convdsl.torch import runtime  # noqa: E402
+from convdsl.torch import native, runtime  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -106,7 +106,9 @@ def test_autocast_steps_against_cudnn_and_float64():
             y.backward(g.to(y.dtype))
             outs[label] = (y, xi.grad, m.weight.grad, m.bias.grad)
             if label == "convdsl":
-                assert y.dtype == torch.bfloat16 and type(y.grad_fn).__name__ == "PlannedConvolutionBackward"
+                # one autograd node: the native launcher's, or PlannedConvolution's where it is not built
+                assert y.dtype == torch.bfloat16 and y.grad_fn.name() in ("ConvdslConvolutionBackward",
+                                                                          "PlannedConvolutionBackward")
                 assert y.grad_fn.next_functions[1][0].variable is mine.weight
             m.zero_grad()
         for i, what in enumerate(("output", "grad_input", "grad_weight", "grad_bias")):
@@ -647,3 +649,39 @@ def test_nan_in_packed_groups_stays_within_its_pack():
     extra = (got_nan & ~want_nan).any(dim=(0, 2, 3))  # per channel: NaN where the reference has none
     assert not extra[~in_pack].any()
     print(f"pack {pack}: {int(extra.sum())} channels gained a NaN")
+
+
+def test_eager_calls_take_the_native_launcher():
+    """On a machine with a C++ compiler and the CUDA headers the native launcher builds, and a planned call's
+    forward and backward run through it (one C++ autograd node a convolution)."""
+    assert native.extension() is not None
+    conv = ct.Conv2d(64, 64, 3, padding=1).cuda().half().to(memory_format=torch.channels_last)
+    x = torch.randn(8, 64, 28, 28, device="cuda", dtype=torch.half).to(memory_format=torch.channels_last)
+    y = conv(x.requires_grad_())
+    assert y.grad_fn.name() == "ConvdslConvolutionBackward"
+    y.relu_()  # the output is no view: in-place ops work as on torch.nn's
+    y.float().square().mean().backward()
+    assert x.grad is not None and conv.weight.grad is not None and conv.bias.grad is not None
+
+
+@pytest.mark.parametrize("channels_last", [True, False], ids=["cl", "contiguous"])
+def test_double_backward_through_the_native_launcher(channels_last, monkeypatch):
+    """A gradient penalty (create_graph) through a native node: its backward hands the differentiable gradients
+    to the operators; the result against float64."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    torch.manual_seed(0)
+    mine = ct.Conv2d(64, 64, 3, padding=1).cuda().to(memory_format=fmt)
+    exact = nn.Conv2d(64, 64, 3, padding=1).cuda().double()
+    exact.load_state_dict({k: v.double() for k, v in mine.state_dict().items()})
+    x0 = torch.randn(8, 64, 28, 28, device="cuda").to(memory_format=fmt)
+    grads = {}
+    for label, m, x in (("convdsl", mine, x0.clone()), ("exact", exact, x0.double())):
+        x.requires_grad_()
+        y = m(x)
+        (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        gx.square().sum().backward()
+        grads[label] = (gx, m.weight.grad, m.bias.grad)
+    assert mine(x0.requires_grad_()).grad_fn.name() == "ConvdslConvolutionBackward"
+    for got, want in zip(grads["convdsl"], grads["exact"]):
+        assert _rel(got, want) <= 1e-4

@@ -110,6 +110,24 @@ _INTERLEAVE, _L2_PROMOTION, _OOB_FILL = 0, 2, 0
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), 64-byte aligned
 
 
+@dataclass(frozen=True)
+class TensorMapArguments:
+    """One map's arguments to cuTensorMapEncodeTiled / cuTensorMapEncodeIm2col but the address, as the driver
+    takes them (innermost dimension first): what a launcher in another language needs to encode it."""
+
+    im2col: bool
+    data_type: int
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]  # bytes, dims[1:]'s
+    box: tuple[int, ...]  # tiled: the box per copy
+    element_strides: tuple[int, ...]
+    lower: tuple[int, ...] = ()  # im2col: the pixel box's corners
+    upper: tuple[int, ...] = ()
+    channels: int = 0
+    pixels: int = 0
+    swizzle: int = 0
+
+
 class TensorMaps:
     """Room for `count` CUtensorMaps (each 64-byte aligned, as the driver requires), filled in place.  Each map is
     described once (prepare_tiled, prepare_im2col: its arguments converted to C then) and encoded over a new
@@ -122,17 +140,19 @@ class TensorMaps:
         self._pointers = [ctypes.c_void_p(0) for _ in range(count)]
         self._encoders: list[Optional[Callable[[], int]]] = [None] * count
         self._what = [""] * count
+        self.arguments: list[Optional[TensorMapArguments]] = [None] * count
 
     def prepare_tiled(self, index: int, element: str, shape: Sequence[int], element_bytes: int,
                       box: Sequence[int], swizzle: int) -> None:
         """Map `index`: a contiguous tensor viewed as `shape` (outermost first), `box` per copy."""
-        rank = len(shape)
         strides = _contiguous_byte_strides(shape, element_bytes)
-        args = (ctypes.c_void_p(self.addresses[index]), TENSOR_MAP_TYPES[element], rank, self._pointers[index],
-                _array(ctypes.c_uint64, shape[::-1]), _array(ctypes.c_uint64, strides[:-1][::-1]),
-                _array(ctypes.c_uint32, box[::-1]), _array(ctypes.c_uint32, [1] * rank), _INTERLEAVE, swizzle,
-                _L2_PROMOTION, _OOB_FILL)
+        m = TensorMapArguments(False, TENSOR_MAP_TYPES[element], tuple(shape[::-1]), tuple(strides[:-1][::-1]),
+                               tuple(box[::-1]), (1,) * len(shape), swizzle=swizzle)
+        args = (ctypes.c_void_p(self.addresses[index]), m.data_type, len(m.dims), self._pointers[index],
+                _array(ctypes.c_uint64, m.dims), _array(ctypes.c_uint64, m.strides), _array(ctypes.c_uint32, m.box),
+                _array(ctypes.c_uint32, m.element_strides), _INTERLEAVE, m.swizzle, _L2_PROMOTION, _OOB_FILL)
         encode = _driver().cuTensorMapEncodeTiled
+        self.arguments[index] = m
         self._encoders[index] = lambda: encode(*args)
         self._what[index] = f"cuTensorMapEncodeTiled(shape {list(shape)}, box {list(box)})"
 
@@ -142,11 +162,15 @@ class TensorMaps:
         """Map `index`: an im2col view of a channels-last tensor of `shape` (N, *spatial, C): copies of `pixels` x
         `channels` within the pixel box [lower, spatial + upper) per spatial dimension."""
         strides = _contiguous_byte_strides(shape, element_bytes)
-        args = (ctypes.c_void_p(self.addresses[index]), TENSOR_MAP_TYPES[element], len(shape), self._pointers[index],
-                _array(ctypes.c_uint64, shape[::-1]), _array(ctypes.c_uint64, strides[:-1][::-1]),
-                _array(ctypes.c_int, lower[::-1]), _array(ctypes.c_int, upper[::-1]), channels, pixels,
-                _array(ctypes.c_uint32, element_strides[::-1]), _INTERLEAVE, swizzle, _L2_PROMOTION, _OOB_FILL)
+        m = TensorMapArguments(True, TENSOR_MAP_TYPES[element], tuple(shape[::-1]), tuple(strides[:-1][::-1]), (),
+                               tuple(element_strides[::-1]), tuple(lower[::-1]), tuple(upper[::-1]), channels,
+                               pixels, swizzle)
+        args = (ctypes.c_void_p(self.addresses[index]), m.data_type, len(m.dims), self._pointers[index],
+                _array(ctypes.c_uint64, m.dims), _array(ctypes.c_uint64, m.strides), _array(ctypes.c_int, m.lower),
+                _array(ctypes.c_int, m.upper), m.channels, m.pixels, _array(ctypes.c_uint32, m.element_strides),
+                _INTERLEAVE, m.swizzle, _L2_PROMOTION, _OOB_FILL)
         encode = _driver().cuTensorMapEncodeIm2col
+        self.arguments[index] = m
         self._encoders[index] = lambda: encode(*args)
         self._what[index] = f"cuTensorMapEncodeIm2col(shape {list(shape)}, box {list(lower)}..{list(upper)})"
 

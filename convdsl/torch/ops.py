@@ -17,13 +17,15 @@ Where a call runs (runtime.run): on CUDA, the stream kernels on PyTorch's curren
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from ..problem import ConvProblem, output_sizes
-from . import runtime
+from . import native, runtime
+from .stream import NATIVE_FORMATS, dtype_name
 
 LIB = "convdsl"
 
@@ -351,7 +353,7 @@ class _Plan:
     device, autocast, TF32 flag), worked out at the first call: the forward's planned call (runtime.planned_call)
     and, per dY strides, the two gradients' (None where a gradient's kernels cannot read dY as it lies)."""
 
-    __slots__ = ("conv", "forward", "autocast", "compute_dtype", "weight_dtype", "bias_shape", "gradients")
+    __slots__ = ("conv", "forward", "autocast", "compute_dtype", "weight_dtype", "bias_shape", "gradients", "native")
 
     def __init__(self, conv: tuple, forward, autocast: Optional[str], compute_dtype: torch.dtype,
                  weight_dtype: torch.dtype, dims: int) -> None:
@@ -364,6 +366,8 @@ class _Plan:
         self.weight_dtype = weight_dtype
         self.bias_shape = (1, -1, *([1] * dims))
         self.gradients: dict[tuple, tuple] = {}
+        # the same calls in the native launcher (native.py): (its convolution function, the plan), where built
+        self.native: Optional[tuple] = None
 
     def gradients_for(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, needs: Sequence[bool]) -> tuple:
         """(grad_input's planned call, grad_weight's), each only where `needs` asks for it: a gradient no step
@@ -402,26 +406,55 @@ class PlannedConvolution(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, parameter = ctx.saved_tensors
-        plan = ctx.plan
-        if torch.is_grad_enabled():  # create_graph: differentiable gradients, the weight's cast recorded too
-            dx, dw, db = _conv_gradients(ctx.needs_input_grad[:3], x, parameter.to(plan.compute_dtype), dy, plan.conv)
-            return dx, None if dw is None else dw.to(plan.weight_dtype), db, None
-        dy = dy.contiguous(memory_format=plan.forward.result_format)  # _like_forward, worked out once
-        grad_input, grad_weight = plan.gradients_for(dy, x, w, ctx.needs_input_grad)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = (grad_input.launch(dy, w) if grad_input is not None and runtime.aligned(dy, w)
-                  else _grad_input(dy, w, list(x.shape), *plan.conv))
-        if ctx.needs_input_grad[1]:
-            # under autocast the kernels sum their f32 partials straight into the f32 parameter's gradient (no
-            # 16-bit result and cast: docs/decisions.md#weight-gradient-dtype); the fallback casts
-            dw = (grad_weight.launch(x, dy) if grad_weight is not None and runtime.aligned(x, dy)
-                  else _grad_weight(x, dy, list(w.shape), *plan.conv))
-            if dw.dtype != plan.weight_dtype:
-                dw = dw.to(plan.weight_dtype)
-        if ctx.needs_input_grad[2]:
-            db = _bias_grad(dy)
-        return dx, dw, db, None
+        return (*_planned_gradients(ctx.plan, x, w, parameter, dy, ctx.needs_input_grad[:3]), None)
+
+
+def _planned_gradients(plan: _Plan, x: torch.Tensor, w: torch.Tensor, parameter: torch.Tensor, dy: torch.Tensor,
+                       needs: Sequence[bool]) -> tuple:
+    """(dx, dw, db) of a planned convolution, each where `needs` asks; w is the weight in the kernels' dtype,
+    parameter the module's.  PlannedConvolution's backward, and the native launcher's where it has no kernel."""
+    if torch.is_grad_enabled():  # create_graph: differentiable gradients, the weight's cast recorded too
+        dx, dw, db = _conv_gradients(needs, x, parameter.to(plan.compute_dtype), dy, plan.conv)
+        return dx, None if dw is None else dw.to(plan.weight_dtype), db
+    dy = dy.contiguous(memory_format=plan.forward.result_format)  # _like_forward, worked out once
+    grad_input, grad_weight = plan.gradients_for(dy, x, w, needs)
+    dx = dw = db = None
+    if needs[0]:
+        dx = (grad_input.launch(dy, w) if grad_input is not None and runtime.aligned(dy, w)
+              else _grad_input(dy, w, list(x.shape), *plan.conv))
+    if needs[1]:
+        # under autocast the kernels sum their f32 partials straight into the f32 parameter's gradient (no
+        # 16-bit result and cast: docs/decisions.md#weight-gradient-dtype); the fallback casts
+        dw = (grad_weight.launch(x, dy) if grad_weight is not None and runtime.aligned(x, dy)
+              else _grad_weight(x, dy, list(w.shape), *plan.conv))
+        if dw.dtype != plan.weight_dtype:
+            dw = dw.to(plan.weight_dtype)
+    if needs[2]:
+        db = _bias_grad(dy)
+    return dx, dw, db
+
+
+def _native_plan(plan: _Plan, x: torch.Tensor, w: torch.Tensor, needs: Sequence[bool]) -> Optional[tuple]:
+    """The plan's calls as the native launcher's ConvPlan (x and w in the kernels' dtype), with the gradients
+    `needs` asks for (a gradient without a program falls back to _planned_gradients); None where the launcher
+    is not built or the forward has no program."""
+    ext = native.extension() if x.is_cuda else None  # the driver's launches: CUDA devices only
+    if ext is None:
+        return None
+    forward = plan.forward.native_program(ext, x, w)
+    if forward is None:
+        return None
+    programs = [None, None]
+    if needs[0] or needs[1]:
+        dy = torch.empty(plan.forward.result_shape, dtype=plan.compute_dtype, device=x.device,
+                         memory_format=plan.forward.result_format)
+        grad_input, grad_weight = plan.gradients_for(dy, x, w, needs)
+        programs = [None if grad_input is None else grad_input.native_program(ext, dy, w),
+                    None if grad_weight is None else grad_weight.native_program(ext, x, dy)]
+    gradients = functools.partial(_planned_gradients, plan)
+    return ext.convolution, ext.ConvPlan(forward, *programs, dtype_name(plan.compute_dtype),
+                                         dtype_name(plan.weight_dtype), NATIVE_FORMATS[plan.forward.result_format],
+                                         x.dim() - 2, gradients)
 
 
 def _c_name(dtype: torch.dtype) -> str:
@@ -471,9 +504,11 @@ def plan_for(module: torch.nn.Module, x: torch.Tensor, w: torch.Tensor,
         return None
     device_type = "cuda" if x.is_cuda else x.device.type  # x.device costs about 0.5 us
     autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    # which gradients a backward will ask for is known now: the native launcher plans them with the forward
+    needs = torch.is_grad_enabled() and x.requires_grad, torch.is_grad_enabled() and w.requires_grad
     key = (x.shape, x.stride(), x.dtype, x.get_device(), w.shape, w.stride(), w.dtype, w.get_device(), autocast,
            module.stride, module.padding, module.dilation, module.groups, runtime.tf32_allowed(),
-           None if bias is None else bias.dtype)
+           None if bias is None else bias.dtype, needs)
     plans = module.__dict__.get(_PLANS_ATTRIBUTE)
     if plans is None:
         plans = module.__dict__[_PLANS_ATTRIBUTE] = EagerPlans()
@@ -487,6 +522,8 @@ def plan_for(module: torch.nn.Module, x: torch.Tensor, w: torch.Tensor,
     plan = plans[key] = (None if forward is None else
                          _Plan((stride, lo, hi, dilation, groups), forward,
                                device_type if autocast is not None else None, wc.dtype, w.dtype, x.dim() - 2))
+    if plan is not None:
+        plan.native = _native_plan(plan, xc.detach(), wc.detach(), needs)
     return plan
 
 
@@ -497,6 +534,9 @@ def call_planned(plan: _Plan, x: torch.Tensor, w: torch.Tensor, bias: Optional[t
             x = x.to(dtype)
         if bias is not None and bias.dtype != dtype:
             bias = bias.to(dtype)
+    if plan.native is not None:  # the same launches and autograd node in C++ (offset views copied there)
+        convolution_function, native_plan = plan.native
+        return convolution_function(x, w, bias, native_plan)
     if not runtime.aligned(x, w):  # an offset view: the general path copies it
         return EagerConvolution.apply(x, w.to(plan.compute_dtype), bias, *plan.conv)
     return PlannedConvolution.apply(x, w, bias, plan)

@@ -240,6 +240,15 @@ class _Call:
         self.runner(av, bv, out=ov)
         return out
 
+    def native_program(self, native, a: torch.Tensor, b: torch.Tensor):
+        """This planned call as a Program of the native extension (convdsl/torch/native.py) for arguments laid
+        out as a and b, the same launches as `launch`; None where it has no such program."""
+        out = torch.empty(self.result_shape, dtype=self.result_dtype, device="meta", memory_format=self.result_format)
+        if self.direct:
+            return self.runner.native_program(native, True, (a, b), out, self.result_format, out)
+        av, bv, ov = _layout_views(self.problem, a, b, out)
+        return self.runner.native_program(native, False, (av, bv), out, self.result_format, ov)
+
 
 def _layout_views(p: ConvProblem, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple:
     """The arguments and the result as views in p's layouts (no copies)."""

@@ -47,6 +47,15 @@ def _bindable(a: torch.Tensor) -> torch.Tensor:
 # A launch as the runner calls it: (stream handle, tensors in binding order) -> None
 Launcher = Callable[..., None]
 
+# a native Program's parameter kinds (convdsl/torch/csrc/native.cpp): a buffer's address, a TMA descriptor, zero
+_NATIVE_POINTER, _NATIVE_MAP, _NATIVE_ZERO = 0, 1, 2
+# the memory formats' codes in a native Program
+NATIVE_FORMATS = {torch.contiguous_format: 0, torch.channels_last: 1, torch.channels_last_3d: 2}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
 
 class DriverLaunch:
     """A stream launch loaded through the CUDA driver: its tensors passed as device pointers."""
@@ -60,6 +69,13 @@ class DriverLaunch:
 
     def __call__(self, stream: int, *tensors: torch.Tensor) -> None:
         self._launch(stream, [t.data_ptr() for t in tensors])
+
+    def add_to(self, native, program, buffers: Sequence[int]) -> None:
+        """This launch on the program's `buffers` (as __call__'s tensors), the kernel's other parameters 0;
+        native: the extension module (convdsl/torch/native.py)."""
+        f = self.function
+        params = [(_NATIVE_POINTER, b) for b in buffers] + [(_NATIVE_ZERO, 0)] * (f.params - len(buffers))
+        program.launch(f.handle.value, self.grid, f.threads, f.shared_bytes, f.name, params, [])
 
 
 class TmaDriverLaunch:
@@ -102,6 +118,25 @@ class TmaDriverLaunch:
             slots.append(next(it) if kind == "map" else ctypes.addressof(zero))
         self._params = (ctypes.c_void_p * len(slots))(*slots)
         self._launch = bind_raw(self.function, self.grid, self._params)
+        self._kinds = tuple(kinds)
+
+    def add_to(self, native, program, buffers: Sequence[int]) -> None:
+        """This launch on the program's `buffers` (as __call__'s tensors): its descriptors encoded over them per
+        call by the program; native: the extension module (convdsl/torch/native.py)."""
+        maps = [native.TensorMapSpec(buffers[operand], m.im2col, m.data_type, m.dims, m.strides, m.box,
+                                     m.element_strides, m.lower, m.upper, m.channels, m.pixels, m.swizzle)
+                for operand, m in zip(self._operands, self.tensor_maps.arguments)]
+        params, next_map = [], 0
+        for kind in self._kinds:
+            if kind == "map":
+                params.append((_NATIVE_MAP, next_map))
+                next_map += 1
+            elif kind.startswith("ptr"):
+                params.append((_NATIVE_POINTER, buffers[int(kind[3:])]))
+            else:
+                params.append((_NATIVE_ZERO, 0))
+        f = self.function
+        program.launch(f.handle.value, self.grid, f.threads, f.shared_bytes, f.name, params, maps)
 
     def __call__(self, stream: int, *tensors: torch.Tensor) -> None:
         addresses = self._addresses
@@ -189,6 +224,54 @@ class StreamRunner:
         self.core(stream, a, b, partials)
         self.sum(stream, partials, out)
         return out
+
+    def native_program(self, native, direct: bool, views: Sequence[torch.Tensor], result: torch.Tensor,
+                       result_format: torch.memory_format, out_view: torch.Tensor):
+        """run_into (direct) or __call__ on layout views as a native Program (convdsl/torch/csrc/native.cpp): the
+        same launches on the same buffers, or None where __call__ would take a path a Program has no step for.
+        views: the two arguments as the runner takes them (direct: the tensors themselves); result: the result
+        as PyTorch holds it, in `result_format`, and out_view its view as the runner takes it (meta tensors will
+        do).  The program's buffers 0 and 1 are the arguments, 2 the result."""
+        k = self.kernel
+        program = native.Program(list(result.shape), NATIVE_FORMATS[result_format], dtype_name(result.dtype))
+        operands, shapes = [0, 1], [list(v.shape) for v in views]
+        dtypes = [v.dtype for v in views]
+        for i, view in enumerate(views):
+            if direct:
+                continue
+            if i in self._copy_in:
+                shapes[i] = [view.shape[d] for d in self._copied[i]]
+                operands[i] = program.alloc(shapes[i], dtype_name(view.dtype))
+                self._copy_in[i].add_to(native, program, [i, operands[i]])
+            elif i in self._copied or (i == 1 and self._weight_order is not None):
+                moved = view.permute(self._copied[i] if i in self._copied else self._weight_order)
+                operands[i] = program.copy(i, list(moved.shape), list(moved.stride()))
+                shapes[i] = list(moved.shape)
+            elif not view.is_contiguous():
+                return None
+        for i, launch in enumerate(self.rounds):
+            rounded = program.alloc(shapes[i], "float16")
+            launch.add_to(native, program, [operands[i], rounded])
+            operands[i], dtypes[i] = rounded, torch.float16
+        for i, (launch, sl, shape) in enumerate(zip(self.staging, k.staging, k.staged_shapes)):
+            staged = program.alloc(list(shape), dtype_name(TORCH_ELEMENTS[sl.launch.pointer_types[1]]))
+            launch.add_to(native, program, [operands[i], staged])
+            operands[i] = staged
+        if not direct and not out_view.is_contiguous():
+            return None
+        if self.sum is not None:
+            partials = program.alloc(list(k.partials_shape), "float32")
+            self.core.add_to(native, program, [operands[0], operands[1], partials])
+            self.sum.add_to(native, program, [partials, 2])
+        elif not k.result_copied or direct:
+            self.core.add_to(native, program, [operands[0], operands[1], 2])
+        elif self.copy_out is not None:
+            moved = program.alloc(list(self._result_shape), dtype_name(self._result_dtype))
+            self.core.add_to(native, program, [operands[0], operands[1], moved])
+            self.copy_out.add_to(native, program, [moved, 2])
+        else:
+            return None
+        return program
 
     def _staged(self, stream: int, operands: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The operands the core reads: their staging copies where the kernel has them, else themselves."""

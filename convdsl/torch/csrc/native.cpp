@@ -1,0 +1,385 @@
+// convdsl.torch's planned convolutions in C++: the launches of a call and its autograd node, so that an eager
+// training step spends no Python between a module's forward and its kernels' launches, nor any in backward.
+//
+// What a call launches is decided in Python, once per signature (convdsl/torch/native.py builds a Program from a
+// stream kernel: which buffers to allocate, which kernels to launch on which buffers, which TMA descriptors to
+// encode); here it is only carried out.  The kernels are launched through the CUDA driver (looked up in
+// libcuda.so.1 at run time) on PyTorch's current stream, with PyTorch's caching allocator for every buffer,
+// exactly as convdsl/torch/stream.py does in Python.
+#include <torch/extension.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <array>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace py = pybind11;
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+namespace {
+
+// The driver entry points, from libcuda.so.1 itself: nothing to link, as convdsl/backends/cuda_driver.py.
+struct Driver {
+  decltype(&cuLaunchKernel) launch = nullptr;
+  decltype(&cuTensorMapEncodeTiled) encode_tiled = nullptr;
+  decltype(&cuTensorMapEncodeIm2col) encode_im2col = nullptr;
+  decltype(&cuGetErrorName) error_name = nullptr;
+};
+
+template <typename F>
+F symbol(void* library, const char* name) {
+  void* found = dlsym(library, name);
+  TORCH_CHECK(found != nullptr, "convdsl: the CUDA driver has no ", name);
+  return reinterpret_cast<F>(found);
+}
+
+const Driver& driver() {
+  static const Driver loaded = [] {
+    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(library != nullptr, "convdsl: the CUDA driver (libcuda.so.1) could not be loaded");
+    Driver d;
+    d.launch = symbol<decltype(d.launch)>(library, "cuLaunchKernel");
+    d.encode_tiled = symbol<decltype(d.encode_tiled)>(library, "cuTensorMapEncodeTiled");
+    d.encode_im2col = symbol<decltype(d.encode_im2col)>(library, "cuTensorMapEncodeIm2col");
+    d.error_name = symbol<decltype(d.error_name)>(library, "cuGetErrorName");
+    return d;
+  }();
+  return loaded;
+}
+
+void check(CUresult status, const char* call, const std::string& what) {
+  if (status != CUDA_SUCCESS) {
+    const char* name = nullptr;
+    driver().error_name(status, &name);
+    TORCH_CHECK(false, call, "(", what, ") failed: ", name != nullptr ? name : std::to_string(status));
+  }
+}
+
+// A TMA descriptor over one buffer of the call, encoded per call (a few hundred nanoseconds): its arguments are
+// the driver's, worked out in Python (innermost dimension first).
+struct TensorMapSpec {
+  int slot = 0;
+  bool im2col = false;
+  int type = 0;
+  std::vector<cuuint64_t> dims, strides;
+  std::vector<cuuint32_t> box, element_strides;
+  std::vector<int> lower, upper;
+  cuuint32_t channels = 0, pixels = 0;
+  int swizzle = 0;
+
+  void encode(CUtensorMap* map, void* address) const {
+    const auto data_type = static_cast<CUtensorMapDataType>(type);
+    const auto rank = static_cast<cuuint32_t>(dims.size());
+    const auto swizzled = static_cast<CUtensorMapSwizzle>(swizzle);
+    CUresult status = im2col
+        ? driver().encode_im2col(map, data_type, rank, address, dims.data(), strides.data(), lower.data(),
+                                 upper.data(), channels, pixels, element_strides.data(),
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, swizzled, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        : driver().encode_tiled(map, data_type, rank, address, dims.data(), strides.data(), box.data(),
+                                element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, swizzled,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    check(status, im2col ? "cuTensorMapEncodeIm2col" : "cuTensorMapEncodeTiled", "a convdsl kernel's operand");
+  }
+};
+
+constexpr int kPointer = 0;  // a parameter: the device address of one of the call's buffers
+constexpr int kMap = 1;      // a parameter: one of the launch's TMA descriptors, by value
+constexpr int kZero = 2;     // a parameter the kernel does not read (Triton's scratch pointers)
+constexpr int kMaxParams = 64;
+constexpr int kMaxMaps = 4;
+
+struct Launch {
+  CUfunction function = nullptr;
+  std::array<unsigned, 3> grid{1, 1, 1};
+  unsigned threads = 0, shared_bytes = 0;
+  std::string name;
+  std::vector<std::pair<int, int>> params;  // (kind, buffer slot or map index)
+  std::vector<TensorMapSpec> maps;
+
+  void run(CUstream stream, const std::vector<at::Tensor>& buffers) const {
+    alignas(64) CUtensorMap descriptors[kMaxMaps];
+    std::array<uint64_t, kMaxParams> values{};
+    std::array<void*, kMaxParams> args{};
+    for (size_t i = 0; i < maps.size(); ++i) {
+      maps[i].encode(&descriptors[i], buffers[maps[i].slot].data_ptr());
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& [kind, index] = params[i];
+      if (kind == kMap) {
+        args[i] = &descriptors[index];
+        continue;
+      }
+      values[i] = kind == kPointer ? reinterpret_cast<uint64_t>(buffers[index].data_ptr()) : 0;
+      args[i] = &values[i];
+    }
+    check(driver().launch(function, grid[0], grid[1], grid[2], threads, 1, 1, shared_bytes, stream, args.data(),
+                          nullptr),
+          "cuLaunchKernel", name);
+  }
+};
+
+at::ScalarType scalar_type(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "float16") return at::kHalf;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "float64") return at::kDouble;
+  if (name == "float8_e4m3fn") return at::kFloat8_e4m3fn;
+  if (name == "float8_e5m2") return at::kFloat8_e5m2;
+  TORCH_CHECK(false, "convdsl: expected a float dtype name, got ", name);
+}
+
+at::MemoryFormat memory_format(int code) {
+  switch (code) {
+    case 0: return at::MemoryFormat::Contiguous;
+    case 1: return at::MemoryFormat::ChannelsLast;
+    case 2: return at::MemoryFormat::ChannelsLast3d;
+  }
+  TORCH_CHECK(false, "convdsl: expected a memory format code 0, 1 or 2, got ", code);
+}
+
+constexpr int64_t kAlignment = 16;  // every binding of the kernels starts 16-byte aligned
+
+at::Tensor aligned(const at::Tensor& t) {
+  // an offset view: a copy in the same memory format (clone keeps the strides of a dense tensor)
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignment == 0 ? t : t.clone();
+}
+
+// One call's work on its two arguments (buffers 0 and 1): the result (buffer 2, allocated in PyTorch's memory
+// format), then each step in order.
+struct Program {
+  enum StepKind { kAlloc = 0, kCopy = 1, kLaunch = 2 };
+  struct Step {
+    StepKind kind;
+    int dst = 0, src = 0, launch = 0;
+    std::vector<int64_t> shape, strides;
+    at::ScalarType dtype = at::kFloat;
+  };
+
+  std::vector<int64_t> result_shape;
+  at::MemoryFormat result_format = at::MemoryFormat::Contiguous;
+  at::ScalarType result_dtype = at::kFloat;
+  std::vector<Step> steps;
+  std::vector<Launch> launches;
+  int buffers = 3;
+
+  Program(std::vector<int64_t> shape, int format, const std::string& dtype)
+      : result_shape(std::move(shape)), result_format(memory_format(format)), result_dtype(scalar_type(dtype)) {}
+
+  int alloc(std::vector<int64_t> shape, const std::string& dtype) {
+    steps.push_back({kAlloc, buffers, 0, 0, std::move(shape), {}, scalar_type(dtype)});
+    return buffers++;
+  }
+
+  // src's elements at (shape, strides) from where it starts (a permuted view of it), copied contiguous
+  int copy(int src, std::vector<int64_t> shape, std::vector<int64_t> strides) {
+    steps.push_back({kCopy, buffers, src, 0, std::move(shape), std::move(strides), at::kFloat});
+    return buffers++;
+  }
+
+  void launch(uint64_t function, std::array<unsigned, 3> grid, unsigned threads, unsigned shared_bytes,
+              std::string name, std::vector<std::pair<int, int>> params, std::vector<TensorMapSpec> maps) {
+    TORCH_CHECK(params.size() <= kMaxParams && maps.size() <= kMaxMaps, "convdsl: launch ", name, " has ",
+                params.size(), " parameters and ", maps.size(), " maps; expected at most ", kMaxParams, " and ",
+                kMaxMaps);
+    for (const auto& [kind, index] : params) {
+      TORCH_CHECK(kind != kPointer || index < buffers, "convdsl: launch ", name, " reads buffer ", index,
+                  " before it exists");
+    }
+    Launch l;
+    l.function = reinterpret_cast<CUfunction>(function);
+    l.grid = grid;
+    l.threads = threads;
+    l.shared_bytes = shared_bytes;
+    l.name = std::move(name);
+    l.params = std::move(params);
+    l.maps = std::move(maps);
+    steps.push_back({kLaunch, 0, 0, static_cast<int>(launches.size()), {}, {}, at::kFloat});
+    launches.push_back(std::move(l));
+  }
+
+  at::Tensor run(const at::Tensor& a, const at::Tensor& b) const {
+    std::vector<at::Tensor> t(buffers);
+    t[0] = aligned(a);
+    t[1] = aligned(b);
+    const auto options = a.options();
+    t[2] = at::empty(result_shape, options.dtype(result_dtype).memory_format(result_format));
+    const auto stream = reinterpret_cast<CUstream>(c10::cuda::getCurrentCUDAStream(a.get_device()).stream());
+    for (const Step& s : steps) {
+      switch (s.kind) {
+        case kAlloc: t[s.dst] = at::empty(s.shape, options.dtype(s.dtype)); break;
+        case kCopy:
+          t[s.dst] = t[s.src].as_strided(s.shape, s.strides, t[s.src].storage_offset()).contiguous();
+          break;
+        case kLaunch: launches[s.launch].run(stream, t); break;
+      }
+    }
+    return t[2];
+  }
+};
+
+// One convolution module's calls for one signature (ops.py's _Plan): the forward's program and the gradients'
+// (null where none was planned: Python computes that gradient, as it does a double backward).
+struct ConvPlan {
+  std::shared_ptr<Program> forward, grad_input, grad_weight;
+  at::ScalarType compute_dtype, weight_dtype;
+  at::MemoryFormat dy_format;  // dY is taken in the forward result's format (ops._like_forward)
+  std::vector<int64_t> bias_shape, bias_dims;
+  // (x, w, parameter, dy, (needs dx, dw, db)) -> (dx, dw, db): the Python gradients
+  py::object python_gradients;
+
+  ConvPlan(std::shared_ptr<Program> forward, std::shared_ptr<Program> grad_input,
+           std::shared_ptr<Program> grad_weight, const std::string& compute, const std::string& weight,
+           int dy_format, int dims, py::object python_gradients)
+      : forward(std::move(forward)), grad_input(std::move(grad_input)), grad_weight(std::move(grad_weight)),
+        compute_dtype(scalar_type(compute)), weight_dtype(scalar_type(weight)), dy_format(memory_format(dy_format)),
+        python_gradients(std::move(python_gradients)) {
+    bias_shape = {1, -1};
+    bias_dims = {0};
+    for (int d = 0; d < dims; ++d) {
+      bias_shape.push_back(1);
+      bias_dims.push_back(d + 2);
+    }
+  }
+
+  ~ConvPlan() {
+    // the last owner may be an autograd node freed on PyTorch's backward thread, without the GIL
+    if (python_gradients && Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      python_gradients = py::object();
+    } else {
+      python_gradients.release();
+    }
+  }
+};
+
+// How autograd holds its nodes: std::shared_ptr before PyTorch 2.12, c10::intrusive_ptr since.
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+template <typename T>
+auto make_node() {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<Node>>) {
+    return std::make_shared<T>();
+  } else {
+    return c10::make_intrusive<T>();
+  }
+}
+
+struct ConvolutionBackward : public Node {
+  std::shared_ptr<ConvPlan> plan;
+  SavedVariable x_, w_, parameter_;
+  bool has_bias = false;
+
+  std::string name() const override { return "ConvdslConvolutionBackward"; }
+
+  void release_variables() override {
+    x_.reset_data();
+    w_.reset_data();
+    parameter_.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    variable_list out(3);
+    at::Tensor dy = grads[0];
+    if (!dy.defined()) return out;
+    const bool needs[3] = {should_compute_output(0), should_compute_output(1), has_bias && should_compute_output(2)};
+    at::Tensor x = x_.unpack(), w = w_.unpack(), parameter = parameter_.unpack();
+    // a double backward (create_graph: grad mode on here), or a gradient no kernel was planned for: Python's
+    if (at::GradMode::is_enabled() || (needs[0] && !plan->grad_input) || (needs[1] && !plan->grad_weight)) {
+      py::gil_scoped_acquire gil;
+      try {
+        py::tuple result = plan->python_gradients(x, w, parameter, dy, py::make_tuple(needs[0], needs[1], needs[2]));
+        for (int i = 0; i < 3; ++i) {
+          if (!result[i].is_none()) out[i] = result[i].cast<at::Tensor>();
+        }
+      } catch (py::error_already_set& e) {
+        throw std::runtime_error(e.what());
+      }
+      return out;
+    }
+    dy = dy.contiguous(plan->dy_format);
+    if (needs[0]) out[0] = plan->grad_input->run(dy, w);
+    if (needs[1]) {
+      // under autocast the kernels sum their f32 partials straight into the f32 parameter's gradient
+      at::Tensor dw = plan->grad_weight->run(x, dy);
+      out[1] = dw.scalar_type() == plan->weight_dtype ? dw : dw.to(plan->weight_dtype);
+    }
+    if (needs[2]) out[2] = dy.sum(plan->bias_dims);
+    return out;
+  }
+};
+
+// y = conv(x, w) + bias by the plan, recorded for autograd as one node.  Under autocast w is the parameter (f32,
+// say): cast here, where autograd does not record it, and its gradient cast back in backward.
+at::Tensor convolution(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                       const std::shared_ptr<ConvPlan>& plan) {
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
+  at::Tensor y, compute_w;
+  {
+    at::AutoGradMode no_grad(false);
+    c10::cuda::CUDAGuard device(x.device());
+    compute_w = w.scalar_type() == plan->compute_dtype ? w : w.to(plan->compute_dtype);
+    y = plan->forward->run(x, compute_w);
+    if (b.defined()) y.add_(b.view(plan->bias_shape).to(y.scalar_type()));
+  }
+  if (at::GradMode::is_enabled() && (x.requires_grad() || w.requires_grad() || (b.defined() && b.requires_grad()))) {
+    auto node = make_node<ConvolutionBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, w, b));
+    node->plan = plan;
+    node->x_ = SavedVariable(x, false);
+    node->w_ = SavedVariable(compute_w, false);
+    node->parameter_ = SavedVariable(w, false);
+    node->has_bias = b.defined();
+    torch::autograd::set_history(y, NodePtr(node));
+  }
+  return y;
+}
+
+at::Tensor run_program(const Program& program, const at::Tensor& a, const at::Tensor& b) {
+  c10::cuda::CUDAGuard device(a.device());
+  return program.run(a, b);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<TensorMapSpec>(m, "TensorMapSpec")
+      .def(py::init([](int slot, bool im2col, int type, std::vector<cuuint64_t> dims, std::vector<cuuint64_t> strides,
+                       std::vector<cuuint32_t> box, std::vector<cuuint32_t> element_strides, std::vector<int> lower,
+                       std::vector<int> upper, cuuint32_t channels, cuuint32_t pixels, int swizzle) {
+        TensorMapSpec s;
+        s.slot = slot;
+        s.im2col = im2col;
+        s.type = type;
+        s.dims = std::move(dims);
+        s.strides = std::move(strides);
+        s.box = std::move(box);
+        s.element_strides = std::move(element_strides);
+        s.lower = std::move(lower);
+        s.upper = std::move(upper);
+        s.channels = channels;
+        s.pixels = pixels;
+        s.swizzle = swizzle;
+        return s;
+      }));
+  py::class_<Program, std::shared_ptr<Program>>(m, "Program")
+      .def(py::init<std::vector<int64_t>, int, const std::string&>())
+      .def("alloc", &Program::alloc)
+      .def("copy", &Program::copy)
+      .def("launch", &Program::launch)
+      .def("run", &run_program);
+  py::class_<ConvPlan, std::shared_ptr<ConvPlan>>(m, "ConvPlan")
+      .def(py::init<std::shared_ptr<Program>, std::shared_ptr<Program>, std::shared_ptr<Program>, const std::string&,
+                    const std::string&, int, int, py::object>());
+  m.def("convolution", &convolution);
+}
