@@ -2,7 +2,7 @@
 
 torchvision's models (and a ConvTranspose decoder on a ResNet-18 encoder), bf16 autocast, SGD with momentum, the
 same initial weights and batches for both backends; per model, memory format (contiguous, channels-last) and mode
-(eager, torch.compile) it reports images/s of each backend (the median over interleaved blocks of steps), GPU time
+(eager, torch.compile, the whole step captured in a CUDA graph) it reports images/s of each backend (the median over interleaved blocks of steps), GPU time
 per step (the sum of every GPU kernel's time in profiled steps), host time per step (the time to queue one step
 on an idle GPU), whether the loss curves agree, and whether one step's gradients agree with a float64 step (as
 `examples/train_resnet.py --check-gradients` judges them: convdsl's error at most twice cuDNN's, or 1e-2).
@@ -246,6 +246,42 @@ def _host_ms_per_step(step: Callable[[int], float], steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _graphed_step(case: ModelCase, model: nn.Module, opt: torch.optim.Optimizer, losses: list,
+                  batches: list) -> Callable[[int], float]:
+    """The whole training step (forward, backward, optimizer step) captured in one CUDA graph, as PyTorch's
+    documentation captures a whole network: warmed up on a side stream, then each step copies its batch into the
+    captured input and replays."""
+    static_x, static_y = batches[0][0].clone(), batches[0][1].clone()
+
+    def eager_step() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):  # no cached casts across replays
+            loss = _loss(case, model, static_x, static_y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # plans, kernels, cuDNN's autotuning and the optimizer's state, before capture
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            eager_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_loss = eager_step()
+
+    def step(i: int) -> float:
+        x, y = batches[i % len(batches)]
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        losses.append(static_loss.detach().clone())
+        return 0.0
+    return step
+
+
 def run_case(case: ModelCase, fmt_name: str, mode: str, args: argparse.Namespace) -> dict:
     fmt = _format(case, fmt_name)
     torch.manual_seed(args.seed)
@@ -271,6 +307,8 @@ def run_case(case: ModelCase, fmt_name: str, mode: str, args: argparse.Namespace
 
         def step_of(name: str) -> Callable[[int], float]:
             runner, opt, losses = backends[name]
+            if mode == "graphs":
+                return _graphed_step(case, runner, opt, losses, batches)
 
             def step(i: int) -> float:
                 x, y = batches[i % len(batches)]
@@ -433,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     common(chk)
     r = sub.add_parser("run", help="train each model on both backends, interleaved")
     common(r)
-    r.add_argument("--modes", type=lambda s: s.split(","), default=["eager", "compile"])
+    r.add_argument("--modes", type=lambda s: s.split(","), default=["eager", "compile"],
+                   help="eager, compile (torch.compile, default mode), graphs (the whole step in a CUDA graph)")
     r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--blocks", type=int, default=4)
     r.add_argument("--block-steps", type=int, default=5)
