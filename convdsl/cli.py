@@ -257,6 +257,10 @@ def _stream_path(p: ConvProblem, target: Target) -> str:
     """What convdsl.torch runs for p on a CUDA device of target's arch: the stream kernels (planned, not
     compiled) or, where they do not apply, the IREE module through DLPack.  (With TF32 allowed, PyTorch's f32 calls
     are the problem with compute = tf32.)"""
+    if p.epilogue.steps or p.prologue.kind != "none":
+        # the stream kernels apply a scale at most: a fused step or prologue would be dropped there
+        return ("the IREE module through DLPack (synchronised): the stream kernels take no fused epilogue steps or "
+                "prologue")
     reason = stream.unsupported_reason(p, target)
     if reason is not None:
         return f"the IREE module through DLPack (synchronised): {reason}"

@@ -138,3 +138,5 @@ def test_explain_on_cuda_says_fused_steps_keep_the_linalg_form(tmp_path, capsys)
     assert main(["explain", str(src), "--stage", "plan", "--target", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "the fused epilogue's steps run in the linalg form, fused by IREE into the GEMM's dispatch" in out
+    assert "from PyTorch (convdsl.torch): the IREE module through DLPack (synchronised): the stream kernels take " \
+           "no fused epilogue steps or prologue" in out
