@@ -6,7 +6,7 @@ on its own CUDA stream (convdsl/torch/stream.py does it for PyTorch).
     register_bundle(load_bundle("kernels.convk"))                # later stream_kernel() calls find them here
 
 They are the kernels the IREE modules embed: the same decisions (policy.extern_launches, with the tuning
-database's knobs, looked up as the compile driver does) and the same binaries (kernels.launch.compile_launch).
+database's knobs, looked up as the compile driver does) and the same binaries (kernels.compile.compile_launch).
 Around the GEMM core the module's linalg steps become launches too (kernels/elementwise.py): the fp8 rounding
 of the operands, grad_weight's split-K sum in chunk order with its epilogue and cast; NHWGC copies of NGCHW
 activations are left to the framework (a permuted copy).

@@ -85,7 +85,7 @@ def _compile_one(spec: dict, target: Target, out_dir: str, impl: str) -> tuple[s
 
 
 # Tiles tried for the Triton GEMM cores (form "extern"): rows x columns x reduction step, warps, stages.
-# Around the defaults (policy.py): smaller tiles for more blocks on small problems, wider ones
+# Around the defaults (policy/cuda.py): smaller tiles for more blocks on small problems, wider ones
 # for more reuse, a shorter reduction step with deeper pipelines.
 EXTERN_TILES: tuple[TileConfig, ...] = (
     TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 64, 8, 4), TileConfig(128, 64, 64, 4, 4),

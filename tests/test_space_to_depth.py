@@ -1,6 +1,6 @@
 """A few-channel strided forward as a stride-1 forward over X and W regrouped space-to-depth
-(policy.space_to_depth_forward, kernels/launch.space_to_depth_launch): the copies as their launch constants
-describe them, emulated in float64, then the regrouped convolution, against the float64 reference of the
+(policy.space_to_depth_forward, kernels/elementwise_launches.space_to_depth_launch): the copies as their launch
+constants describe them, emulated in float64, then the regrouped convolution, against the float64 reference of the
 problem itself."""
 from __future__ import annotations
 

@@ -519,7 +519,7 @@ PHASES_CASES = [
 @pytest.mark.parametrize("programs", [1, 3, 7])
 @pytest.mark.parametrize("p", PHASES_CASES)
 def test_emulated_grad_input_phases_match_the_reference(p, programs):
-    # grad_input_phases_tma's tables, window and schedule (kernels/tma.py, launch.grad_input_phases_tma_launch)
+    # grad_input_phases_tma's tables, window and schedule (kernels/tma.py, tma_launches.grad_input_phases_tma_launch)
     dy, w = random_inputs(p, seed=5)
     got = _emulated_grad_input_phases(p, dy, w, programs)
     assert not np.isnan(got).any(), "some positions of dX were never stored"
@@ -1095,8 +1095,8 @@ def _bf16_parts(a: np.ndarray) -> list[np.ndarray]:
 ])
 def test_f32_grad_weight_as_stacked_bf16_parts_on_the_tma_kernel(p, split, tolerance):
     # f32 NHWGC with stride 1: the 16-bit TMA grad_weight over X's and dY's bf16 parts stacked along N, one block
-    # per product kept (launch.SPLIT_PRODUCTS; split_bf16), its tiles and partial stores in float64 through the
-    # emulation, against the exact float64 result
+    # per product kept (elementwise_launches.SPLIT_PRODUCTS; split_bf16), its tiles and partial stores in float64
+    # through the emulation, against the exact float64 result
     from convdsl.kernels.elementwise_launches import SPLIT_PRODUCTS
 
     products = SPLIT_PRODUCTS[split]

@@ -4,7 +4,7 @@ With data tiling, IREE's llvm-cpu backend runs a matmul as `linalg.mmt4d` (`batc
 operands: the row operand as [M1, K1, M0, K0] tiles, the column operand as [N1, K1, N0, K0], and a lowering config
 whose `distribution` list says how many row and column tiles one workgroup computes.  iree-compile stops after it
 has configured the executables (`--compile-to=executable-configurations`, MLIR text), each packed matmul's
-distribution is set by a rule (convdsl/policy.py decides; this module only reads shapes and edits the list), and
+distribution is set by a rule (convdsl/policy decides; this module only reads shapes and edits the list), and
 the compile resumes from there (`--compile-from=executable-configurations`).  The rest of IREE's configuration
 (vector tiles, the microkernel) is kept.
 """

@@ -31,7 +31,7 @@ class TileConfig:
     stages: int
     group_m: int = 8  # grad_input: row tiles that share weight columns in L2
     split: int = 0  # grad_weight: reduction chunks S (0: from the shape)
-    pack: int = 1  # grouped GEMMs: consecutive groups per GEMM (block-diagonal weight; launch.default_pack)
+    pack: int = 1  # grouped GEMMs: consecutive groups per GEMM (block-diagonal weight; policy.default_pack)
 
     def __post_init__(self) -> None:
         for key in ("block_m", "block_n", "block_k"):

@@ -12,7 +12,7 @@ Index algebra (NHWGC / NDHWGC activations, GKYXC weights; group g is program_id(
 rows m = (n, o0, o1, o2) of Y's pixels, columns k, reduction (t, c) in steps of BLOCK_K channels of one tap.
 The copy for step (t, cb) starts at pixel box coordinate o * s - lo of the tile's first row, channel
 g * C + cb * BLOCK_K, with im2col offset t * d; the box is [-lo, (O - 1) * s + 1 - lo) per dimension, stepped by
-s (TMA's element strides), so that it holds exactly O pixels (launch.forward_tma_launch makes it).  W is read as
+s (TMA's element strides), so that it holds exactly O pixels (tma_launches.forward_tma_launch).  W is read as
 a [G * K, taps * C] matrix, Y written as [N * O, G * K].  C is a multiple of BLOCK_K, and with several groups K
 a multiple of BLOCK_N, so that no copy reaches into the next group or tap (policy.tma_forward_reason).
 FLIPPED (1): stride-1 grad_input as this forward over dY (policy.grad_input_as_forward), reading grad_input's own

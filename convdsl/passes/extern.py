@@ -8,7 +8,7 @@ it with `flow.dispatch`, so IREE still allocates, schedules and exposes the kern
 and fuses convdsl's linalg around it (the deterministic split-K sum, the epilogue, the output cast).
 
 IREE's CUDA HAL passes a kernel its bindings, then its constants, one 64-bit slot each; Triton's
-kernels end with two scratch pointers (never read: launch.compile_launch checks that they have no
+kernels end with two scratch pointers (never read: kernels/compile.compile_launch checks that they have no
 scratch), filled here with two zero constants so that the parameter counts match.
 """
 from __future__ import annotations
@@ -77,14 +77,14 @@ def dispatch(launch: Launch, binary: Binary, inputs: list[ir.Value], result_type
 
 
 def grad_input(launch: Launch, binary: Binary, p: ConvProblem, dy: ir.Value, w: ir.Value) -> ir.Value:
-    """dX: one dispatch whose programs cover every stride phase (kernels/launch.grad_input_launch)."""
+    """dX: one dispatch whose programs cover every stride phase (kernels/igemm_launches.grad_input_launch)."""
     result_type = tensor_type(list(p.x_shape), element_type(p.result_dtype))
     return dispatch(launch, binary, [dy, w], result_type)
 
 
 def forward(launch: Launch, binary: Binary, p: ConvProblem, x: ir.Value, w: ir.Value) -> ir.Value:
     """Y: one dispatch that writes all of it: grad_input's GEMM kernel run as a forward convolution
-    (kernels/launch.forward_launch), or the depthwise direct kernel (forward_direct_launch)."""
+    (kernels/igemm_launches.forward_launch), or the depthwise direct kernel (forward_direct_launch)."""
     result_type = tensor_type(list(p.y_shape), element_type(p.result_dtype))
     return dispatch(launch, binary, [x, w], result_type)
 

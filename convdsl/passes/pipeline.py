@@ -32,9 +32,9 @@ class Stage:
     plans: tuple[KernelPlan, ...] = ()
     module: Optional[ir.Module] = None
     # per kernel name: its knobs (tuned, or a tuning candidate over the tuned ones), looked up by the compile
-    # driver; kernels without an entry follow the rules (policy.py)
+    # driver; kernels without an entry follow the rules (convdsl/policy)
     knobs: tuple[tuple[str, Knobs], ...] = ()
-    # launch name -> its Triton binary (form "extern" kernels; kernels/launch.py)
+    # launch name -> its Triton binary (form "extern" kernels; kernels/compile.py)
     binaries: tuple[tuple[str, Binary], ...] = ()
     # told as each kernel is lowered (the caller shows it; compiler.compile's `progress`)
     progress: Optional[ProgressFn] = field(default=None, compare=False, repr=False)

@@ -1,5 +1,5 @@
 """The plan of a kernel: every decision made before IR is built, gathered in one frozen record so that
-`convdsl explain` can show it (passes/explain.py).  The decisions themselves are convdsl/policy.py's."""
+`convdsl explain` can show it (passes/explain.py).  The decisions themselves are convdsl/policy's."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

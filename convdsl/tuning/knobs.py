@@ -12,13 +12,13 @@ scratch, convdsl scales IREE's own choice:
   k_inner       grad_input's phase weights with the reduction channel innermost (label "ki") or outermost
                 ("ko"); None: policy.weight_k_inner's rule.  It interacts with the tiles.
   extern        CUDA: the GEMM core as Triton kernels in IREE external dispatches (True) or IREE's own
-                lowering of the linalg form (False, label "linalg"); None: kernels/launch.py's rule.
+                lowering of the linalg form (False, label "linalg"); None: policy.extern_choice's rule.
   relayout      NGCHW with external kernels: copy the activations to NHWGC and back around them (label
-                "cl") or address NGCHW in place (label "ncl"); None: kernels/launch.relayout_ngchw's rule.
-  tiles         the Triton kernels' tiles (a kernels.launch.TileConfig label, e.g. t128x128x64w8s4);
+                "cl") or address NGCHW in place (label "ncl"); None: policy.relayout_ngchw's rule.
+  tiles         the Triton kernels' tiles (a kernels.tiles.TileConfig label, e.g. t128x128x64w8s4);
                 None: the default tiles for the shape.
 
-The fields left None defer to the rules of convdsl/policy.py.  How the configuration knobs reach IREE:
+The fields left None defer to the rules of convdsl/policy.  How the configuration knobs reach IREE:
 convdsl/backends/iree_config.py.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ from . import db
 from .knobs import Knobs
 
 ON_CPU = "none on the CPU (IREE's own configuration)"
-BY_RULES = "rules (policy.py): no tuning database entry for this problem and target"
+BY_RULES = "rules (convdsl/policy): no tuning database entry for this problem and target"
 
 
 def lookup(p: ConvProblem, target: Target) -> tuple[Knobs, str]:
