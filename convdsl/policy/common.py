@@ -67,7 +67,8 @@ def even_chunks(steps: int, parts: int, most: int) -> tuple[int, int]:
 
 
 def honoured_split(p: ConvProblem, split: tuple[int, int], most: int, kernel: str, cut: str) -> tuple[int, int]:
-    # the split, where it is the problem's split_k or none was asked for: a split_k is never silently changed
+    """The split, where it is the problem's split_k or none was asked for; else a ValueError naming `kernel` and what
+    it cuts (`cut`): a split_k is never silently changed."""
     if p.split_k is not None and split[0] != p.split_k:
         raise ValueError(f"kernel {p.name}: split_k = {p.split_k} cannot be honoured by the {kernel} (its split cuts "
                          f"{cut} into chunks of equal length, at most {most}: {split[0]} chunks of "
@@ -83,7 +84,7 @@ def reduction_split(p: ConvProblem, tiles: TileConfig, parts: int, target: Targe
     steps = reduction_steps(p, tiles)
     most = target.max_grid[2]  # the chunks are the grid's z
     parts, chunk = honoured_split(p, even_chunks(steps, parts, most), most, kernel,
-                             f"{steps} reduction steps of {tiles.block_k} positions")
+                                  f"{steps} reduction steps of {tiles.block_k} positions")
     return parts, chunk * tiles.block_k
 
 

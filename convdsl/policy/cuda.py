@@ -298,7 +298,7 @@ def depthwise_grad_weight_split(p: ConvProblem, tiles: TileConfig, target: Targe
         if p.split_k is None or parts == p.split_k:
             return parts, seg, True
     parts, rows_per = honoured_split(p, even_chunks(rows, asked, most), most, "depthwise grad_weight kernel",
-                                f"the {rows} rows of dY (N x O0 x O1)")
+                                     f"the {rows} rows of dY (N x O0 x O1)")
     return parts, rows_per, False
 
 

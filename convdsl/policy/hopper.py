@@ -191,7 +191,7 @@ def tma_flat_grad_weight_split(p: ConvProblem, tiles: TileConfig, target: Target
     steps = p.batch * flat_planes(p, tiles.block_k).blocks
     most = target.max_grid[2]  # the chunks are the grid's z
     return honoured_split(p, even_chunks(steps, tma_flat_grad_weight_parts(p, tiles, target), most), most,
-                     "flat-plane TMA grad_weight kernel", f"{steps} steps of images x position blocks")
+                          "flat-plane TMA grad_weight kernel", f"{steps} steps of images x position blocks")
 
 
 def tma_fp8_promote(p: ConvProblem, tiles: TileConfig) -> int:
