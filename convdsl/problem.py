@@ -410,6 +410,11 @@ class ConvProblem:
     def with_(self, **changes) -> "ConvProblem":
         return replace(self, **changes)
 
+    def without_fused(self) -> "ConvProblem":
+        """The same convolution without fused epilogue steps or prologue: the GEMM its kernels share."""
+        ep = self.epilogue
+        return replace(self, epilogue=Epilogue(ep.kind, ep.alpha, ep.beta), prologue=Prologue())
+
     def record(self) -> dict:
         """Every field, recursively (the epilogue too): canonical for equal problems, different for any
         changed field (cache keys hash it)."""

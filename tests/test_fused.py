@@ -104,14 +104,15 @@ def test_positions_no_tap_reaches_get_the_epilogue():
     np.testing.assert_allclose(y[0, 0::2, 0, :], np.broadcast_to(silu(3 + bias[0]), (4, 2)), rtol=1e-6)
 
 
-def _dispatches(p) -> list[str]:
+def _dispatches(p, target: Target = CPU, knobs=None) -> list[str]:
     """The names of the dispatches the kernel's allocating function runs, without IREE's copies and data-tiling
     encodings (which the unfused kernel has alike)."""
-    ir = compile_mlir(lower_to_mlir([p], CPU), CPU, ["--compile-to=stream"]).decode()
+    mlir = lower_to_mlir([p], target, {p.name: knobs} if knobs is not None else None)
+    ir = compile_mlir(mlir, target, ["--compile-to=stream"]).decode()
     start = ir.index(f"util.func public @{p.name}(")
     body = ir[start:ir.index("util.func", start + 10)]
     names = re.findall(r"dispatch @\S+::@(\w+)", body)
-    return [n.split("_dispatch_")[1] for n in names if "memcpy" not in n and not n.startswith("_encoding")]
+    return [n.split("_dispatch_")[-1] for n in names if "memcpy" not in n and not n.startswith("_encoding")]
 
 
 @pytest.mark.parametrize("source, extra", [
@@ -133,6 +134,24 @@ def test_fused_forms_add_no_dispatch_where_iree_can_fuse_them(source, extra):
     # extra 0: no elementwise dispatch of its own, it runs inside the GEMM's (or the copy's, then named
     # elementwise_transpose where it was transpose)
     assert len(fused) == len(plain) + extra, (fused, plain)
+
+
+@pytest.mark.parametrize("layout, extra", [("NHWGC", 1), ("NGCHW", 0)])
+def test_on_cuda_the_steps_follow_the_triton_kernel(layout, extra):
+    # the Triton GEMM core applies a scale at most: the steps are one elementwise dispatch after it (NHWGC), or ride
+    # in the copy back from channels-last (NGCHW); Knobs(extern=False) fuses them into IREE's own GEMM instead
+    pytest.importorskip("triton")
+    from convdsl.passes.plan import plan_kernel
+    from convdsl.tuning.knobs import Knobs
+    cuda = Target("cuda", "sm_80")
+    (p,) = parse("conv c { dims = 2; batch = 2; in_channels = 32; out_channels = 32; input = [8, 8]; filter = [3, 3]; "
+                 f"padding = 1; layout = {layout}; dtype = f16 }}\nkernel y = forward(c) {{ epilogue = affine, residual, "
+                 "relu }\n")
+    assert plan_kernel(p, cuda).form == "extern"
+    assert len(_dispatches(p, cuda)) == len(_dispatches(_unfused(p), cuda)) + extra
+    linalg = Knobs(extern=False)
+    assert plan_kernel(p, cuda, linalg).form != "extern"
+    assert len(_dispatches(p, cuda, linalg)) == len(_dispatches(_unfused(p), cuda, linalg))
 
 
 def test_api_takes_the_tensors_by_name_and_a_dynamic_batch():

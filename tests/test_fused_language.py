@@ -127,16 +127,20 @@ def test_explain_shows_the_fused_forms(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "epilogue=scale(2), affine, residual, gelu(tanh)" in out
     assert "scale: GK [2, 4] f32, shift: GK [2, 4] f32, residual: NHWGK [2, 7, 5, 2, 4] f32 -> y" in out
-    assert "in order: * 2, * scale[g, k] + shift[g, k], + residual, gelu(tanh)" in out
+    assert "in f32, in order: * 2, * scale[g, k] + shift[g, k], + residual, gelu(tanh) (per-channel" in out
+    assert "one elementwise generic on the GEMM's result, which IREE fuses into its dispatch" in out
     assert "prologue: relu_backward: dY * relu'(saved), saved being the activation's output" in out
     assert "saved: NHWGK [2, 7, 5, 2, 4] f32 -> dw" in out
 
 
-def test_explain_on_cuda_says_fused_steps_keep_the_linalg_form(tmp_path, capsys):
+def test_explain_on_cuda_says_where_the_steps_run(tmp_path, capsys):
+    pytest.importorskip("triton")
     src = tmp_path / "f.conv"
-    src.write_text(CONV + "kernel y = forward(c) { epilogue = bias, relu }\n")
+    src.write_text(CONV.replace("groups = 2", "groups = 1").replace("in_channels = 3", "in_channels = 32")
+                   .replace("out_channels = 4", "out_channels = 32") + "kernel y = forward(c) { epilogue = bias, relu }\n")
     assert main(["explain", str(src), "--stage", "plan", "--target", "cuda"]) == 0
     out = capsys.readouterr().out
-    assert "the fused epilogue's steps run in the linalg form, fused by IREE into the GEMM's dispatch" in out
+    assert "one elementwise generic after the Triton kernel (which applies the scale and the cast), a dispatch of " \
+           "its own" in out
     assert "from PyTorch (convdsl.torch): the IREE module through DLPack (synchronised): the stream kernels take " \
            "no fused epilogue steps or prologue" in out

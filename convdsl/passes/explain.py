@@ -50,7 +50,7 @@ def describe_plan(self: KernelPlan) -> str:
         )
         + f" -> {p.result_name} {list(p.result_shape)} {p.result_dtype}"
     )
-    lines.extend(_describe_fused(p))
+    lines.extend(_describe_fused(p, self.extern is not None))
     if self.extern is not None:
         if self.extern.weight_axes:
             why = ("K innermost: TF32 matrix products read their operands reduction-major"
@@ -156,8 +156,9 @@ def _act(p: ConvProblem, name: str) -> str:
     return p.layout_name("x" if name in ("x", "d") else "y")
 
 
-def _describe_fused(p: ConvProblem) -> list[str]:
-    """The fused epilogue steps and the prologue: what each computes and where it runs."""
+def _describe_fused(p: ConvProblem, extern: bool) -> list[str]:
+    """The fused epilogue steps and the prologue: what each computes and where it runs (`extern`: after the
+    Triton GEMM core, which applies a scale at most)."""
     lines = []
     ep = p.epilogue
     if ep.steps:
@@ -165,8 +166,11 @@ def _describe_fused(p: ConvProblem) -> list[str]:
         words = {"bias": f"+ bias[g, {ch}]", "affine": f"* scale[g, {ch}] + shift[g, {ch}]", "residual": "+ residual"}
         head = {"none": [], "scale": [f"* {ep.alpha:g}"], "bilinear": [f"* {ep.alpha:g} + {ep.beta:g} * d"]}[ep.kind]
         chain = ", ".join(head + [words.get(s, step_text(s)) for s in ep.steps])
-        lines.append(f"  epilogue: {ep}: on the f32 result, in order: {chain}; one elementwise generic on the GEMM's "
-                     f"result (per-channel vectors broadcast over N and space), which IREE fuses into its dispatch")
+        where = ("one elementwise generic after the Triton kernel (which applies the scale and the cast), a dispatch "
+                 "of its own; Knobs(extern=False) fuses it into IREE's GEMM instead" if extern else
+                 "one elementwise generic on the GEMM's result, which IREE fuses into its dispatch")
+        lines.append(f"  epilogue: {ep}: in f32, in order: {chain} (per-channel vectors broadcast over N and space); "
+                     f"{where}")
     if p.prologue.kind != "none":
         saved = "the activation's output (mask > 0)" if p.prologue.saves_output else "the activation's input"
         lines.append(f"  prologue: {p.prologue}: dY * {step_text(p.prologue.activation)}'(saved), saved being {saved};"

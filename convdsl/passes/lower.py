@@ -151,8 +151,23 @@ def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, 
                                   lambda total: _epilogue(p, total, None))
     # forward, grad_input, transposed: the kernel applies a scale epilogue and stores in the result type
     if p.op == "forward":
-        return extern.forward(launch, binaries[launch.name], p, args[0], args[1])
-    return extern.grad_input(launch, binaries[launch.name], p, args[0], args[1])
+        result = extern.forward(launch, binaries[launch.name], p, args[0], args[1])
+    else:
+        result = extern.grad_input(launch, binaries[launch.name], p, args[0], args[1])
+    if p.epilogue.steps:
+        # the kernel applies a scale at most: the fused steps follow as one elementwise generic on its result, a
+        # dispatch of their own (IREE fuses nothing into an external dispatch); Knobs(extern=False) keeps them in
+        # the linalg GEMM's dispatch instead, with IREE's slower GEMM
+        result = _steps_after(p, result, dict(zip(p.epilogue.tensors, args[2:])))
+    return result
+
+
+def _steps_after(p: ConvProblem, result: ir.Value, tensors: _Tensors) -> ir.Value:
+    """The epilogue's fused steps on a result that already holds alpha * acc in the result's dtype."""
+    space = Space([(f"d{a}", PARALLEL) for a in range(len(shape_of(result)))])
+    inputs, maps, identity = _epilogue_operands(p, tensors, space)
+    return generic(space, [result, *inputs], empty(sizes_of(result), elem_of(result)), [identity, *maps, identity],
+                   lambda v, *elems: _epilogue_scalar(p, v, elems[:-1], alpha_applied=True))
 
 
 def _emit_planned(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:

@@ -73,21 +73,11 @@ class KernelPlan:
     row_chunks: int = 1
 
 
-FUSED_STEPS_REASON = "the fused epilogue's steps run in the linalg form, fused by IREE into the GEMM's dispatch"
-
-
 def plan_kernel(problem: ConvProblem, target: Target, knobs: Optional[Knobs] = None) -> KernelPlan:
     """The kernel's plan, with `knobs` (the tuned ones the compile driver looked up, or a tuning candidate
     laid over them: Knobs.over); the fields they leave None follow policy's rules."""
     knobs = knobs if knobs is not None else Knobs()
     policy.pad_form(problem, target, knobs)  # a bad zero-border form is refused whichever form is taken
-    if problem.epilogue.steps and target.backend == "cuda":
-        # the Triton GEMM cores apply a scale at most: fused steps keep the linalg form, whose elementwise
-        # epilogue IREE fuses into the contraction's dispatch
-        if knobs.extern:
-            raise ValueError(f"extern: kernel {problem.name} cannot use the external kernels: {FUSED_STEPS_REASON}")
-        plan = _with_ir_knobs(_plan_by_rules(problem, target), knobs, target)
-        return replace(plan, linalg_reason=FUSED_STEPS_REASON)
     use, _, reason = policy.extern_choice(problem, target, knobs)
     if use:
         return _plan_extern(problem, target, knobs)

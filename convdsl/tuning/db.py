@@ -29,8 +29,9 @@ class Tuned:
 
 
 def signature(p: ConvProblem) -> str:
-    """Everything about a problem that changes its kernel, but not its name."""
-    spec = problem_to_spec(p)
+    """Everything about a problem that changes its kernel, but not its name.  Fused epilogue steps and prologues
+    leave the GEMM as it is: a problem with them takes its unfused twin's entry."""
+    spec = problem_to_spec(p.without_fused())
     spec.pop("name")
     return json.dumps(spec, sort_keys=True, separators=(",", ":"))
 
