@@ -18,7 +18,7 @@ from convdsl import api
 from convdsl.backends.iree import compile_mlir
 from convdsl.compiler import lower_to_mlir
 from convdsl.frontend.parser import parse
-from convdsl.problem import Epilogue, Prologue, problem_from_spec, problem_to_spec
+from convdsl.problem import problem_from_spec, problem_to_spec
 from convdsl.reference import random_inputs, reference, relative_error, tolerance
 from convdsl.targets import Target
 
@@ -61,7 +61,7 @@ CASES = dict(_case(o, s) for o in range(len(OPS)) for s in range(len(RANKS_LAYOU
 
 def _unfused(p):
     """The same kernel without its fused forms (the reference of what the fusion changes)."""
-    return p.with_(epilogue=Epilogue(p.epilogue.kind, p.epilogue.alpha, p.epilogue.beta), prologue=Prologue())
+    return p.without_fused()
 
 
 def test_the_cases_cover_every_op_activation_rank_layout_and_dtype():
