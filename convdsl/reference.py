@@ -291,7 +291,9 @@ def reference(problem: ConvProblem, *args: np.ndarray) -> np.ndarray:
     transposed is grad_input's arithmetic with x (of y_shape) in dy's place.  A bilinear epilogue takes D
     (result shape) last.  With fp8 `problem.compute`, operand A (first) and B (second) are first rounded to
     their 8-bit compute types; compute = "bf16x3" and "tf32" approximate f32, so their reference is the plain f32
-    one (tolerance() allows for them).  The epilogue is applied in float64 and the output is not rounded.
+    one (tolerance() allows for them).  The epilogue is applied in float64 and the output is not rounded.  A
+    prologue's `saved` follows the two operands: dY * act'(saved) is formed in float64 and rounded to dY's dtype,
+    as the kernel's operand is; fused epilogue steps follow the head in order (their tensors by argument name).
     """
     p = problem
     expected = p.arg_shapes
