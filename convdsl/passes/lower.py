@@ -158,16 +158,8 @@ def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, 
         # the kernel applies a scale at most: the fused steps follow as one elementwise generic on its result, a
         # dispatch of their own (IREE fuses nothing into an external dispatch); Knobs(extern=False) keeps them in
         # the linalg GEMM's dispatch instead, with IREE's slower GEMM
-        result = _steps_after(p, result, dict(zip(p.epilogue.tensors, args[2:])))
+        result = _epilogue_generic(p, result, dict(zip(p.epilogue.tensors, args[2:])), alpha_applied=True)
     return result
-
-
-def _steps_after(p: ConvProblem, result: ir.Value, tensors: _Tensors) -> ir.Value:
-    """The epilogue's fused steps on a result that already holds alpha * acc in the result's dtype."""
-    space = Space([(f"d{a}", PARALLEL) for a in range(len(shape_of(result)))])
-    inputs, maps, identity = _epilogue_operands(p, tensors, space)
-    return generic(space, [result, *inputs], empty(sizes_of(result), elem_of(result)), [identity, *maps, identity],
-                   lambda v, *elems: _epilogue_scalar(p, v, elems[:-1], alpha_applied=True))
 
 
 def _emit_planned(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:
@@ -267,11 +259,7 @@ def _epilogue(p: ConvProblem, acc: ir.Value, tensors: Optional[_Tensors]) -> ir.
     if ep.kind == "none" and not ep.steps and elem_of(acc) == out_elem:
         return acc
     if ep.steps:
-        rank = len(shape_of(acc))
-        space = Space([(f"d{a}", PARALLEL) for a in range(rank)])
-        inputs, maps, identity = _epilogue_operands(p, tensors or {}, space)
-        return generic(space, [acc, *inputs], empty(sizes_of(acc), out_elem), [identity, *maps, identity],
-                       lambda v, *elems: _epilogue_scalar(p, v, elems[:-1], alpha_applied=False))
+        return _epilogue_generic(p, acc, tensors or {}, alpha_applied=False)
     f32 = ir.F32Type.get()
 
     def body(*elems: ir.Value) -> ir.Value:
@@ -283,6 +271,16 @@ def _epilogue(p: ConvProblem, acc: ir.Value, tensors: Optional[_Tensors]) -> ir.
         return convert(v, out_elem)
 
     return _elementwise([acc] + ([tensors["d"]] if ep.has_tensor else []), out_elem, body)
+
+
+def _epilogue_generic(p: ConvProblem, value: ir.Value, tensors: _Tensors, alpha_applied: bool) -> ir.Value:
+    """The whole epilogue (fused steps included) as one elementwise generic over `value`, the convolution's sum in
+    the result's layout (or, `alpha_applied`, the external kernel's result: alpha * sum in the result's dtype)."""
+    space = Space([(f"d{a}", PARALLEL) for a in range(len(shape_of(value)))])
+    inputs, maps, identity = _epilogue_operands(p, tensors, space)
+    out = empty(sizes_of(value), element_type(p.result_dtype))
+    return generic(space, [value, *inputs], out, [identity, *maps, identity],
+                   lambda v, *elems: _epilogue_scalar(p, v, elems[:-1], alpha_applied))
 
 
 def _epilogue_operands(p: ConvProblem, tensors: _Tensors, space: Space) -> tuple[list[ir.Value], list, ir.Attribute]:
