@@ -481,30 +481,29 @@ def epilogue(value: Any, key: str = "epilogue", *, usage: str = EPILOGUE_USAGE, 
     head, steps = Epilogue(), []
     for index, item in enumerate(items if chained else (value,)):
         at = (index,) if chained else ()
-        shown = item if chained else value
         parts = _call_parts(item)
         if parts is None:
-            raise OptionError(key, f"{usage}, or {_STEPS_USAGE}", shown, at=at)
+            raise OptionError(key, f"{usage}, or {_STEPS_USAGE}", item, at=at)
         name, args = parts
         if chained and name == "none":
-            raise OptionError(key, "a step (none stands alone: no epilogue)", shown, at=at, within="")
+            raise OptionError(key, "a step (none stands alone: no epilogue)", item, at=at, within="")
         if name in _EPILOGUE_PARAMS:
             if index > 0:
-                raise OptionError(key, f"{name}(...) as the first step (it acts on the convolution's sum)", shown,
+                raise OptionError(key, f"{name}(...) as the first step (it acts on the convolution's sum)", item,
                                   at=at, within="", came=f"it after {', '.join(map(step_text, steps))}"
                                   if steps else f"it after {head}")
-            head = _head(shown, name, args, key, usage, at)
+            head = _head(item, name, args, key, usage, at)
             continue
         if name not in _STEP_WORDS:
             words = [*_EPILOGUE_PARAMS, *_STEP_WORDS]
-            raise OptionError(key, f"{usage}, or {_STEPS_USAGE}", shown, at=at, hint=did_you_mean(name, words))
-        step = _step(shown, name, args, key, at)
+            raise OptionError(key, f"{usage}, or {_STEPS_USAGE}", item, at=at, hint=did_you_mean(name, words))
+        step = _step(item, name, args, key, at)
         if op is not None and op not in STEP_OPS:
             raise OptionError(key, f"scale(alpha) or bilinear(alpha, beta) in a {op} kernel's epilogue ({_STEPS_USAGE} "
-                                   f"apply to {' and '.join(STEP_OPS)} results)", shown, at=at, within="",
+                                   f"apply to {' and '.join(STEP_OPS)} results)", item, at=at, within="",
                               came=step_text(step))
         if step in steps:
-            raise OptionError(key, "each step once", shown, at=at, within="", came=f"a second {step_text(step)}")
+            raise OptionError(key, "each step once", item, at=at, within="", came=f"a second {step_text(step)}")
         steps.append(step)
     return Epilogue(head.kind, head.alpha, head.beta, tuple(steps))
 
