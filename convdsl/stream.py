@@ -158,6 +158,8 @@ def stream_plan(p: ConvProblem, target: Target) -> StreamPlan:
     there is none: what unsupported_reason says and what stream_kernel compiles, planned once."""
     if target.backend != "cuda":
         return StreamPlan(Knobs(), None, f"stream kernels are CUDA kernels; target is {target.backend}")
+    if p.epilogue.steps or p.prologue.kind != "none":  # the stream kernels apply a scale at most
+        return StreamPlan(Knobs(), None, "the stream kernels take no fused epilogue steps or prologue")
     knobs, source = _knobs(p, target)
     return _planned(p, target, knobs, source, policy.overrides_generation())
 

@@ -4,6 +4,7 @@ tests/stream_interpreter.py): the GEMM core, the fp8 roundings and the split-K s
 runner's layout copies; the launches are the ones policy plans for the module (same tiles, same split)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 from convdsl import stream
 from convdsl.kernels.tiles import parse_tiles
-from convdsl.problem import ConvProblem, Epilogue, problem_to_spec
+from convdsl.problem import ConvProblem, Epilogue, Prologue, problem_to_spec
 from convdsl.reference import tolerance
 from convdsl.targets import Target
 from convdsl.tuning.knobs import Knobs
@@ -219,3 +220,16 @@ def test_sum_launch_spreads_small_weights_over_the_gpu():
     c = dict(launch.constants)
     assert c["BLOCK_S"] * c["BLOCK_E"] <= 4096 and c["S"] == 3584
     assert parse_tiles(SMALL).block_m == 16
+
+
+@pytest.mark.parametrize("fused", [dict(epilogue=Epilogue(steps=("bias", "relu"))),
+                                   dict(op="grad_input", prologue=Prologue("relu_backward"))],
+                         ids=["epilogue", "prologue"])
+def test_fused_forms_have_no_stream_kernel(fused):
+    """The stream kernels apply a scale at most: a problem with fused steps is refused with that reason (never
+    planned without them), so convdsl.torch and explain take the IREE path that applies them."""
+    p = dataclasses.replace(BASE, **{"op": "forward", "dtype": "f16", **fused})
+    target = Target("cuda", "sm_90")
+    assert stream.unsupported_reason(dataclasses.replace(p, epilogue=Epilogue(), prologue=Prologue()),
+                                     target) is None
+    assert "fused" in stream.unsupported_reason(p, target)
