@@ -26,7 +26,7 @@ from ..interop import torch_call
 from ..module import native_cuda_arch
 from ..problem import ConvProblem
 from ..targets import Target
-from . import fallback
+from . import fallback, native
 from .stream import ALIGNMENT, StreamRunner
 
 log = logging.getLogger("convdsl.torch")
@@ -344,6 +344,16 @@ def _call_of(key: tuple, op: str, a: torch.Tensor, b: torch.Tensor,
     return call
 
 
+# per call key (run's): the planned call's program in the native launcher, or None where it has none; the
+# operators' calls (torch.compile's, the general eager path's) then launch from C++ as the eager plans do
+_programs: dict[tuple, Optional[object]] = {}
+
+
+def _native_program(call: _Call, a: torch.Tensor, b: torch.Tensor) -> Optional[object]:
+    ext = native.extension() if a.is_cuda else None
+    return None if ext is None or call.runner is None else call.native_program(ext, a, b)
+
+
 def _check_groups(op: str, a: torch.Tensor, b: torch.Tensor, groups: int) -> None:
     """torch.nn's errors for groups that do not fit the tensors (the problem's arithmetic divides by them)."""
     if groups <= 0:
@@ -377,10 +387,17 @@ def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], fi
         groups: int) -> torch.Tensor:
     """op's result as a PyTorch tensor in a's memory format."""
     key = _key(op, a, b, spatial, filt, stride, pad_lo, pad_hi, dilation, groups)
+    program = _programs.get(key)
+    if program is not None:  # the native launcher's program of a planned call (it copies offset views itself)
+        return program.run(a, b)
     call = _calls.get(key)
-    if call is not None and call.planned and aligned(a, b):
-        # the kernels read the values through data pointers; autograd is the ops' own
-        return call.launch(a, b)
+    if call is not None and call.planned:
+        if key not in _programs:  # its second call: planned, so worked out once
+            program = _programs[key] = _native_program(call, a, b)
+            if program is not None:
+                return program.run(a, b)
+        if aligned(a, b):  # the kernels read the values through data pointers; autograd is the ops' own
+            return call.launch(a, b)
     if call is None:
         call = _call_of(key, op, a, b, None, spatial, filt, stride, pad_lo, pad_hi, dilation, groups)
     if call.fallback:
