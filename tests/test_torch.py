@@ -17,6 +17,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
 import convdsl.torch as ct  # noqa: E402
+from convdsl.torch import native  # noqa: E402
 from convdsl.problem import problem_from_spec  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -467,3 +468,39 @@ def test_train_example_interleaves_both_backends_in_one_process(tmp_path, monkey
     for a, b in zip(runs["convdsl"]["losses"], runs["cudnn"]["losses"]):
         assert abs(a - b) <= 1e-4 * abs(b)
     assert not out.exists()
+
+
+def test_native_launcher_that_cannot_be_built_warns_once_and_leaves_the_python_path(monkeypatch, tmp_path):
+    """Where the C++ extension cannot be built (no compiler, no CUDA headers), one warning names why and where
+    the log is, and extension() is None (the calls launch through Python); it is not retried per call."""
+    attempts = []
+
+    def failing_load(**kwargs):
+        attempts.append(kwargs["name"])
+        raise RuntimeError("Error building extension: c++: command not found\nmore lines")
+
+    monkeypatch.setenv("CONVDSL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native.cpp_extension, "load", failing_load)
+    native.extension.cache_clear()
+    try:
+        with pytest.warns(native.NativeUnavailableWarning, match="c\\+\\+: command not found") as caught:
+            assert native.extension() is None
+        assert native.extension() is None
+        assert len(attempts) == 1 and len(caught) == 1 and str(tmp_path) in str(caught[0].message)
+    finally:
+        native.extension.cache_clear()
+
+
+def test_native_launcher_is_skipped_when_disabled(monkeypatch):
+    monkeypatch.setenv(native.ENV, "0")
+    monkeypatch.setattr(native.cpp_extension, "load", lambda **kwargs: pytest.fail("built though disabled"))
+    native.extension.cache_clear()
+    try:
+        assert native.extension() is None
+    finally:
+        native.extension.cache_clear()
+
+
+def test_native_launcher_source_is_installed_with_the_package():
+    """The extension is built from the installed package's source at first use: it must ship with it."""
+    assert native.SOURCE.is_file() and "PYBIND11_MODULE" in native.SOURCE.read_text()
