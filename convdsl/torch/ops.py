@@ -13,11 +13,13 @@ that torch.compile traces it without a graph break, and convolution / conv_trans
 made of the other ops, so that training runs on convdsl's kernels in both directions.
 
 Where a call runs (runtime.run): on CUDA, the stream kernels on PyTorch's current stream where they apply
-(convdsl/stream.py), else the IREE module through DLPack; on the CPU, the IREE module.
+(convdsl/stream.py), a repeated call's launches from C++ where the native launcher is built (native.py), else the
+IREE module through DLPack; on the CPU, the IREE module.
 """
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -353,7 +355,8 @@ class _Plan:
     device, autocast, TF32 flag), worked out at the first call: the forward's planned call (runtime.planned_call)
     and, per dY strides, the two gradients' (None where a gradient's kernels cannot read dY as it lies)."""
 
-    __slots__ = ("conv", "forward", "autocast", "compute_dtype", "weight_dtype", "bias_shape", "gradients", "native")
+    __slots__ = ("conv", "forward", "autocast", "compute_dtype", "weight_dtype", "bias_shape", "gradients", "native",
+                 "__weakref__")
 
     def __init__(self, conv: tuple, forward, autocast: Optional[str], compute_dtype: torch.dtype,
                  weight_dtype: torch.dtype, dims: int) -> None:
@@ -434,6 +437,10 @@ def _planned_gradients(plan: _Plan, x: torch.Tensor, w: torch.Tensor, parameter:
     return dx, dw, db
 
 
+def _weak_planned_gradients(plan: "weakref.ref[_Plan]", *args) -> tuple:
+    return _planned_gradients(plan(), *args)
+
+
 def _native_plan(plan: _Plan, x: torch.Tensor, w: torch.Tensor, needs: Sequence[bool]) -> Optional[tuple]:
     """The plan's calls as the native launcher's ConvPlan (x and w in the kernels' dtype), with the gradients
     `needs` asks for (a gradient without a program falls back to _planned_gradients); None where the launcher
@@ -451,7 +458,9 @@ def _native_plan(plan: _Plan, x: torch.Tensor, w: torch.Tensor, needs: Sequence[
         grad_input, grad_weight = plan.gradients_for(dy, x, w, needs)
         programs = [None if grad_input is None else grad_input.native_program(ext, dy, w),
                     None if grad_weight is None else grad_weight.native_program(ext, x, dy)]
-    gradients = functools.partial(_planned_gradients, plan)
+    # through a weak reference: the native plan is the _Plan's, and a cycle through C++ is one the collector
+    # cannot see
+    gradients = functools.partial(_weak_planned_gradients, weakref.ref(plan))
     return ext.convolution, ext.ConvPlan(forward, *programs, dtype_name(plan.compute_dtype),
                                          dtype_name(plan.weight_dtype), NATIVE_FORMATS[plan.forward.result_format],
                                          x.dim() - 2, gradients)
