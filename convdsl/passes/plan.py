@@ -7,26 +7,10 @@ from typing import Optional
 
 from .. import policy
 from ..algebra import Phase, SplitK, dy_padding, grad_input_phases, plan_split_k, x_window
-from ..kernels.launch import Launch
-from ..kernels.tiles import TileConfig
 from ..problem import ConvProblem
 from ..targets import Target
 from ..tuning.knobs import Knobs
 from . import bf16x3
-
-
-@dataclass(frozen=True)
-class ExternPlan:
-    """The Triton launch of a kernel (a tuple of one: grad_input covers all its stride phases in one launch,
-    grad_weight produces f32 split-K partials [S, G, K, taps, C]) and its tiles."""
-
-    tiles: TileConfig
-    launches: tuple[Launch, ...]
-    partials_shape: tuple[int, ...] = ()
-    # arguments (by name) the launches read from NHWGC copies, the others in place (dy_read_in_place)
-    copied_channels_last: tuple[str, ...] = ()
-    # the launches read a copy of the weight with its axes in this order (policy.weight_copy_axes; empty: none)
-    weight_axes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,8 +42,10 @@ class KernelPlan:
     # grad_input / transposed: the flipped phase weights are built as [G, C, taps, K] (the reduction
     # channel K innermost) instead of [G, K, taps, C]; see weight_k_inner()
     weight_k_inner: bool = False
-    # form "extern" (CUDA): the GEMM core as Triton kernels in IREE external dispatches (passes/extern.py)
-    extern: Optional[ExternPlan] = None
+    # form "extern" (CUDA): the GEMM core as Triton kernels in IREE external dispatches (passes/extern.py), as
+    # policy plans them for both artifacts (the stream kernel reads the same record); in a plan with
+    # `channels_last`, the NHWGC plan's record copies nothing (the outer plan's copies every activation)
+    extern: Optional[policy.ExternLaunches] = None
     # why a CUDA kernel keeps the linalg form (shown by explain); None where not asked
     linalg_reason: Optional[str] = None
     # depthwise-named grad_weight: the channels each convolution runs over (G*C and zeros up to it), and the taps
@@ -89,12 +75,10 @@ def _plan_extern(problem: ConvProblem, target: Target, knobs: Knobs) -> KernelPl
     ext = policy.extern_launches(problem, target, knobs)
     assert ext is not None  # extern_choice said use
     if ext.problem is problem:
-        extern = ExternPlan(ext.tiles, ext.launches, ext.partials_shape, ext.copied_channels_last, ext.weight_axes)
-        return KernelPlan(problem, target, "extern", extern=extern)
-    extern = ExternPlan(ext.tiles, ext.launches, ext.partials_shape, weight_axes=ext.weight_axes)
+        return KernelPlan(problem, target, "extern", extern=ext)
     # every activation copied channels-last: the NHWGC plan runs between two layout copies
-    inner_plan = KernelPlan(ext.problem, target, "extern", extern=extern)
-    return KernelPlan(problem, target, "extern", extern=extern, channels_last=inner_plan)
+    inner_plan = KernelPlan(ext.problem, target, "extern", extern=replace(ext, copied_channels_last=()))
+    return KernelPlan(problem, target, "extern", extern=ext, channels_last=inner_plan)
 
 
 def _plan_by_rules(problem: ConvProblem, target: Target) -> KernelPlan:
