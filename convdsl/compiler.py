@@ -1,26 +1,31 @@
-"""The compile driver: `.conv` text or problems -> knobs -> pipeline -> iree-compile -> `.vmfb`, cached.
+"""The compile driver: one entry point, `compile(problems, target, artifact=...)`, for every artifact.
 
-    mod = convdsl.compile("examples/resnext.conv", target="cpu")
-    dx = mod.dgrad(dy, w)
+    mod = convdsl.compile("examples/resnext.conv", target="cpu")                  # a loaded module
+    vmfb = convdsl.compile(problems, "cuda", "sm_90", artifact="vmfb")            # the IREE module's bytes
+    bundle = convdsl.compile(problems, "cuda", "sm_90", artifact="bundle")        # stream kernels for PyTorch
+    bundle.write("kernels.convk")
 
-The stages, in order (compile_vmfb):
-  1. knobs      each kernel's knobs, looked up once: the tuning database's entry, else policy's rules
-  2. key        the cache key of everything that changes the bytes; a hit ends here
-  3. pipeline   plan -> Triton GEMM cores -> linalg -> canonical IR (passes/pipeline.py)
-  4. backend    iree-compile, with the knobs' IREE configuration where they set one (backends/), fitted to the
-                target's workgroup memory; a kernel whose edited configuration IREE rejects keeps IREE's own
-  5. store      the bytes, atomically, under the key (cache.py), and beside them a note of what each kernel's
-                knobs became (iree_config_notes: `convdsl explain` and the manifest say it)
+Each problem is planned once (`plan`: its knobs, looked up once: the tuning database's entry, else policy's rules),
+and each artifact is built from those plans by its backend, keyed on them:
+  - "vmfb": 2. key (everything that changes the bytes, the knobs included; a hit ends here), 3. pipeline
+    (plan -> Triton GEMM cores -> linalg -> canonical IR, passes/pipeline.py), 4. iree-compile with the knobs' IREE
+    configuration where they set one (backends/), fitted to the target's workgroup memory (a kernel whose edited
+    configuration IREE rejects keeps IREE's own), 5. store, atomically, under the key (cache.py), beside it a note
+    of what each kernel's knobs became (iree_config_notes: `convdsl explain` and the manifest say it);
+  - "bundle": each problem's stream kernel (stream.py), planned from the same knobs, compiled by Triton and cached
+    under its plan's key (stream.kernel_key: the launches with their constants, the knobs, the source, Triton);
+  - "module" (the default): the "vmfb" artifact loaded as a CompiledModule.
 """
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence, Union, overload
 
 import convdsl
 
-from . import cache, policy
+from . import cache, policy, stream
 from .cache import source_digest
 from .backends import iree as _iree
 from .backends.iree_config import compile_with_knobs_reported
@@ -28,8 +33,10 @@ from .frontend import ConvSyntaxError, parse, parse_file
 from .kernels.compile import triton_version
 from .module import CompiledModule, resolve_target
 from .passes import lower_to_mlir
+from .passes.plan import KernelPlan, plan_kernel
 from .problem import ConvProblem
 from .progress import CompileStep, ProgressFn
+from .stream import StreamKernel, StreamPlan
 from .targets import Target
 from .tuning import resolve
 from .tuning.knobs import Knobs
@@ -86,6 +93,32 @@ def knobs_by_kernel(problems: Sequence[ConvProblem], target: Target) -> dict[str
     return {p.name: tuned_knobs(p, target)[0] for p in problems}
 
 
+@dataclass(frozen=True)
+class Plan:
+    """One problem planned for a target: its knobs, looked up once, which both artifacts' plans read (the
+    module's KernelPlan, the stream kernel's StreamPlan), so that the two can never take different knobs."""
+
+    problem: ConvProblem
+    target: Target
+    knobs: Knobs
+    knobs_source: str  # where the knobs come from: the tuning database's entry or the rules
+
+    @property
+    def kernel(self) -> KernelPlan:
+        """The plan the module's pipeline lowers (passes/plan.py)."""
+        return plan_kernel(self.problem, self.target, self.knobs)
+
+    @property
+    def stream(self) -> StreamPlan:
+        """The stream kernel's plan, or why there is none (stream.stream_plan; cached there)."""
+        return stream.stream_plan(self.problem, self.target, (self.knobs, self.knobs_source))
+
+
+def plan(p: ConvProblem, target: Target) -> Plan:
+    knobs, source = tuned_knobs(p, target)
+    return Plan(p, target, knobs, source)
+
+
 # --- 2. key ----------------------------------------------------------------------------------------------
 
 def key_material(problems: Sequence[ConvProblem], target: Target, knobs: dict[str, Knobs],
@@ -122,16 +155,24 @@ def lower_with_tuned_knobs(problems: Sequence[ConvProblem], target: Target) -> s
 
 def compile_vmfb(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = (), *,
                  refresh: bool = False, progress: Optional[ProgressFn] = None) -> bytes:
-    """The .vmfb for `problems` on `target`: from the disk cache if present, else compiled and stored.
-    `refresh=True` skips the lookup and overwrites the entry (used when a cached module failed to load).
-    `progress`, if given, is told each step of a compile (convdsl.progress.CompileStep); a cache hit has none."""
-    problems = list(problems)
-    knobs = knobs_by_kernel(problems, target)
+    """The .vmfb for `problems` on `target` (compile(..., artifact="vmfb")'s bytes, for callers that pass IREE
+    flags of their own or `refresh=True`: skip the lookup and overwrite the entry, used when a cached module
+    failed to load).  `progress`, if given, is told each step of a compile; a cache hit has none."""
+    target_plans = [plan(p, target) for p in problems]
+    return _build_vmfb(target_plans, target, extra_flags, refresh, progress)[1]
+
+
+def _build_vmfb(plans: Sequence[Plan], target: Target, extra_flags: Sequence[str], refresh: bool,
+                progress: Optional[ProgressFn]) -> tuple[str, bytes]:
+    """The "vmfb" backend: the module's cache key and bytes, from the disk cache if present, else compiled and
+    stored."""
+    problems = [pl.problem for pl in plans]
+    knobs = {pl.problem.name: pl.knobs for pl in plans}
     key = cache.cache_key(key_material(problems, target, knobs, extra_flags))
     if not refresh:
         cached = cache.load(key)
         if cached is not None:
-            return cached
+            return key, cached
     mlir = lower_to_mlir(problems, target, knobs, progress)
     if progress is not None:
         progress(CompileStep("backend", len(problems), len(problems), "iree-compile"))
@@ -152,7 +193,25 @@ def compile_vmfb(problems: Sequence[ConvProblem], target: Target, extra_flags: S
                         ", ".join(kept))
     cache.stats.compiles += 1
     cache.store(key, vmfb)
-    return vmfb
+    return key, vmfb
+
+
+def _build_bundle(plans: Sequence[Plan], target: Target) -> tuple[str, tuple[StreamKernel, ...],
+                                                                    tuple[tuple[str, str], ...]]:
+    """The "bundle" backend: each problem's stream kernel, compiled (or from the disk cache, stream.build_kernel),
+    the problems without one with why, and the bundle's key: the kernels' plan keys in order."""
+    kernels: list[StreamKernel] = []
+    skipped: list[tuple[str, str]] = []
+    keys: list[str] = []
+    for pl in plans:
+        sp = pl.stream
+        if sp.kernel is None:
+            skipped.append((pl.problem.name, sp.reason or "no stream kernel"))
+            continue
+        keys.append(stream.kernel_key(sp.kernel, sp.knobs))
+        kernels.append(stream.build_kernel(sp, pl.problem, target))
+    key = cache.cache_key({"schema": KEY_SCHEMA, "artifact": "bundle", "kernels": keys})
+    return key, tuple(kernels), tuple(skipped)
 
 
 def iree_config_notes(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = ()
@@ -164,6 +223,53 @@ def iree_config_notes(problems: Sequence[ConvProblem], target: Target, extra_fla
     return None if note is None else note.get("iree_config", {})
 
 
+ARTIFACTS = ("module", "vmfb", "bundle")
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """What compile() built: a module's bytes ("vmfb") or a bundle of stream kernels ("bundle"), from `plans`
+    (one per problem), under `key` (it changes with anything that changes the bytes, the knobs included)."""
+
+    kind: str
+    target: Target
+    plans: tuple[Plan, ...]
+    key: str
+    data: bytes  # the .vmfb, or the bundle file (stream.bundle_bytes)
+    kernels: tuple[StreamKernel, ...] = ()  # "bundle": the stream kernels, in the problems' order
+    skipped: tuple[tuple[str, str], ...] = ()  # "bundle": (kernel name, why it has no stream kernel)
+
+    @property
+    def problems(self) -> list[ConvProblem]:
+        return [pl.problem for pl in self.plans]
+
+    def write(self, path: Union[str, Path]) -> Path:
+        """The bytes to `path` (a bundle loads with stream.load_bundle; a module's manifest is CompiledModule.save's)."""
+        path = Path(path)
+        path.write_bytes(self.data)
+        return path
+
+    def module(self) -> CompiledModule:
+        """The "vmfb" artifact as a module (loaded on first call), with what its knobs made of IREE's configuration."""
+        if self.kind != "vmfb":
+            raise ValueError(f"a {self.kind} artifact is no IREE module")
+        note = cache.load_note(self.key)
+        return CompiledModule(self.problems, self.target, self.data,
+                              iree_config=None if note is None else note.get("iree_config", {}))
+
+
+@overload
+def compile(source: Union[str, Path, Sequence[ConvProblem]], target: Union[str, Target] = ..., arch: Optional[str] = ...,
+            batch: Optional[int] = ..., kernels: Optional[Sequence[str]] = ..., progress: Optional[ProgressFn] = ..., *,
+            artifact: Literal["module"] = ...) -> CompiledModule: ...
+
+
+@overload
+def compile(source: Union[str, Path, Sequence[ConvProblem]], target: Union[str, Target] = ..., arch: Optional[str] = ...,
+            batch: Optional[int] = ..., kernels: Optional[Sequence[str]] = ..., progress: Optional[ProgressFn] = ..., *,
+            artifact: Literal["vmfb", "bundle"]) -> Artifact: ...
+
+
 def compile(
     source: Union[str, Path, Sequence[ConvProblem]],
     target: Union[str, Target] = "cpu",
@@ -171,9 +277,16 @@ def compile(
     batch: Optional[int] = None,
     kernels: Optional[Sequence[str]] = None,
     progress: Optional[ProgressFn] = None,
-) -> CompiledModule:
-    """Compile every kernel of a .conv file (path or text) into one module for `target`; `progress`, if
-    given, is told each step (convdsl.progress.CompileStep: a kernel lowered, then iree-compile)."""
+    *,
+    artifact: str = "module",
+) -> Union[CompiledModule, Artifact]:
+    """Compile the kernels of a .conv file (path or text) or of problems already built for `target`, each planned
+    once (`plan`), into one artifact: "module" (a CompiledModule, loaded on first call), "vmfb" (its bytes) or
+    "bundle" (stream kernels for convdsl.torch; CUDA targets only; problems without one are listed in `skipped`).
+    `kernels` keeps only the kernels so named; `progress`, if given, is told each step of a module's compile
+    (convdsl.progress.CompileStep: a kernel lowered, then iree-compile)."""
+    if artifact not in ARTIFACTS:
+        raise ValueError(f"artifact: expected one of {', '.join(ARTIFACTS)}, got {artifact!r}")
     tgt = resolve_target(target, arch)
     problems = load_problems(source, batch)
     if kernels:
@@ -182,5 +295,12 @@ def compile(
             raise ValueError(f"--kernel: no kernel named {', '.join(unknown)}; kernels: "
                              + ", ".join(p.name for p in problems))
         problems = [p for p in problems if p.name in kernels]
-    vmfb = compile_vmfb(problems, tgt, progress=progress)
-    return CompiledModule(problems, tgt, vmfb, iree_config=iree_config_notes(problems, tgt))
+    plans = tuple(plan(p, tgt) for p in problems)
+    if artifact == "bundle":
+        if tgt.backend != "cuda":
+            raise ValueError(f"artifact bundle: stream kernels are CUDA kernels; target is {tgt}")
+        key, built, skipped = _build_bundle(plans, tgt)
+        return Artifact("bundle", tgt, plans, key, stream.bundle_bytes(built), built, skipped)
+    key, vmfb = _build_vmfb(plans, tgt, (), False, progress)
+    built_vmfb = Artifact("vmfb", tgt, plans, key, vmfb)
+    return built_vmfb.module() if artifact == "module" else built_vmfb

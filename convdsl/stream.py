@@ -32,8 +32,9 @@ from .targets import Target
 from .tuning import resolve
 from .tuning.knobs import Knobs
 
-__all__ = ["Knobs", "StreamKernel", "StreamLaunch", "StreamPlan", "compile_kernel", "load_bundle", "plan_stream_kernel",
-           "register_bundle", "save_bundle", "stream_kernel", "stream_plan", "unsupported_reason"]
+__all__ = ["Knobs", "StreamKernel", "StreamLaunch", "StreamPlan", "build_kernel", "bundle_bytes", "compile_kernel",
+           "load_bundle", "plan_stream_kernel", "register_bundle", "save_bundle", "stream_kernel", "stream_plan",
+           "unsupported_reason"]
 
 BUNDLE_FORMAT = "convdsl-stream-kernels/1"
 _SUFFIX = ".stream.json"
@@ -153,14 +154,15 @@ class StreamPlan:
     reason: Optional[str] = None
 
 
-def stream_plan(p: ConvProblem, target: Target) -> StreamPlan:
+def stream_plan(p: ConvProblem, target: Target, looked_up: Optional[tuple[Knobs, str]] = None) -> StreamPlan:
     """The plan of p's stream kernel on `target` with its knobs (the tuning database's, else the rules'), or why
-    there is none: what unsupported_reason says and what stream_kernel compiles, planned once."""
+    there is none: what unsupported_reason says and what stream_kernel compiles, planned once.  `looked_up`: the
+    knobs and their source as the caller looked them up (compiler.plan, for both artifacts), else looked up here."""
     if target.backend != "cuda":
         return StreamPlan(Knobs(), None, f"stream kernels are CUDA kernels; target is {target.backend}")
     if p.epilogue.steps or p.prologue.kind != "none":  # the stream kernels apply a scale at most
         return StreamPlan(Knobs(), None, "the stream kernels take no fused epilogue steps or prologue")
-    knobs, source = _knobs(p, target)
+    knobs, source = looked_up if looked_up is not None else _knobs(p, target)
     return _planned(p, target, knobs, source, policy.overrides_generation())
 
 
@@ -299,7 +301,12 @@ def stream_kernel(p: ConvProblem, target: Target) -> StreamKernel:
     found = _registered.get(_bundle_key(p, target.arch))
     if found is not None:
         return found
-    plan = stream_plan(p, target)
+    return build_kernel(stream_plan(p, target), p, target)
+
+
+def build_kernel(plan: StreamPlan, p: ConvProblem, target: Target) -> StreamKernel:
+    """The compiled kernel of `plan` (p's on `target`): the disk cache's, else compiled (with Triton) and cached
+    under its plan's key (kernel_key)."""
     if plan.kernel is None:
         raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {plan.reason}")
     planned = plan.kernel
@@ -382,10 +389,15 @@ def _from_record(r: dict) -> StreamKernel:
 def save_bundle(kernels: Iterable[StreamKernel], path: Union[str, Path]) -> Path:
     """Write the kernels to one JSON file (binaries in base64)."""
     path = Path(path)
+    path.write_bytes(bundle_bytes(kernels))
+    return path
+
+
+def bundle_bytes(kernels: Iterable[StreamKernel]) -> bytes:
+    """The bundle file's contents (save_bundle writes them): JSON, the binaries in base64, with a checksum."""
     records = [_to_record(k) for k in kernels]
     digest = hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()
-    path.write_text(json.dumps({"format": BUNDLE_FORMAT, "sha256": digest, "kernels": records}) + "\n")
-    return path
+    return (json.dumps({"format": BUNDLE_FORMAT, "sha256": digest, "kernels": records}) + "\n").encode()
 
 
 def load_bundle(path: Union[str, Path]) -> list[StreamKernel]:
