@@ -159,17 +159,26 @@ def _element_type(dtype: str):
     return getattr(rt.HalElementType, ELEMENT_TYPES[dtype][0])
 
 
+# Allocator specs layered over each device's own allocator (iree-run-module's --device_allocator=):
+# "caching" keeps released buffers for reuse, so the allocating functions stop asking the device for
+# result and workspace memory on every call.
+DEVICE_ALLOCATORS: tuple[str, ...] = ("caching",)
+
+
 @functools.lru_cache(maxsize=None)
 def runtime_config(driver: str):
-    """One iree.runtime Config (one device) per driver and process, with IREE's default runtime settings.
+    """One iree.runtime Config (one device) per driver and process, its device created with the
+    DEVICE_ALLOCATORS (a caching allocator) over the driver's own.
 
-    A caching allocator (`--cuda_async_allocations=false` + "caching") was measured and not kept
-    (benchmarks/README.md, runs 9 and 10); per-call allocation is avoided by the `$into` twin instead.
+    On CUDA and HIP, results and transients of the allocating functions come from stream-ordered pools unless
+    `--cuda_async_allocations=false` (`--hip_async_allocations=false`) is set, a process-wide flag this
+    library leaves to its user; the `$into` twin avoids per-call allocation on every driver.
     """
     import iree.runtime as rt
 
     try:
-        return rt.Config(driver)
+        device = rt.get_driver(driver).create_default_device(allocators=list(DEVICE_ALLOCATORS))
+        return rt.Config(device=device)
     except RuntimeError as err:  # no such device here (no GPU, no driver): said in one line, not a traceback
         cause = str(err.__cause__ or err).strip().splitlines()
         raise TargetError(f"IREE's {driver} driver found no device to run on ({cause[-1] if cause else 'no detail'}): "

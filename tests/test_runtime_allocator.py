@@ -1,0 +1,64 @@
+"""The devices convdsl creates reuse released memory (a caching allocator): the allocating functions of a
+module, which the NumPy API calls, then stop asking the device for result memory on every call.
+
+Observable through IREE's own allocator statistics: after every buffer is released, a caching allocator
+still holds their bytes (allocated - freed > 0) until trim() hands them back; a plain device holds none.
+"""
+from __future__ import annotations
+
+import gc
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+import convdsl
+from convdsl.backends.iree import runtime_config
+from convdsl.problem import ConvProblem
+from convdsl.reference import random_inputs, reference, relative_error, tolerance
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CONVDSL_CACHE_DIR", str(tmp_path_factory.mktemp("convdsl-cache")))
+        yield
+
+
+def held_bytes(device) -> int:
+    stats = device.allocator.statistics
+    return stats["device_bytes_allocated"] - stats["device_bytes_freed"]
+
+
+def test_the_cpu_device_keeps_released_memory_for_reuse():
+    import iree.runtime as rt
+
+    device = runtime_config("local-task").device
+    device.allocator.trim()
+    before = held_bytes(device)
+    size = 1 << 20
+    buffer = device.allocator.allocate_buffer(memory_type=rt.MemoryType.DEVICE_LOCAL,
+                                              allowed_usage=rt.BufferUsage.DEFAULT, allocation_size=size)
+    del buffer
+    gc.collect()
+    assert held_bytes(device) - before >= size  # released, yet kept by the cache
+    device.allocator.trim()
+    assert held_bytes(device) == before
+
+
+def test_api_results_come_from_the_caching_device():
+    p = ConvProblem(op="grad_input", dims=2, groups=1, batch=2, in_channels=8, out_channels=8, input=(16, 16),
+                    filter=(3, 3), stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1))
+    dy, w = random_inputs(p, seed=3)
+    device = runtime_config("local-task").device
+    got = convdsl.grad_input(dy, w, input=(16, 16), padding=1)
+    assert relative_error(got.astype(np.float64), reference(p, dy, w)) <= tolerance(p)
+    del got
+    gc.collect()
+    device.allocator.trim()
+    trimmed = held_bytes(device)
+    got = convdsl.grad_input(dy, w, input=(16, 16), padding=1)
+    del got
+    gc.collect()
+    # the call's result (2*8*16*16 floats) went back to the cache, not to the system
+    assert held_bytes(device) - trimmed >= 2 * 8 * 16 * 16 * 4
