@@ -145,6 +145,8 @@ def _padded_cost(p: ConvProblem) -> str:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
+    if args.artifact == "bundle":
+        return _compile_bundle(args)
     out = Path(args.output or Path(args.file).with_suffix(".vmfb").name)
     _check_output(out, Path(args.file))
     t0 = time.perf_counter()
@@ -155,6 +157,24 @@ def cmd_compile(args: argparse.Namespace) -> int:
     _progress(True, f"compiled {len(mod.kernels)} kernels in {time.perf_counter() - t0:.1f} s")
     mod.save(out)
     print(f"wrote {out} and {out.with_suffix('.json')} ({len(mod.kernels)} kernels, target {mod.target})")
+    return 0
+
+
+def _compile_bundle(args: argparse.Namespace) -> int:
+    """`compile --artifact bundle`: the stream kernels (convdsl.torch runs them on PyTorch's stream) in one file."""
+    out = Path(args.output or Path(args.file).with_suffix(".convk").name)
+    if out.is_dir():
+        raise ArgumentError(f"-o {out}: is a directory, expected OUT.convk")
+    if _same_file(out, Path(args.file)):
+        raise ArgumentError(f"-o {out}: the bundle would overwrite the source {args.file}; expected another OUT.convk")
+    t0 = time.perf_counter()
+    _progress(True, f"compiling the stream kernels of {args.file} for {args.target} ...")
+    built = compile_module(args.file, target=args.target, arch=args.arch, batch=args.batch, artifact="bundle")
+    _progress(True, f"compiled {len(built.kernels)} stream kernels in {time.perf_counter() - t0:.1f} s")
+    built.write(out)
+    print(f"wrote {out} ({len(built.kernels)} stream kernels, target {built.target})")
+    for name, reason in built.skipped:
+        print(f"  no stream kernel for {name}: {reason}")
     return 0
 
 
@@ -428,10 +448,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--batch", type=_batch, default=None,
                        help="override every conv's batch size, `batch = ?` included (compiled for this batch)")
 
-    c = sub.add_parser("compile", help="compile a .conv file to OUT.vmfb (+ OUT.json manifest)")
+    c = sub.add_parser("compile", help="compile a .conv file to OUT.vmfb (+ OUT.json manifest), or to a bundle of "
+                       "stream kernels for convdsl.torch")
     common(c, "cpu")
+    c.add_argument("--artifact", default="vmfb", choices=("vmfb", "bundle"),
+                   help="vmfb: the IREE module (default); bundle: the CUDA stream kernels (OUT.convk, loaded with "
+                        "convdsl.stream.load_bundle)")
     c.add_argument("-o", "--output", default=None, help="OUT.vmfb to write, with OUT.json beside it (default: the "
-                   ".conv file's name with .vmfb)")
+                   ".conv file's name with .vmfb; .convk for a bundle)")
     c.set_defaults(fn=cmd_compile)
 
     r = sub.add_parser("run", help="run every kernel on random inputs; --check against the f64 reference")

@@ -749,3 +749,18 @@ def test_inputs_too_large_at_batch_one_do_not_blame_the_batch(tmp_path, capsys):
     assert main(["run", str(src), "--target", "cpu", "--kernel", "f"]) in (2,)
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("convdsl: error: kernel f: its random inputs need about") and "--batch" not in err[-1]
+
+
+def test_compile_writes_a_bundle_of_stream_kernels(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("triton")
+    from convdsl import stream
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.conv").write_text(TINY + "kernel fused = forward(c) { epilogue = bias }\n")
+    assert main(["compile", "tiny.conv", "--target", "cuda", "--arch", "sm_80", "--artifact", "bundle"]) == 0
+    out = capsys.readouterr().out
+    assert "wrote tiny.convk (1 stream kernels, target cuda:sm_80)" in out and "no stream kernel for fused" in out
+    (kernel,) = stream.load_bundle(tmp_path / "tiny.convk")
+    assert kernel.problem.name == "dgrad" and kernel.launches[0].binary.data
+    assert main(["compile", "tiny.conv", "--artifact", "bundle", "-o", "tiny.conv"]) == 2
+    assert "the bundle would overwrite the source" in capsys.readouterr().err
