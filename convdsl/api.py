@@ -33,8 +33,8 @@ import convdsl as _package
 from . import compiler
 from . import options as normalise
 from .abi import KERNEL_NAME
-from .compiler import cache_key, compile_vmfb
-from .module import ArgumentError, CompiledModule, Kernel, resolve_target
+from .compiler import cache_key
+from .module import ArgumentError, Kernel, resolve_target
 from .options import activation_letters, weight_letters
 from .problem import DYNAMIC_BATCH_NOMINAL, ConvProblem, Epilogue, ProblemError, Prologue
 from .targets import Target
@@ -503,7 +503,7 @@ def get_kernel(problem: ConvProblem, target: Union[str, Target] = "cpu", arch: O
     key = cache_key([problem], tgt)
     kernel = _kernels.get(key)
     if kernel is None:
-        module = CompiledModule([problem], tgt, compile_vmfb([problem], tgt))
+        module = compiler.compile([problem], tgt, artifact="module")
         module.loaded  # load now: a device error belongs to this call, not to a later one  # noqa: B018
         kernel = module[problem.name]
         _kernels[key] = kernel
