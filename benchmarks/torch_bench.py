@@ -52,20 +52,13 @@ def problems(names: list[str], tf32: bool = False) -> list[ConvProblem]:
 
 
 def build(arch: str, out: Path, names: list[str], tf32: bool = False) -> int:
-    from convdsl import stream
+    from convdsl.compiler import compile as compile_artifact
 
-    target = Target("cuda", arch)
-    kernels, skipped = [], []
-    for p in problems(names, tf32):
-        reason = stream.unsupported_reason(p, target)
-        if reason:
-            skipped.append((p.name, reason))
-            continue
-        kernels.append(stream.stream_kernel(p, target))
+    built = compile_artifact(problems(names, tf32), Target("cuda", arch), artifact="bundle")
     out.parent.mkdir(parents=True, exist_ok=True)
-    stream.save_bundle(kernels, out)
-    print(f"wrote {out}: {len(kernels)} stream kernels for {arch}")
-    for name, reason in skipped:
+    built.write(out)
+    print(f"wrote {out}: {len(built.kernels)} stream kernels for {arch}")
+    for name, reason in built.skipped:
         print(f"  no stream kernel for {name}: {reason}")
     return 0
 

@@ -289,7 +289,7 @@ def build_bundle(args: argparse.Namespace) -> int:
     of every convolution it makes, forward and backward, into one bundle file."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from convdsl import stream
+    from convdsl.compiler import compile as compile_artifact
     from convdsl.problem import problem_to_spec
     from convdsl.targets import Target
     from convdsl.torch import runtime
@@ -304,9 +304,10 @@ def build_bundle(args: argparse.Namespace) -> int:
             loss = nn.CrossEntropyLoss()(model(images.contiguous(memory_format=torch.channels_last)),
                                          torch.zeros(args.batch, dtype=torch.long))
         loss.backward()
-    target = Target("cuda", args.arch)
-    kernels = [stream.stream_kernel(p, target) for p in problems if stream.unsupported_reason(p, target) is None]
-    stream.save_bundle(kernels, args.bundle_out)
+    # every recorded problem's stream kernel; those without one are left out (built.skipped says why)
+    built = compile_artifact(list(problems), Target("cuda", args.arch), artifact="bundle")
+    built.write(args.bundle_out)
+    kernels = built.kernels
     # how often each kernel runs in a step, beside the bundle (benchmarks/torch_layers.py weighs by it)
     counts = args.bundle_out.with_suffix(".calls.json")
     counts.write_text(json.dumps([{"problem": problem_to_spec(p), "calls": n} for p, n in calls.items()]) + "\n")
