@@ -13,7 +13,7 @@ from typing import Iterator, Optional, Sequence, TextIO
 
 import numpy as np
 
-from . import __version__, peak, policy, stream, tune
+from . import __version__, compiler, peak, policy, tune
 from .backends.iree import CompileError
 from .compiler import compile as compile_module
 from .compiler import iree_config_notes, knobs_by_kernel, load_problems, tuned_knobs
@@ -277,15 +277,10 @@ def _stream_path(p: ConvProblem, target: Target) -> str:
     """What convdsl.torch runs for p on a CUDA device of target's arch: the stream kernels (planned, not
     compiled) or, where they do not apply, the IREE module through DLPack.  (With TF32 allowed, PyTorch's f32 calls
     are the problem with compute = tf32.)"""
-    if p.epilogue.steps or p.prologue.kind != "none":
-        # the stream kernels apply a scale at most: a fused step or prologue would be dropped there
-        return ("the IREE module through DLPack (synchronised): the stream kernels take no fused epilogue steps or "
-                "prologue")
-    reason = stream.unsupported_reason(p, target)
-    if reason is not None:
-        return f"the IREE module through DLPack (synchronised): {reason}"
-    knobs, source = tuned_knobs(p, target)
-    return stream.plan_stream_kernel(p, target, knobs, source).describe()
+    planned = compiler.plan(p, target).stream  # the plan compile(..., artifact="bundle") builds
+    if planned.kernel is None:
+        return f"the IREE module through DLPack (synchronised): {planned.reason}"
+    return planned.kernel.describe()
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
