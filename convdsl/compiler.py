@@ -19,8 +19,8 @@ and each artifact is built from those plans by its backend, keyed on them:
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Optional, Sequence, Union, overload
 
 import convdsl
@@ -76,7 +76,7 @@ def _problems_of(source: Union[str, Path, Sequence[ConvProblem]], batch: Optiona
     return parse(str(source), batch=batch)
 
 
-# --- 1. knobs -----------------------------------------------------------------------------------------
+# --- 1. knobs and plans -------------------------------------------------------------------------------
 
 def iree_version() -> str:
     """The IREE version in the cache key (backends.iree's, asked once).  Tests monkeypatch this name to simulate
