@@ -22,6 +22,7 @@ from .module import ArgumentError, resolve_target
 from .passes import STAGE_NAMES, LoweringError, Stage, run_pipeline
 from .passes.explain import describe_binaries, describe_plan
 from .problem import MAX_SIZE, ConvProblem, ProblemError
+from .tuning.resolve import ON_CPU
 from .progress import CompileStep
 from . import reference as ref  # through the module: a patched reference (tests) is seen
 from .targets import BACKENDS, Target, TargetError
@@ -308,7 +309,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if name == "plan":
             for plan in stage.plans:
                 print(describe_plan(plan))
-                print(f"  knobs: {knobs[plan.problem.name].label()}, from the {sources[plan.problem.name]}")
+                source = sources[plan.problem.name]
+                # the CPU has no knobs to come from anywhere: IREE configures its kernels itself
+                print(f"  knobs: {source}" if source == ON_CPU
+                      else f"  knobs: {knobs[plan.problem.name].label()}, from the {source}")
                 line = _iree_config_line(plan.problem.name, knobs[plan.problem.name], notes)
                 if line:
                     print(f"  {line}")

@@ -764,3 +764,12 @@ def test_compile_writes_a_bundle_of_stream_kernels(tmp_path, monkeypatch, capsys
     assert kernel.problem.name == "dgrad" and kernel.launches[0].binary.data
     assert main(["compile", "tiny.conv", "--artifact", "bundle", "-o", "tiny.conv"]) == 2
     assert "the bundle would overwrite the source" in capsys.readouterr().err
+
+
+def test_explain_on_the_cpu_says_its_kernels_have_no_knobs(capsys):
+    from convdsl.tuning.resolve import ON_CPU
+
+    assert main(["explain", str(EXAMPLES[0].parent / "ck17_conv2d_bwd_data.conv"), "--target", "cpu",
+                 "--stage", "plan"]) == 0
+    lines = [x.strip() for x in capsys.readouterr().out.splitlines() if x.strip().startswith("knobs:")]
+    assert lines and all(x == f"knobs: {ON_CPU}" for x in lines), lines
