@@ -696,6 +696,67 @@ def versions() -> dict:
     return v
 
 
+# (mode, IREE runtime flags, allocator specs) for --compare-allocators: what a plain iree.runtime user or
+# iree-run-module gets, and the documented caching allocator (README, Deployment).  On CUDA the allocating
+# functions take results and transients from the stream-ordered pool unless async allocations are off.
+ALLOCATOR_MODES = (("default", "", ""), ("caching", "--cuda_async_allocations=false", "caching"))
+
+
+def compare_allocators(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run this script once per ALLOCATOR_MODES entry (convdsl only) and put the allocating and kept-buffer
+    times side by side."""
+    import subprocess
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, dict] = {}
+    for mode, flags, allocators in ALLOCATOR_MODES:
+        tag = (f"{args.tag}-" if args.tag else "") + f"alloc-{mode}"
+        rest = [a for i, a in enumerate(argv)  # the user's arguments less --tag (each run gets its own)
+                if not a.startswith("--tag") and not (i > 0 and argv[i - 1] == "--tag")]
+        command = [sys.executable, str(Path(__file__).resolve()), *rest,
+                   "--impls", args.impls or "convdsl", "--tag", tag, f"--iree-flags={flags}",
+                   f"--iree-allocators={allocators}"]
+        log(f"allocators {mode}: {' '.join(command)}")
+        t0 = time.time()
+        subprocess.run(command, check=True)
+        written = sorted((p for p in out.glob(f"*-{tag}.json") if p.stat().st_mtime >= t0),
+                         key=lambda p: p.stat().st_mtime)
+        runs[mode] = json.loads(written[-1].read_text())
+    rows = []
+    for case in runs["default"]["results"]:
+        other = next((c for c in runs["caching"]["results"] if c["name"] == case["name"]), {})
+        row = {"name": case["name"]}
+        for mode, c in (("default", case), ("caching", other)):
+            cv = c.get("impls", {}).get("convdsl") or {}  # its "allocating" entry: the allocating function's
+            row[f"kept_ms_{mode}"] = cv.get("ms")
+            row[f"allocating_ms_{mode}"] = (cv.get("allocating") or {}).get("ms")
+        kept = row["kept_ms_default"]
+        for mode in ("default", "caching"):
+            a = row[f"allocating_ms_{mode}"]
+            row[f"allocating_over_kept_{mode}"] = a / kept if a and kept else None
+        rows.append(row)
+    base = runs["default"]
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", base["device"]).strip("-") + "-" + base["date"][:10] + (
+        f"-{args.tag}" if args.tag else "") + "-allocators"
+    (out / f"{stem}.json").write_text(json.dumps(
+        {"device": base["device"], "date": base["date"], "versions": base.get("versions"),
+         "modes": [{"mode": m, "iree_flags": f, "allocators": a} for m, f, a in ALLOCATOR_MODES],
+         "results": rows}, indent=1, default=str) + "\n")
+
+    def ms(v):
+        return f"{v:.3f}" if v else "-"
+
+    log("| case | kept ms | allocating ms (IREE defaults) | allocating ms (caching) | x kept (defaults) | "
+        "x kept (caching) |\n|---|---|---|---|---|---|")
+    for r in rows:
+        log(f"| {r['name']} | {ms(r['kept_ms_default'])} | {ms(r['allocating_ms_default'])} | "
+            f"{ms(r['allocating_ms_caching'])} | {ms(r['allocating_over_kept_default'])} | "
+            f"{ms(r['allocating_over_kept_caching'])} |")
+    log(f"wrote {out / (stem + '.json')}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -717,7 +778,14 @@ def main(argv=None) -> int:
                     help="do not also time convdsl's allocating function (tuning runs)")
     ap.add_argument("--deadline", type=float, default=330.0,
                     help="seconds for all cases: the per-implementation budget shrinks to fit")
+    ap.add_argument("--compare-allocators", action="store_true",
+                    help="time convdsl's allocating function with IREE's defaults and with a caching allocator "
+                         "(--cuda_async_allocations=false, allocator caching), each in a process of its own (the "
+                         "flag is process-wide), beside the kept-buffer call; writes <device>-<date>-allocators.json")
     args = ap.parse_args(argv)
+    if args.compare_allocators:
+        return compare_allocators(args, [a for a in (argv if argv is not None else sys.argv[1:])
+                                         if a != "--compare-allocators"])
 
     t_start = time.perf_counter()
     build, out = Path(args.build), Path(args.out)
