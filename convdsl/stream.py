@@ -130,6 +130,8 @@ class StreamKernel:
             return (f"stream path: Gluon kernel {names} (TMA im2col copies and {products}; tiles {self.tiles}, "
                     f"{self.arch}){how}; knobs from the {self.knobs_source}")
         copies = f"; {', '.join(self.copied)} copied to NHWGC" if self.copied else ""
+        if self.problem.op == "forward" and names == "grad_input_phases":  # forward runs as one phase of it
+            names += " (the forward as one implicit GEMM, one stride phase of grad_input's kernel)"
         if self.staging:
             p = self.planned
             copies += (f"; x and w regrouped space-to-depth, stride 1 over {p.in_channels} channels and "

@@ -233,3 +233,13 @@ def test_fused_forms_have_no_stream_kernel(fused):
     assert stream.unsupported_reason(dataclasses.replace(p, epilogue=Epilogue(), prologue=Prologue()),
                                      target) is None
     assert "fused" in stream.unsupported_reason(p, target)
+
+
+def test_a_forward_on_the_phases_kernel_is_described_as_the_forward():
+    """explain's stream line for an RGB stem (space-to-depth, then the stride-1 forward on grad_input's kernel)
+    says it is the forward, not a grad_input."""
+    p = ConvProblem(op="forward", dims=2, groups=1, batch=4, in_channels=3, out_channels=64, input=(64, 64),
+                    filter=(7, 7), stride=(2, 2), dilation=(1, 1), pad_lo=(3, 3), pad_hi=(3, 3), layout="NHWGC",
+                    weight_layout="GKYXC", dtype="bf16", name="stem")
+    text = stream.stream_plan(p, Target("cuda", "sm_90")).kernel.describe()
+    assert "the forward as one implicit GEMM" in text and "space-to-depth" in text
