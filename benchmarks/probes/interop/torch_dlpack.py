@@ -1,4 +1,4 @@
-"""Can convdsl's `$into` twin run on PyTorch's CUDA tensors without copies?  (GPU machine; carry .whl and
+"""Can convdsl's `$into` twin run on PyTorch's CUDA tensors without copies?  (a CUDA machine with the iree-base-runtime wheel installed and
 benchmarks/build.)
 
 For a few f16 suite cases: dY/X, W and the result tensor are torch CUDA tensors imported into IREE through

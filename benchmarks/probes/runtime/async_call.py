@@ -16,7 +16,7 @@ calls); poll against cudnn is the harness's host time, as issue 4 defines it.
 
 Every method's result is checked against the float64 reference (gpu_bench.reference) before it is timed.
 
-GPU machine (carry .whl and benchmarks/build):
+On a CUDA machine with the iree-base-runtime wheel installed and benchmarks/build copied there:
     python3 benchmarks/probes/runtime/async_call.py run --cases a,b --out RESULTS
 Here, a table from its JSON:
     python3 benchmarks/probes/runtime/async_call.py table --out DIR

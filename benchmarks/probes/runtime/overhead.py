@@ -1,6 +1,6 @@
 """What an IREE call costs beyond its kernels, under several runtime configurations.
 
-Run on the GPU machine (carry .whl and benchmarks/build):
+Run on a CUDA machine with the iree-base-runtime wheel installed and benchmarks/build copied there:
 
     python3 benchmarks/probes/runtime/overhead.py --cases a,b,c --out RESULTS
 
