@@ -1,5 +1,5 @@
-"""Can convdsl's `$into` twin run on PyTorch's CUDA tensors without copies?  (a CUDA machine with the iree-base-runtime wheel installed and
-benchmarks/build.)
+"""Can convdsl's `$into` twin run on PyTorch's CUDA tensors without copies?  (A CUDA machine with the
+iree-base-runtime wheel installed and benchmarks/build copied there.)
 
 For a few f16 suite cases: dY/X, W and the result tensor are torch CUDA tensors imported into IREE through
 DLPack (`HalDevice.from_dlpack_capsule`), the twin writes the result into torch's tensor, and the result is
