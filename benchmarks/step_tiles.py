@@ -73,9 +73,9 @@ def _compile(job):
     try:
         if tiles.startswith("split"):  # --splits: the default tiles, split_k forced ("split0": the rule's)
             split = int(tiles[5:])
-            return stream.plan_stream_kernel(p.with_(name=f"s{index}_{tiles}", split_k=split or None),
+            return stream.planned_stream_kernel(p.with_(name=f"s{index}_{tiles}", split_k=split or None),
                                              Target("cuda", "sm_90"), Knobs(), compile=True, tma=False)
-        return stream.plan_stream_kernel(p.with_(name=f"s{index}_{tiles}"), Target("cuda", "sm_90"),
+        return stream.planned_stream_kernel(p.with_(name=f"s{index}_{tiles}"), Target("cuda", "sm_90"),
                                          Knobs(tiles=tiles), compile=True, tma=False)
     except Exception as e:  # a candidate the problem cannot take (say, a tile past its size): left out, said
         print("skip", index, tiles, type(e).__name__, str(e)[:100], flush=True)

@@ -54,9 +54,10 @@ def build(arch: str, out: Path) -> int:
         p = case.problem
         if stream.unsupported_reason(p, target) is not None:
             continue
-        knobs, source = stream._knobs(p, target)
-        planned = stream.plan_stream_kernel(p, target, knobs, source, tma=False)
-        rule.append(stream.plan_stream_kernel(p, target, knobs, source, compile=True, tma=False))
+        looked_up = stream.plan(p, target)
+        knobs, source = looked_up.knobs, looked_up.knobs_source
+        planned = stream.planned_stream_kernel(p, target, knobs, source, tma=False)
+        rule.append(stream.compile_kernel(planned))
         forced.append(_forced_wide(planned, arch))
         print(f"{p.name}: compiled", flush=True)
     out.mkdir(parents=True, exist_ok=True)

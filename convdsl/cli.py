@@ -16,13 +16,13 @@ import numpy as np
 from . import __version__, compiler, peak, policy, tune
 from .backends.iree import CompileError
 from .compiler import compile as compile_module
-from .compiler import iree_config_notes, knobs_by_kernel, load_problems, tuned_knobs
+from .compiler import iree_config_notes, load_problems
 from .frontend import ConvSyntaxError, parse_file
 from .module import ArgumentError, resolve_target
 from .passes import STAGE_NAMES, LoweringError, Stage, run_pipeline
 from .passes.explain import describe_binaries, describe_plan
+from .passes.plan import ON_CPU, KernelPlan
 from .problem import MAX_SIZE, ConvProblem, ProblemError
-from .tuning.resolve import ON_CPU
 from .progress import CompileStep
 from . import reference as ref  # through the module: a patched reference (tests) is seen
 from .targets import BACKENDS, Target, TargetError
@@ -274,14 +274,13 @@ def _share(gflops: float, of: float) -> str:
     return f"{_fixed(100 * gflops / of, 1)}%".rjust(6)
 
 
-def _stream_path(p: ConvProblem, target: Target) -> str:
-    """What convdsl.torch runs for p on a CUDA device of target's arch: the stream kernels (planned, not
-    compiled) or, where they do not apply, the IREE module through DLPack.  (With TF32 allowed, PyTorch's f32 calls
-    are the problem with compute = tf32.)"""
-    planned = compiler.plan(p, target).stream  # the plan compile(..., artifact="bundle") builds
-    if planned.kernel is None:
-        return f"the IREE module through DLPack (synchronised): {planned.reason}"
-    return planned.kernel.describe()
+def _stream_path(plan: KernelPlan) -> str:
+    """What convdsl.torch runs for the plan's problem on a CUDA device of its target's arch: the stream kernels
+    (planned, not compiled) or, where they do not apply, the IREE module through DLPack.  (With TF32 allowed,
+    PyTorch's f32 calls are the problem with compute = tf32.)"""
+    if plan.stream is None:
+        return f"the IREE module through DLPack (synchronised): {plan.stream_reason}"
+    return plan.stream.describe()
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -309,24 +308,22 @@ def cmd_explain(args: argparse.Namespace) -> int:
         if name == "plan":
             for plan in stage.plans:
                 print(describe_plan(plan))
-                source = sources[plan.problem.name]
                 # the CPU has no knobs to come from anywhere: IREE configures its kernels itself
-                print(f"  knobs: {source}" if source == ON_CPU
-                      else f"  knobs: {knobs[plan.problem.name].label()}, from the {source}")
-                line = _iree_config_line(plan.problem.name, knobs[plan.problem.name], notes)
+                print(f"  knobs: {plan.knobs_source}" if plan.knobs_source == ON_CPU
+                      else f"  knobs: {plan.knobs.label()}, from the {plan.knobs_source}")
+                line = _iree_config_line(plan.problem.name, plan.knobs, notes)
                 if line:
                     print(f"  {line}")
                 if target.backend == "cuda":
-                    print(f"  from PyTorch (convdsl.torch): {_stream_path(plan.problem, target)}")
+                    print(f"  from PyTorch (convdsl.torch): {_stream_path(plan)}")
         elif name == "gemm-cores":
             print(describe_binaries(stage.binaries))
         else:
             print(stage.module)
 
-    knobs = knobs_by_kernel(problems, target)
-    sources = {p.name: tuned_knobs(p, target)[1] for p in problems}
+    plans = [compiler.plan(p, target) for p in problems]  # the plans `convdsl compile` builds both artifacts from
     with _status_line() as status:
-        run_pipeline(problems, target, observe, knobs, progress=status.step if status.enabled else None)
+        run_pipeline(problems, target, observe, progress=status.step if status.enabled else None, plans=plans)
     data_tiling = policy.cpu_data_tiling(problems, target)
     if target.backend == "cpu":
         print(f"// data tiling and matmul microkernels: {'on' if data_tiling else 'off'} (policy.cpu_data_tiling)")

@@ -5,14 +5,15 @@
     bundle = convdsl.compile(problems, "cuda", "sm_90", artifact="bundle")        # stream kernels for PyTorch
     bundle.write("kernels.convk")
 
-Each problem is planned once (`plan`: its knobs, looked up once: the tuning database's entry, else policy's rules),
-and each artifact is built from those plans by its backend, keyed on them:
+Each problem is planned once (`plan` -> passes/plan.KernelPlan: its knobs, looked up once from the tuning
+database's entry, else policy's rules, and every decision of both artifacts), and each artifact is built from
+those plans by its backend, keyed on them:
   - "vmfb": 2. key (everything that changes the bytes, the knobs included; a hit ends here), 3. pipeline
-    (plan -> Triton GEMM cores -> linalg -> canonical IR, passes/pipeline.py), 4. iree-compile with the knobs' IREE
+    (the plans -> Triton GEMM cores -> linalg -> canonical IR, passes/pipeline.py), 4. iree-compile with the knobs' IREE
     configuration where they set one (backends/), fitted to the target's workgroup memory (a kernel whose edited
     configuration IREE rejects keeps IREE's own), 5. store, atomically, under the key (cache.py), beside it a note
     of what each kernel's knobs became (iree_config_notes: `convdsl explain` and the manifest say it);
-  - "bundle": each problem's stream kernel (stream.py), planned from the same knobs, compiled by Triton and cached
+  - "bundle": each plan's stream kernel (KernelPlan.stream), compiled by Triton (stream.py) and cached
     under its plan's key (stream.kernel_key: the launches with their constants, the knobs, the source, Triton);
   - "module" (the default): the "vmfb" artifact loaded as a CompiledModule.
 """
@@ -33,12 +34,12 @@ from .frontend import ConvSyntaxError, parse, parse_file
 from .kernels.compile import triton_version
 from .module import CompiledModule, resolve_target
 from .passes import lower_to_mlir
-from .passes.plan import KernelPlan, plan_kernel
+from .passes import plan as planner
+from .passes.plan import KernelPlan
 from .problem import ConvProblem
 from .progress import CompileStep, ProgressFn
-from .stream import StreamKernel, StreamPlan
+from .stream import StreamKernel
 from .targets import Target
-from .tuning import resolve
 from .tuning.knobs import Knobs
 
 log = logging.getLogger("convdsl.compiler")
@@ -86,37 +87,18 @@ def iree_version() -> str:
 
 def tuned_knobs(p: ConvProblem, target: Target) -> tuple[Knobs, str]:
     """A kernel's knobs and where they come from (`convdsl explain` prints it): the stream path's too."""
-    return resolve.lookup(p, target)
+    return planner.lookup_knobs(p, target)
 
 
 def knobs_by_kernel(problems: Sequence[ConvProblem], target: Target) -> dict[str, Knobs]:
     return {p.name: tuned_knobs(p, target)[0] for p in problems}
 
 
-@dataclass(frozen=True)
-class Plan:
-    """One problem planned for a target: its knobs, looked up once, which both artifacts' plans read (the
-    module's KernelPlan, the stream kernel's StreamPlan), so that the two can never take different knobs."""
-
-    problem: ConvProblem
-    target: Target
-    knobs: Knobs
-    knobs_source: str  # where the knobs come from: the tuning database's entry or the rules
-
-    @property
-    def kernel(self) -> KernelPlan:
-        """The plan the module's pipeline lowers (passes/plan.py)."""
-        return plan_kernel(self.problem, self.target, self.knobs)
-
-    @property
-    def stream(self) -> StreamPlan:
-        """The stream kernel's plan, or why there is none (stream.stream_plan; cached there)."""
-        return stream.stream_plan(self.problem, self.target, (self.knobs, self.knobs_source))
-
-
-def plan(p: ConvProblem, target: Target) -> Plan:
-    knobs, source = tuned_knobs(p, target)
-    return Plan(p, target, knobs, source)
+def plan(p: ConvProblem, target: Target) -> KernelPlan:
+    """One problem planned for a target (passes/plan.plan): its knobs looked up once, every decision of both
+    artifacts (the module's form, phases, split and cp.async launches; the stream kernel's launches or why there
+    is none)."""
+    return planner.plan(p, target)
 
 
 # --- 2. key ----------------------------------------------------------------------------------------------
@@ -150,7 +132,7 @@ def cache_key(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequ
 
 def lower_with_tuned_knobs(problems: Sequence[ConvProblem], target: Target) -> str:
     """The MLIR that compile() hands to iree-compile (with each kernel's tuned or rule-given knobs)."""
-    return lower_to_mlir(problems, target, knobs_by_kernel(problems, target))
+    return lower_to_mlir(problems, target, plans=[plan(p, target) for p in problems])
 
 
 def compile_vmfb(problems: Sequence[ConvProblem], target: Target, extra_flags: Sequence[str] = (), *,
@@ -162,7 +144,7 @@ def compile_vmfb(problems: Sequence[ConvProblem], target: Target, extra_flags: S
     return _build_vmfb(target_plans, target, extra_flags, refresh, progress)[1]
 
 
-def _build_vmfb(plans: Sequence[Plan], target: Target, extra_flags: Sequence[str], refresh: bool,
+def _build_vmfb(plans: Sequence[KernelPlan], target: Target, extra_flags: Sequence[str], refresh: bool,
                 progress: Optional[ProgressFn]) -> tuple[str, bytes]:
     """The "vmfb" backend: the module's cache key and bytes, from the disk cache if present, else compiled and
     stored."""
@@ -173,7 +155,7 @@ def _build_vmfb(plans: Sequence[Plan], target: Target, extra_flags: Sequence[str
         cached = cache.load(key)
         if cached is not None:
             return key, cached
-    mlir = lower_to_mlir(problems, target, knobs, progress)
+    mlir = lower_to_mlir(problems, target, knobs, progress, plans=plans)
     if progress is not None:
         progress(CompileStep("backend", len(problems), len(problems), "iree-compile"))
     if target.backend == "cpu" or all(k.config_default for k in knobs.values()):
@@ -196,7 +178,7 @@ def _build_vmfb(plans: Sequence[Plan], target: Target, extra_flags: Sequence[str
     return key, vmfb
 
 
-def _build_bundle(plans: Sequence[Plan], target: Target) -> tuple[str, tuple[StreamKernel, ...],
+def _build_bundle(plans: Sequence[KernelPlan], target: Target) -> tuple[str, tuple[StreamKernel, ...],
                                                                     tuple[tuple[str, str], ...]]:
     """The "bundle" backend: each problem's stream kernel, compiled (or from the disk cache, stream.build_kernel),
     the problems without one with why, and the bundle's key: the kernels' plan keys in order."""
@@ -204,12 +186,11 @@ def _build_bundle(plans: Sequence[Plan], target: Target) -> tuple[str, tuple[Str
     skipped: list[tuple[str, str]] = []
     keys: list[str] = []
     for pl in plans:
-        sp = pl.stream
-        if sp.kernel is None:
-            skipped.append((pl.problem.name, sp.reason or "no stream kernel"))
+        if pl.stream is None:
+            skipped.append((pl.problem.name, pl.stream_reason or "no stream kernel"))
             continue
-        keys.append(stream.kernel_key(sp.kernel, sp.knobs))
-        kernels.append(stream.build_kernel(sp, pl.problem, target))
+        keys.append(stream.kernel_key(pl))
+        kernels.append(stream.build_kernel(pl))
     key = cache.cache_key({"schema": KEY_SCHEMA, "artifact": "bundle", "kernels": keys})
     return key, tuple(kernels), tuple(skipped)
 
@@ -233,7 +214,7 @@ class Artifact:
 
     kind: str
     target: Target
-    plans: tuple[Plan, ...]
+    plans: tuple[KernelPlan, ...]
     key: str
     data: bytes  # the .vmfb, or the bundle file (stream.bundle_bytes)
     kernels: tuple[StreamKernel, ...] = ()  # "bundle": the stream kernels, in the problems' order

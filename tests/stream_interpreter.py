@@ -15,7 +15,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from convdsl import stream  # noqa: E402
+from convdsl import policy, stream  # noqa: E402
 from convdsl.kernels import elementwise, igemm  # noqa: E402
 from convdsl.kernels.compile import ELEMENTWISE_KERNELS  # noqa: E402
 from convdsl.problem import problem_from_spec  # noqa: E402
@@ -51,9 +51,9 @@ def run(job: dict) -> dict:
     p = problem_from_spec(job["spec"])
     knobs = Knobs(tiles=job["tiles"]) if job.get("tiles") else Knobs()
     # a few-channel strided forward's launches are those of its space-to-depth form
-    ext = stream.policy.extern_launches(stream.policy.space_to_depth_forward(p) or p, HOPPER, knobs)
+    ext = policy.extern_launches(policy.space_to_depth_forward(p) or p, HOPPER, knobs)
     # the launches and steps stream_kernel builds, without compiling them (the interpreter runs the source)
-    kernel = stream.plan_stream_kernel(p, HOPPER, knobs, tma=False)
+    kernel = stream.planned_stream_kernel(p, HOPPER, knobs, tma=False)
     assert ext is not None and kernel.launches[0].launch == ext.launches[0]
     runner = StreamRunner(kernel, torch.device("cpu"), launcher=lambda sl: interpreted(sl, job.get("wide", False)))
     args = random_inputs(p, seed=5)

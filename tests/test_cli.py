@@ -767,7 +767,7 @@ def test_compile_writes_a_bundle_of_stream_kernels(tmp_path, monkeypatch, capsys
 
 
 def test_explain_on_the_cpu_says_its_kernels_have_no_knobs(capsys):
-    from convdsl.tuning.resolve import ON_CPU
+    from convdsl.passes.plan import ON_CPU
 
     assert main(["explain", str(EXAMPLES[0].parent / "ck17_conv2d_bwd_data.conv"), "--target", "cpu",
                  "--stage", "plan"]) == 0

@@ -11,7 +11,8 @@ from convdsl.backends.iree import iree_version as installed_iree_version
 from convdsl.module import CompiledModule
 from convdsl.problem import ConvProblem, Epilogue
 from convdsl.targets import Target
-from convdsl.tuning import db, resolve
+from convdsl.passes import plan as planner
+from convdsl.tuning import db
 from convdsl.tuning.knobs import Knobs
 
 CPU = Target("cpu", "host")
@@ -41,7 +42,7 @@ def test_vmfb_and_module_artifacts_are_one_compile() -> None:
 
 def test_the_module_key_follows_the_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
     before = compiler.cache_key([SMALL], CPU)
-    monkeypatch.setattr(resolve, "lookup", lambda p, target: (Knobs(pad="gather"), "test"))
+    monkeypatch.setattr(planner, "lookup_knobs", lambda p, target: (Knobs(pad="gather"), "test"))
     assert compiler.plan(SMALL, CPU).knobs == Knobs(pad="gather")
     assert compiler.cache_key([SMALL], CPU) != before
 
@@ -81,7 +82,7 @@ def test_the_bundle_is_built_from_the_plan_and_keyed_on_its_knobs(db_path: Path,
     (plan,), (kernel,) = first.plans, first.kernels
     assert plan.knobs.tiles is not None and first.skipped == ()
     # one plan per problem: the module's plan and the stream kernel read the same launches
-    assert plan.kernel.extern.launches == tuple(sl.launch for sl in kernel.launches)
+    assert plan.extern.launches == tuple(sl.launch for sl in kernel.launches) == tuple(sl.launch for sl in plan.stream.launches)
     assert kernel.partials_shape[0] == 2 and all(sl.binary.data for sl in kernel.launches)
     # the bytes are the bundle file stream.load_bundle reads
     (loaded,) = stream.load_bundle(first.write(tmp_path / "k.convk"))

@@ -9,6 +9,7 @@ the GPU tests run the kernel itself.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -137,7 +138,7 @@ def test_which_grad_inputs_take_the_halo_kernel():
 
 @needs_gluon
 def test_halo_kernel_compiles_for_unet_and_says_so():
-    kernel = stream.plan_stream_kernel(UNET, HOPPER, Knobs(), compile=True)
+    kernel = stream.planned_stream_kernel(UNET, HOPPER, Knobs(), compile=True)
     (launch,) = kernel.launches
     assert launch.launch.kernel == "forward_halo" and launch.binary.threads == 256
     assert launch.binary.shared_bytes <= HOPPER.gpu.workgroup_memory
@@ -147,13 +148,17 @@ def test_halo_kernel_compiles_for_unet_and_says_so():
     assert kernel.tma_params.count("map") == 1 and len(kernel.tma_params) == launch.binary.params
     assert "each input plane copied once" in kernel.describe() and "2 plane range(s)" in kernel.describe()
     assert math.prod(launch.launch.grid) == 132
+    # the split is the plan's (a field of the kernel, not asked of policy again), so a loaded bundle still says it
+    assert kernel.halo_splits == policy.halo_forward_split(policy.grad_input_as_forward(UNET), HOPPER) == 2
+    back = stream._from_record(json.loads(json.dumps(stream._to_record(kernel))))
+    assert back.describe() == kernel.describe()
 
 
 @needs_gluon
 def test_forwards_take_the_halo_kernel_with_the_weight_as_it_is():
     forward = UNET.with_(op="forward")
     assert policy.halo_forward_reason(forward, HOPPER) is None
-    kernel = stream.plan_stream_kernel(forward, HOPPER, Knobs(), compile=True)
+    kernel = stream.planned_stream_kernel(forward, HOPPER, Knobs(), compile=True)
     (launch,) = kernel.launches
     assert launch.launch.kernel == "forward_halo" and dict(launch.launch.constants)["FLIPPED"] == 0
     # the weight as [K, taps * C] in [BLOCK_N, C] tiles

@@ -29,8 +29,7 @@ def _write_db(path: Path, entries: dict[ConvProblem, dict], version: str) -> Non
 
 
 def _stream_key(p: ConvProblem) -> str:
-    knobs, source = stream._knobs(p, HOPPER)
-    return stream.kernel_key(stream.plan_stream_kernel(p, HOPPER, knobs, source), knobs)
+    return stream.kernel_key(stream.plan(p, HOPPER))
 
 
 @pytest.fixture
@@ -92,17 +91,17 @@ def test_a_stream_kernel_is_planned_once(db_path: Path) -> None:
 
     ampere = Target("cuda", "sm_80")
     p = WGRAD.with_(name="planned_once")  # a name no other test planned: nothing cached yet
-    launches, plans = policy.launches_or_reason.cache_info(), stream._planned.cache_info()
-    assert stream.unsupported_reason(p, ampere) is None
-    plan = stream.stream_plan(p, ampere)
-    assert plan.kernel is not None and plan.reason is None
-    assert policy.launches_or_reason.cache_info().misses - launches.misses == 1
-    assert stream._planned.cache_info().misses - plans.misses == 1
-    # the module's plan reads the same launches
-    from convdsl.passes.plan import plan_kernel
+    from convdsl.passes import plan as planner
 
-    assert plan_kernel(p, ampere, plan.knobs).extern.launches == tuple(sl.launch for sl in plan.kernel.launches)
+    launches, plans = policy.launches_or_reason.cache_info(), planner._stream_plan.cache_info()
+    assert stream.unsupported_reason(p, ampere) is None
+    plan = stream.plan(p, ampere)
+    assert plan.stream is not None and plan.stream_reason is None
+    assert policy.launches_or_reason.cache_info().misses - launches.misses == 1
+    assert planner._stream_plan.cache_info().misses - plans.misses == 1
+    # one plan: the module's launches are the stream kernel's
+    assert plan.extern.launches == tuple(sl.launch for sl in plan.stream.launches)
     assert policy.launches_or_reason.cache_info().misses - launches.misses == 1
     # no kernel: the reason, planned once too
-    why = stream.stream_plan(p.with_(dynamic_batch=True), ampere)
-    assert why.kernel is None and "batch" in why.reason
+    why = stream.plan(p.with_(dynamic_batch=True), ampere)
+    assert why.stream is None and "batch" in why.stream_reason

@@ -79,7 +79,7 @@ def _module(p: ConvProblem, target: Target) -> tuple[str, str, str, int]:
 
 def _stream(p: ConvProblem, target: Target) -> tuple[str, str, int]:
     """(kernel, tiles with the split it resolved, partials) of the stream path's plan."""
-    k = stream.plan_stream_kernel(p, target, policy.knobs_for(p, target, None))
+    k = stream.planned_stream_kernel(p, target, policy.knobs_for(p, target, None))
     return k.launches[0].launch.kernel, k.tiles, (k.partials_shape or (0,))[0]
 
 
@@ -149,12 +149,12 @@ def test_cuda_kernels_that_keep_the_linalg_form_say_why(p, target, why):
 
 @needs_triton
 def test_overrides_replace_a_rule_for_every_planner_and_restore_it():
-    assert _module(RESNET_WGRAD, AMPERE)[3] == 24 and stream.stream_plan(RESNET_WGRAD, AMPERE).kernel.partials_shape[0] == 24
+    assert _module(RESNET_WGRAD, AMPERE)[3] == 24 and stream.plan(RESNET_WGRAD, AMPERE).stream.partials_shape[0] == 24
     with policy.overrides(grad_weight_parts=lambda p, tiles, target: 3):
         # the cached plans of the rule's own split are not served
         assert _module(RESNET_WGRAD, AMPERE)[3] == 3
-        assert stream.stream_plan(RESNET_WGRAD, AMPERE).kernel.partials_shape[0] == 3
-    assert _module(RESNET_WGRAD, AMPERE)[3] == 24 and stream.stream_plan(RESNET_WGRAD, AMPERE).kernel.partials_shape[0] == 24
+        assert stream.plan(RESNET_WGRAD, AMPERE).stream.partials_shape[0] == 3
+    assert _module(RESNET_WGRAD, AMPERE)[3] == 24 and stream.plan(RESNET_WGRAD, AMPERE).stream.partials_shape[0] == 24
     with policy.overrides(tma_grad_weight_parts=lambda p, tiles, target: 4):
         assert _stream(RESNET_WGRAD, HOPPER) == ("grad_weight_tma", "t64x64x128w4s3k4", 4)
     assert _stream(RESNET_WGRAD, HOPPER)[2] == 28

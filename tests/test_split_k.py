@@ -76,7 +76,7 @@ def test_cuda_depthwise_grad_weight_honours_split_k():
     (slid,) = plan_kernel(p.with_(split_k=14), HOPPER).extern.launches
     assert slid.kernel == "grad_weight_depthwise_rows" and slid.grid[1] == 14 and dict(slid.constants)["SEG"] == 2
     # the stream path plans the same launches
-    kernel = stream.plan_stream_kernel(p.with_(split_k=3), HOPPER, Knobs())
+    kernel = stream.planned_stream_kernel(p.with_(split_k=3), HOPPER, Knobs())
     assert kernel.partials_shape[0] == 3 and kernel.launches[0].launch == launch
 
 

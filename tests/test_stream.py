@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from convdsl import stream
+from convdsl import policy, stream
 from convdsl.kernels.tiles import parse_tiles
 from convdsl.problem import ConvProblem, Epilogue, Prologue, problem_to_spec
 from convdsl.reference import tolerance
@@ -113,7 +113,7 @@ def test_wide_stream_kernel_matches_the_reference(interpreted, index):
 
 
 def test_gkcyx_weights_are_copied_where_a_gemm_kernel_reads_them():
-    copied = {p.name: stream.plan_stream_kernel(p, HOPPER, Knobs()).weight_axes
+    copied = {p.name: stream.planned_stream_kernel(p, HOPPER, Knobs()).weight_axes
               for p in (BASE.with_(op=op, weight_layout=wl, name=f"{op}-{wl}")
                         for op in ("forward", "grad_input", "transposed", "grad_weight") for wl in ("GKCYX", "GKYXC"))}
     gkyxc = ("g", "k", "t0", "t1", "c")
@@ -123,36 +123,36 @@ def test_gkcyx_weights_are_copied_where_a_gemm_kernel_reads_them():
     # where the layouts coincide: one tap, or one channel per group (depthwise)
     one_tap = BASE.with_(op="forward", weight_layout="GKCYX", filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0))
     depthwise = BASE.with_(op="forward", weight_layout="GKCYX", groups=8, in_channels=1, out_channels=1)
-    assert not any(stream.plan_stream_kernel(p, HOPPER, Knobs()).weight_axes for p in (one_tap, depthwise))
+    assert not any(stream.planned_stream_kernel(p, HOPPER, Knobs()).weight_axes for p in (one_tap, depthwise))
     # explain says so, for the module's kernel too
     assert "w copied to GKYXC" in describe_plan(plan_kernel(BASE.with_(op="forward", weight_layout="GKCYX"), HOPPER))
 
 
 def test_one_pass_tf32_reads_k_innermost_weights_and_rounds_strided_operands():
     tf32 = BASE.with_(dtype="f32", compute="tf32")
-    axes = {(op, wl): stream.plan_stream_kernel(tf32.with_(op=op, weight_layout=wl), HOPPER, Knobs()).weight_axes
+    axes = {(op, wl): stream.planned_stream_kernel(tf32.with_(op=op, weight_layout=wl), HOPPER, Knobs()).weight_axes
             for op in ("forward", "grad_input", "transposed", "grad_weight") for wl in ("GKCYX", "GKYXC")}
     # grad_input and transposed reduce over K: K innermost, whatever the layout; forward reduces over C (GKYXC)
     assert axes == {("grad_input", "GKYXC"): ("g", "t0", "t1", "c", "k"), ("grad_input", "GKCYX"): ("g", "c", "t0", "t1", "k"),
                     ("transposed", "GKYXC"): ("g", "t0", "t1", "c", "k"), ("transposed", "GKCYX"): ("g", "c", "t0", "t1", "k"),
                     ("forward", "GKCYX"): ("g", "k", "t0", "t1", "c"), ("forward", "GKYXC"): (),
                     ("grad_weight", "GKCYX"): (), ("grad_weight", "GKYXC"): ()}
-    rounds = {op: tuple(dict(stream.plan_stream_kernel(tf32.with_(op=op), HOPPER, Knobs()).launches[0].launch.constants)[
+    rounds = {op: tuple(dict(stream.planned_stream_kernel(tf32.with_(op=op), HOPPER, Knobs()).launches[0].launch.constants)[
         key] for key in ("ROUND_A", "ROUND_B")) for op in ("forward", "grad_input", "grad_weight")}
     # grad_weight reduces over positions, strided by the channels in NHWGC: both rounded; the others read
     # reduction-major operands (grad_input's weight through its copy)
     assert rounds == {"forward": (False, False), "grad_input": (False, False), "grad_weight": (True, True)}
     # three passes need neither: Triton splits the operands in registers itself
-    three = stream.plan_stream_kernel(BASE.with_(op="grad_input", dtype="f32"), HOPPER, Knobs())
+    three = stream.planned_stream_kernel(BASE.with_(op="grad_input", dtype="f32"), HOPPER, Knobs())
     assert three.weight_axes == () and dict(three.launches[0].launch.constants)["ROUND_B"] is False
     assert "w copied to GYXCK" in describe_plan(plan_kernel(tf32.with_(op="grad_input"), HOPPER))
 
 
 def test_ngchw_copies_are_transpose_launches():
-    dgrad = stream.plan_stream_kernel(BASE.with_(op="grad_input", layout="NGCHW"), HOPPER, Knobs())
+    dgrad = stream.planned_stream_kernel(BASE.with_(op="grad_input", layout="NGCHW"), HOPPER, Knobs())
     assert dgrad.copied == ("dy",) and [sl.launch.kernel for sl in dgrad.copy_in] == ["transpose_planes"]
     assert dgrad.copy_out is not None and dict(dgrad.copy_out.launch.constants)["ROWS"] == 7 * 6
-    wgrad = stream.plan_stream_kernel(BASE.with_(layout="NGCHW", input=(8, 8), filter=(3, 3), pad_hi=(1, 1),
+    wgrad = stream.planned_stream_kernel(BASE.with_(layout="NGCHW", input=(8, 8), filter=(3, 3), pad_hi=(1, 1),
                                                  pad_lo=(1, 1)), HOPPER, Knobs(tiles="t16x16x16w4s2k2"))
     assert wgrad.copied == ("x",) and len(wgrad.copy_in) == 1 and wgrad.copy_out is None  # dY read in place
 
@@ -163,10 +163,10 @@ def test_stream_launches_are_the_modules_launches():
 
     for i, (p, tiles) in enumerate(CASES):
         knobs = Knobs(tiles=tiles) if tiles else Knobs()
-        kernel = stream.plan_stream_kernel(p, HOPPER, knobs)
+        kernel = stream.planned_stream_kernel(p, HOPPER, knobs)
         plan = plan_kernel(p, HOPPER, knobs)
         if i in SPACE_TO_DEPTH:  # the module's kernel is the regrouped problem's, planned alike
-            plan = plan_kernel(stream.policy.space_to_depth_forward(p), HOPPER, knobs)
+            plan = plan_kernel(policy.space_to_depth_forward(p), HOPPER, knobs)
             assert [sl.launch.kernel for sl in kernel.staging] == ["space_to_depth"] * 2
         assert tuple(sl.launch for sl in kernel.launches) == plan.extern.launches
         assert (kernel.sum is not None) == (p.op == "grad_weight")
@@ -184,7 +184,7 @@ def test_forward_takes_the_triton_kernel_and_compiles_for_cuda():
     assert plan.form == "extern" and "forward as one implicit GEMM" in describe_plan(plan)
     depthwise = p.with_(groups=8, in_channels=1, out_channels=1)
     assert stream.unsupported_reason(depthwise, HOPPER) is None
-    assert [sl.launch.kernel for sl in stream.plan_stream_kernel(depthwise, HOPPER, Knobs()).launches] == [
+    assert [sl.launch.kernel for sl in stream.planned_stream_kernel(depthwise, HOPPER, Knobs()).launches] == [
         "forward_direct"]
     assert len(compile_mlir(lower_to_mlir([p], Target("cuda", "sm_80")), Target("cuda", "sm_80"))) > 0
 
@@ -197,7 +197,7 @@ def test_unsupported_problems_say_why():
 
 def test_bundle_round_trip_and_damage(tmp_path):
     p = BASE.with_(weight_layout="GKCYX")
-    kernel = stream.plan_stream_kernel(p, HOPPER, stream.Knobs(tiles=SMALL + "k2"), compile=True)
+    kernel = stream.planned_stream_kernel(p, HOPPER, stream.Knobs(tiles=SMALL + "k2"), compile=True)
     path = stream.save_bundle([kernel], tmp_path / "k.convk")
     (back,) = stream.load_bundle(path)
     assert back.problem == p and back.copied == kernel.copied and back.partials_shape == kernel.partials_shape
@@ -241,5 +241,5 @@ def test_a_forward_on_the_phases_kernel_is_described_as_the_forward():
     p = ConvProblem(op="forward", dims=2, groups=1, batch=4, in_channels=3, out_channels=64, input=(64, 64),
                     filter=(7, 7), stride=(2, 2), dilation=(1, 1), pad_lo=(3, 3), pad_hi=(3, 3), layout="NHWGC",
                     weight_layout="GKYXC", dtype="bf16", name="stem")
-    text = stream.stream_plan(p, Target("cuda", "sm_90")).kernel.describe()
+    text = stream.plan(p, Target("cuda", "sm_90")).stream.describe()
     assert "the forward as one implicit GEMM" in text and "space-to-depth" in text

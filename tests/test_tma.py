@@ -583,7 +583,7 @@ def test_tma_phases_kernel_takes_the_shared_memory_the_rule_counts():
     # the programs an SM follow from policy.tma_grad_input_phases_shared_bytes: the compiled binaries must take no more
     for channels in (128, 64):
         p = PHASES_BASE.with_(batch=64, input=(56, 56), in_channels=channels, out_channels=128)
-        kernel = stream.plan_stream_kernel(p, HOPPER, Knobs(), compile=True)
+        kernel = stream.planned_stream_kernel(p, HOPPER, Knobs(), compile=True)
         (launch,) = kernel.launches
         assert launch.launch.kernel == "grad_input_phases_tma"
         tiles = policy.tma_grad_input_phases_tiles(p)
@@ -611,15 +611,15 @@ def test_promoted_and_reversed_copy_kernels_compile():
         plain, _, _ = compile_tma_launch(replace(plan.launch, constants=tuple({**consts, "PROMOTE": 0}.items())),
                                          plan.maps, "sm_90")
         assert promoted.data != plain.data and promoted.params == plain.params
-    kernel = stream.plan_stream_kernel(F32_WIDE.with_(compute=None), HOPPER, Knobs(), compile=True)
+    kernel = stream.planned_stream_kernel(F32_WIDE.with_(compute=None), HOPPER, Knobs(), compile=True)
     assert "wgmma's sums added in f32 every 8 steps" in kernel.describe() and "(bf16x6)" in kernel.describe()
-    dgrad = stream.plan_stream_kernel(DGRAD.with_(dtype="f32", compute="tf32"), HOPPER, Knobs(), compile=True)
+    dgrad = stream.planned_stream_kernel(DGRAD.with_(dtype="f32", compute="tf32"), HOPPER, Knobs(), compile=True)
     assert dgrad.launches[0].launch.kernel == "forward_tma" and "read taps reversed" in dgrad.describe()
 
 
 @needs_gluon
 def test_tma_kernel_compiles_and_its_record_round_trips():
-    kernel = stream.plan_stream_kernel(BASE.with_(in_channels=64, out_channels=128), HOPPER, Knobs(), compile=True)
+    kernel = stream.planned_stream_kernel(BASE.with_(in_channels=64, out_channels=128), HOPPER, Knobs(), compile=True)
     assert [sl.launch.kernel for sl in kernel.launches] == ["forward_tma"]
     assert "TMA im2col" in kernel.describe()
     # three descriptors passed by value, each with its shape and strides, then Triton's two scratch pointers
@@ -631,9 +631,9 @@ def test_tma_kernel_compiles_and_its_record_round_trips():
     back = stream._from_record(json.loads(json.dumps(stream._to_record(kernel))))
     assert back.tma_maps == kernel.tma_maps and back.tma_params == kernel.tma_params
     assert back.launches[0].binary == kernel.launches[0].binary
-    dgrad = stream.plan_stream_kernel(BASE.with_(op="grad_input", in_channels=64, out_channels=64), HOPPER, Knobs())
+    dgrad = stream.planned_stream_kernel(BASE.with_(op="grad_input", in_channels=64, out_channels=64), HOPPER, Knobs())
     assert dgrad.tma_flipped_weight and "flipped weight" in dgrad.describe()
-    assert not stream.plan_stream_kernel(BASE.with_(op="grad_input", stride=(2, 2)), HOPPER, Knobs()).tma_maps
+    assert not stream.planned_stream_kernel(BASE.with_(op="grad_input", stride=(2, 2)), HOPPER, Knobs()).tma_maps
 
 
 @needs_gluon
@@ -642,13 +642,13 @@ def test_specialised_grad_weight_runs_a_copy_warp_and_says_so():
     # is what describe() reads after a bundle round trip (the record keeps no compile-time constants)
     p = BASE.with_(op="grad_weight", dims=3, in_channels=128, out_channels=128, input=(4, 5, 6), filter=(3, 3, 3),
                    stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 1, 1), pad_hi=(1, 1, 1))
-    kernel = stream.plan_stream_kernel(p, HOPPER, Knobs(), compile=True)
+    kernel = stream.planned_stream_kernel(p, HOPPER, Knobs(), compile=True)
     (launch,) = kernel.launches
     assert launch.launch.kernel == "grad_weight_tma" and launch.launch.warps == 8
     assert launch.binary.threads == 32 * (8 + 4)
     back = stream._from_record(json.loads(json.dumps(stream._to_record(kernel))))
     assert "the copies issued by a warp of their own" in back.describe()
-    square = stream.plan_stream_kernel(p.with_(dims=2, input=(5, 6), filter=(3, 3), stride=(1, 1), dilation=(1, 1),
+    square = stream.planned_stream_kernel(p.with_(dims=2, input=(5, 6), filter=(3, 3), stride=(1, 1), dilation=(1, 1),
                                                pad_lo=(1, 1), pad_hi=(1, 1)), HOPPER, Knobs(), compile=True)
     assert "a warp of their own" not in square.describe() and square.launches[0].binary.threads == 32 * 4
 

@@ -386,9 +386,8 @@ def test_a_grad_weight_into_f32_takes_the_tuned_knobs_of_its_16_bit_problem():
     tuned = [s for s in db.load_db().get(f"{target}|3.13.0", {}) if '"op":"grad_weight"' in s]
     assert tuned, "the database has tuned grad_weight entries for sm_90"
     p = problem_from_spec(dict(json.loads(tuned[0]), name="k"))
-    knobs, source = stream._knobs(p, target)
-    widened, widened_source = stream._knobs(p.with_(out_dtype="f32"), target)
-    assert widened == knobs and "tuning database" in widened_source
+    planned, widened = stream.plan(p, target), stream.plan(p.with_(out_dtype="f32"), target)
+    assert widened.knobs == planned.knobs and "tuning database" in widened.knobs_source
 
 
 def test_bad_calls_raise_torch_nn_errors():

@@ -24,7 +24,7 @@ def _compile(job):
     from dataclasses import replace
 
     from convdsl import policy
-    from convdsl.stream import plan_stream_kernel
+    from convdsl.stream import planned_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
@@ -37,7 +37,7 @@ def _compile(job):
         tiles = replace(rule, split=max(1, parts // 2 if label == "half" else parts * 2)).label()
     elif label != "rule":
         tiles = label
-    return plan_stream_kernel(p.with_(name=f"{p.name}:{label}"), target, Knobs(tiles=tiles), compile=True)
+    return planned_stream_kernel(p.with_(name=f"{p.name}:{label}"), target, Knobs(tiles=tiles), compile=True)
 
 
 def problems():

@@ -54,7 +54,7 @@ def problems() -> list:
 def _compile(job):
     from convdsl import policy
     from convdsl.kernels import elementwise_launches
-    from convdsl.stream import plan_stream_kernel
+    from convdsl.stream import planned_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
@@ -73,7 +73,7 @@ def _compile(job):
         patches.enter_context(policy.overrides(tma_fp8_promote=promote))
         if variant != "cp.async" and policy.tma_flat_grad_weight_reason(p, target) is not None:
             return None
-        return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), target, Knobs(), compile=True,
+        return planned_stream_kernel(p.with_(name=f"{p.name}:{variant}"), target, Knobs(), compile=True,
                                   tma=variant != "cp.async")
 
 

@@ -24,7 +24,7 @@ VARIANTS = ("before", "tma16")
 
 def _compile(job):
     from convdsl import policy
-    from convdsl.stream import plan_stream_kernel
+    from convdsl.stream import planned_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
@@ -37,8 +37,8 @@ def _compile(job):
     named = p.with_(name=f"{p.name}:{variant}")
     if variant == "before":
         with policy.overrides(tma_grad_weight_reason=before):
-            return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
-    return plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
+            return planned_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
+    return planned_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True)
 
 
 def build(out: Path) -> None:

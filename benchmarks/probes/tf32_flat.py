@@ -52,7 +52,7 @@ def problems() -> list:
 
 def _compile(job):
     from convdsl import policy
-    from convdsl.stream import plan_stream_kernel
+    from convdsl.stream import planned_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
@@ -73,7 +73,7 @@ def _compile(job):
         named = p.with_(name=f"{p.name}:{variant}")
         if variant != "staged" and policy.tma_flat_grad_weight_reason(p, target) is not None:
             return None
-        k = plan_stream_kernel(named, target, Knobs(), compile=True, tma=variant != "staged")
+        k = planned_stream_kernel(named, target, Knobs(), compile=True, tma=variant != "staged")
     return k
 
 

@@ -39,7 +39,7 @@ def _compile(job):
     from convdsl.kernels.compile import compile_tma_launch
     from convdsl.kernels.tma_launches import forward_tma_launch
     from convdsl.kernels.tiles import parse_tiles
-    from convdsl.stream import StreamKernel, StreamLaunch, plan_stream_kernel
+    from convdsl.stream import StreamKernel, StreamLaunch, planned_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
@@ -47,7 +47,7 @@ def _compile(job):
     if label == "rule":
         label = policy.tma_forward_tiles(p, Target("cuda", "sm_90")).label()
     if label == "cp.async":
-        return plan_stream_kernel(p.with_(name=f"{p.name}:{label}"), Target("cuda", "sm_90"), Knobs(),
+        return planned_stream_kernel(p.with_(name=f"{p.name}:{label}"), Target("cuda", "sm_90"), Knobs(),
                                   compile=True, tma=False)
     tiles = parse_tiles(label)  # persistent where the rule makes these tiles so (policy.tma_forward_programs)
     launch, maps = forward_tma_launch(p, tiles, f"k_{label}",
@@ -107,12 +107,12 @@ def plan_variant(p, label: str, **policy_names):
     """p's stream kernel for sm_90 as the rules plan it, named <case>:<label>, with the policy's names in
     `policy_names` replaced for the planning: how a probe builds a variant of a rule."""
     from convdsl import policy
-    from convdsl.stream import plan_stream_kernel
+    from convdsl.stream import planned_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
     with policy.overrides(**policy_names):
-        return plan_stream_kernel(p.with_(name=f"{p.name}:{label}"), Target("cuda", "sm_90"), Knobs(), compile=True)
+        return planned_stream_kernel(p.with_(name=f"{p.name}:{label}"), Target("cuda", "sm_90"), Knobs(), compile=True)
 
 
 def build_variants(out: Path, found: list, variants, compile_job) -> None:

@@ -25,7 +25,7 @@ TILES = ["rule", "t256x64x64w8s4", "t256x64x64w8s3", "t128x64x64w4s6", "t128x64x
 def _compile(job):
     from convdsl import policy
     from convdsl.kernels.tiles import parse_tiles
-    from convdsl.stream import plan_stream_kernel
+    from convdsl.stream import planned_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
@@ -33,7 +33,7 @@ def _compile(job):
     rule = policy.tma_forward_tiles
     forced = None if label == "rule" else parse_tiles(label)
     with policy.overrides(tma_forward_tiles=lambda q, target: forced or rule(q, target)):
-        return plan_stream_kernel(p.with_(name=f"{p.name}:{label}"), Target("cuda", "sm_90"), Knobs(),
+        return planned_stream_kernel(p.with_(name=f"{p.name}:{label}"), Target("cuda", "sm_90"), Knobs(),
                                   compile=True)
 
 

@@ -44,7 +44,7 @@ def _compile(job):
     from convdsl.kernels.compile import compile_tma_launch
     from convdsl.kernels.tma_launches import grad_input_phases_tma_launch
     from convdsl.kernels.tiles import parse_tiles
-    from convdsl.stream import StreamKernel, StreamLaunch, plan_stream_kernel
+    from convdsl.stream import StreamKernel, StreamLaunch, planned_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
@@ -52,7 +52,7 @@ def _compile(job):
     hopper = Target("cuda", "sm_90")
     named = p.with_(name=f"{p.name}:{variant}")
     if variant == "cp.async":
-        return plan_stream_kernel(named, hopper, Knobs(), compile=True, tma=False)
+        return planned_stream_kernel(named, hopper, Knobs(), compile=True, tma=False)
     reason = policy.tma_grad_input_phases_reason(p, hopper)
     if reason is not None:
         print(f"{p.name}: not on the TMA phases kernel ({reason})", flush=True)

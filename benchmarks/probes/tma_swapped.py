@@ -29,7 +29,7 @@ def _compile(job):
     from convdsl import policy
     from convdsl.kernels import tma_launches
     from convdsl.kernels.tiles import parse_tiles
-    from convdsl.stream import plan_stream_kernel
+    from convdsl.stream import planned_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
@@ -43,7 +43,7 @@ def _compile(job):
                               tma_launches.forward_tma_launch(*args, **{**kw, "swapped": on,
                                                                   "programs": 0 if on else kw.get("programs", 0)}))):
         try:
-            return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
+            return planned_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
                                       compile=True, tma=True)
         except Exception as e:  # a ring too deep for shared memory, a layout the kernel cannot take
             print(f"{p.name}:{variant}: not built ({str(e).splitlines()[0][:160]})", flush=True)

@@ -6,7 +6,7 @@ grad_weights (split into fewer chunks than the rule's).
     python3 benchmarks/probes/tma_variants.py run P.convk OUT.json                  # on an H100/H200
 
 `--from` names a stream bundle (examples/train_resnet.py --bundle-out makes ResNet-50's); the suite's ResNet
-1x1 case joins its problems.  Each problem is planned as the stream path plans it (stream.plan_stream_kernel),
+1x1 case joins its problems.  Each problem is planned as the stream path plans it (stream.planned_stream_kernel),
 with one policy rule replaced per variant:
   1x1 forward / grad_input: "cp.async"; "tma" (the forward rule's tiles); "tma-s2" (2 stages: two programs
   resident per SM), "tma-w8" (8 warps), "tma-s2w8";
@@ -39,7 +39,7 @@ def _variants(op: str) -> tuple[str, ...]:
 
 def _compile(job):
     from convdsl import policy
-    from convdsl.stream import plan_stream_kernel
+    from convdsl.stream import planned_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
@@ -63,7 +63,7 @@ def _compile(job):
         rules["tma_grad_weight_parts"] = policy.grad_weight_parts
     with policy.overrides(**rules):
         named = p.with_(name=f"{p.name}:{variant}")
-        k = plan_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True, tma=variant != "cp.async")
+        k = planned_stream_kernel(named, Target("cuda", "sm_90"), Knobs(), compile=True, tma=variant != "cp.async")
     if variant != "cp.async" and not k.tma_maps:
         return None  # the TMA kernels do not take it
     return k

@@ -28,7 +28,7 @@ VARIANTS = ("cp.async", "tma", "tma-w8", "tma-w8s3", "tma-r128s3", "tma-w8s2r128
 
 def _compile(job):
     from convdsl import policy
-    from convdsl.stream import plan_stream_kernel
+    from convdsl.stream import planned_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
@@ -51,7 +51,7 @@ def _compile(job):
         return t
 
     with policy.overrides(tma_grad_weight_reason=reason, tma_grad_weight_tiles=tiles):
-        return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
+        return planned_stream_kernel(p.with_(name=f"{p.name}:{variant}"), Target("cuda", "sm_90"), Knobs(),
                                   compile=True, tma=variant != "cp.async")
 
 

@@ -62,7 +62,7 @@ def _tiles(variant, rule_tiles, q, target):
 
 def _compile(job):
     from convdsl import policy
-    from convdsl.stream import plan_stream_kernel
+    from convdsl.stream import planned_stream_kernel
     from convdsl.targets import Target
     from convdsl.tuning.knobs import Knobs
 
@@ -76,11 +76,11 @@ def _compile(job):
         return rule_parts(q, tiles, target)
 
     if variant == "new":  # the policy as it is
-        return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), target, Knobs(), compile=True, tma=True)
+        return planned_stream_kernel(p.with_(name=f"{p.name}:{variant}"), target, Knobs(), compile=True, tma=True)
     with policy.overrides(tma_grad_weight_tiles=lambda q, target: _tiles(variant, rule_tiles, q, target),
                           tma_grad_weight_parts=parts,
                           tma_grad_weight_specialised=lambda tiles: variant.startswith("ws-")):
-        return plan_stream_kernel(p.with_(name=f"{p.name}:{variant}"), target, Knobs(), compile=True, tma=True)
+        return planned_stream_kernel(p.with_(name=f"{p.name}:{variant}"), target, Knobs(), compile=True, tma=True)
 
 
 def build(out: Path, variants: list[str] | None = None, extra: bool = False) -> None:

@@ -41,7 +41,10 @@ class Stage:
 
 
 def plan_kernels(stage: Stage) -> Stage:
-    # every decision (stride phases, split-K, fp8 types, depthwise form) is made before any IR exists
+    # every decision (stride phases, split-K, fp8 types, depthwise form) is made before any IR exists; plans
+    # the compile driver made (compiler.plan, shared with the stream bundle) are taken as they are
+    if stage.plans:
+        return stage
     knobs = dict(stage.knobs)
     return replace(stage, plans=tuple(plan_kernel(p, stage.target, knobs.get(p.name)) for p in stage.problems))
 
@@ -149,8 +152,14 @@ def run_pipeline(
     observe: Optional[Callable[[str, Stage], None]] = None,
     knobs: Optional[Mapping[str, Knobs]] = None,
     progress: Optional[ProgressFn] = None,
+    plans: Sequence[KernelPlan] = (),
 ) -> Stage:
-    stage = Stage(tuple(problems), target, knobs=tuple(sorted((knobs or {}).items())), progress=progress)
+    """The pipeline over `problems`, planned with `knobs` (by kernel name; the rules' where absent), or taking
+    `plans` already made for them (one per problem, in order)."""
+    if plans and [pl.problem for pl in plans] != list(problems):
+        raise ValueError("plans: expected one plan per problem, in the problems' order")
+    stage = Stage(tuple(problems), target, plans=tuple(plans), knobs=tuple(sorted((knobs or {}).items())),
+                  progress=progress)
     for name, pass_fn in PIPELINE:
         stage = pass_fn(stage)
         if stage.module is not None and not stage.module.operation.verify():
@@ -161,5 +170,6 @@ def run_pipeline(
 
 
 def lower_to_mlir(problems: Sequence[ConvProblem], target: Target,
-                  knobs: Optional[Mapping[str, Knobs]] = None, progress: Optional[ProgressFn] = None) -> str:
-    return str(run_pipeline(problems, target, knobs=knobs, progress=progress).module)
+                  knobs: Optional[Mapping[str, Knobs]] = None, progress: Optional[ProgressFn] = None,
+                  plans: Sequence[KernelPlan] = ()) -> str:
+    return str(run_pipeline(problems, target, knobs=knobs, progress=progress, plans=plans).module)

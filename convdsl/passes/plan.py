@@ -1,14 +1,26 @@
-"""The plan of a kernel: every decision made before IR is built, gathered in one frozen record so that
-`convdsl explain` can show it (passes/explain.py).  The decisions themselves are convdsl/policy's."""
+"""The plan of a kernel: every decision made before any IR or binary is built, gathered in one frozen record
+that both artifacts are built from (compiler.compile: the .vmfb module's pipeline lowers it; the stream bundle
+compiles its `stream` launches) and that `convdsl explain` shows (passes/explain.py).  The decisions themselves
+are convdsl/policy's; `plan` looks the kernel's knobs up once (the tuning database's entry, else the rules').
+
+    plan = plan(problem, Target("cuda", "sm_90"))   # form, phases, split, tiles, launches; stream kernel or why not
+"""
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
 from .. import policy
 from ..algebra import Phase, SplitK, dy_padding, grad_input_phases, plan_split_k, x_window
+from ..kernels.elementwise_launches import round_fp8_launch, space_to_depth_launch, transpose_launch
+from ..kernels.launch import Launch
+from ..kernels.stream_kernel import StreamKernel, uncompiled
 from ..problem import ConvProblem
 from ..targets import Target
+from ..backends.iree import iree_version
+from ..tuning import db
 from ..tuning.knobs import Knobs
 from . import bf16x3
 
@@ -57,18 +69,62 @@ class KernelPlan:
     depthwise_widths: tuple[int, ...] = ()
     # im2col grad_weight: split-K chunks per image along the first output dimension (policy.cpu_im2col_row_chunks)
     row_chunks: int = 1
+    # the knobs every field above was decided with, and where they come from (the tuning database or the rules)
+    knobs: Knobs = Knobs()
+    knobs_source: str = "knobs given"
+    # CUDA: the same kernel on a framework's stream (convdsl.torch), its launches planned, not yet compiled; on
+    # Hopper it may take TMA kernels, which an IREE module cannot (its dispatches get buffers, not the tensor
+    # maps the runner makes per call), so the module embeds `extern`'s cp.async launches.  None with the reason
+    # in `stream_reason` where there is none.
+    stream: Optional[StreamKernel] = None
+    stream_reason: Optional[str] = None
 
 
-def plan_kernel(problem: ConvProblem, target: Target, knobs: Optional[Knobs] = None) -> KernelPlan:
-    """The kernel's plan, with `knobs` (the tuned ones the compile driver looked up, or a tuning candidate
-    laid over them: Knobs.over); the fields they leave None follow policy's rules."""
+ON_CPU = "none on the CPU (IREE's own configuration)"
+BY_RULES = "rules (convdsl/policy): no tuning database entry for this problem and target"
+
+
+def lookup_knobs(p: ConvProblem, target: Target) -> tuple[Knobs, str]:
+    """`p`'s knobs on `target` and where they come from (`convdsl explain` prints it): the tuning database's
+    entry (db.lookup: this IREE's, else the newest other version's), else policy's rules; none on the CPU."""
+    if target.backend == "cpu":
+        return Knobs(), ON_CPU
+    version = iree_version()  # "not installed" (a machine that only runs kernels): the newest entry serves
+    tuned = db.lookup(p, target, version)
+    if tuned is None and p.op == "grad_weight" and p.out_dtype is not None:
+        # grad_weight's result dtype is the sum's store only: the GEMM tuned for the arguments' dtype serves
+        tuned = db.lookup(p.with_(out_dtype=None), target, version)
+    if tuned is not None:
+        return tuned.knobs, tuned.source
+    return policy.knobs_for(p, target, None), BY_RULES
+
+
+def plan(problem: ConvProblem, target: Target) -> KernelPlan:
+    """The kernel's plan with its knobs looked up once (lookup_knobs): both artifacts are built from it, so the
+    IREE module and the stream kernel of a problem never take different knobs."""
+    knobs, source = lookup_knobs(problem, target)
+    return plan_kernel(problem, target, knobs, source)
+
+
+def plan_kernel(problem: ConvProblem, target: Target, knobs: Optional[Knobs] = None,
+                knobs_source: str = "knobs given", tma: bool = True) -> KernelPlan:
+    """The kernel's plan, with `knobs` (looked up by `plan`, or a tuning candidate laid over them: Knobs.over);
+    the fields they leave None follow policy's rules.  tma: whether the stream kernel may take a TMA kernel
+    (Triton's interpreter runs none; sweeps of cp.async tiles plan without them)."""
     knobs = knobs if knobs is not None else Knobs()
+    module = _module_plan(problem, target, knobs)
+    stream, reason = _stream_plan(problem, target, knobs, knobs_source, tma, module.extern,
+                                  policy.overrides_generation())
+    return replace(module, knobs=knobs, knobs_source=knobs_source, stream=stream, stream_reason=reason)
+
+
+def _module_plan(problem: ConvProblem, target: Target, knobs: Knobs) -> KernelPlan:
     policy.pad_form(problem, target, knobs)  # a bad zero-border form is refused whichever form is taken
     use, _, reason = policy.extern_choice(problem, target, knobs)
     if use:
         return _plan_extern(problem, target, knobs)
-    plan = _with_ir_knobs(_plan_by_rules(problem, target), knobs, target)
-    return replace(plan, linalg_reason=reason) if target.backend == "cuda" else plan
+    planned = _with_ir_knobs(_plan_by_rules(problem, target), knobs, target)
+    return replace(planned, linalg_reason=reason) if target.backend == "cuda" else planned
 
 
 def _plan_extern(problem: ConvProblem, target: Target, knobs: Knobs) -> KernelPlan:
@@ -109,10 +165,10 @@ def _plan_bf16x3(problem: ConvProblem, target: Target) -> KernelPlan:
     # The f32 kernel's form decides.  Depthwise and gather kernels are bound by memory (a few MACs per
     # loaded value): matrix units bring them nothing and the split would triple their reads, so they
     # keep the plain f32 plan (on the FMA units).  The CPU runs the split kernel like a GPU does.
-    plain = _implicit_gemm(plan_kernel(problem.with_(compute=None), target))
+    plain = _implicit_gemm(_module_plan(problem.with_(compute=None), target, Knobs()))
     if plain.form != "implicit-gemm":
         return replace(plain, problem=problem)
-    inner = _implicit_gemm(plan_kernel(bf16x3.split_problem(problem), target))
+    inner = _implicit_gemm(_module_plan(bf16x3.split_problem(problem), target, Knobs()))
     assert inner.form == "implicit-gemm", inner.form  # a longer reduction never turns a GEMM into a gather
     if inner.pad_form == "fuse":
         # the hi/lo split feeding a tensor.pad fused into the contraction computed garbage (CK 3D
@@ -174,3 +230,82 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
                       if form == "depthwise-named" else 0,
                       row_chunks=policy.cpu_im2col_row_chunks(problem)
                       if form == "im2col" and problem.op == "grad_weight" else 1)
+
+
+# --- the stream kernel ------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=256)
+def _stream_plan(p: ConvProblem, target: Target, knobs: Knobs, source: str, tma: bool,
+                 extern: Optional[policy.ExternLaunches], rules: int) -> tuple[Optional[StreamKernel], Optional[str]]:
+    # a pure function of frozen arguments (policy.overrides arrives as the rules' generation): cached, so that asking
+    # whether a kernel exists and then building it plans it once
+    if target.backend != "cuda":
+        return None, f"stream kernels are CUDA kernels; target is {target.backend}"
+    if p.epilogue.steps or p.prologue.kind != "none":  # the stream kernels apply a scale at most
+        return None, "the stream kernels take no fused epilogue steps or prologue"
+    use, _, reason = policy.extern_choice(p, target, knobs)
+    if not use:
+        return None, reason
+    try:
+        return _stream_kernel(p, target, knobs, source, tma, extern), None
+    except ValueError as err:  # a plan the kernels cannot run (a split_k the TMA kernel cannot cut, ...)
+        return None, str(err)
+
+
+def _stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str, tma: bool,
+                   extern: Optional[policy.ExternLaunches]) -> StreamKernel:
+    """The stream kernel's launches as policy decides them with `knobs`: a TMA kernel where one applies, else the
+    module's cp.async launches (`extern`), or those of the space-to-depth regrouped forward."""
+    tma_plan = policy.tma_stream_launch(p, target, knobs) if tma else None
+    if tma_plan is not None:
+        launch, maps, flipped, partials, tiles, staging, weight_copy = tma_plan
+        summed = uncompiled(policy.split_k_sum(p, partials, launch.name, target)) if p.op == "grad_weight" else None
+        q = policy.grad_input_as_forward(p) if flipped else p
+        halo_splits = policy.halo_forward_split(q, target) if launch.kernel == "forward_halo" else 0
+        promote = (policy.tma_grad_weight_promote(p, tiles)
+                   if p.dtype == "f32" and launch.kernel == "grad_weight_tma" else 0)
+        return StreamKernel(p, target.arch, p, (), (uncompiled(launch),), partials, tiles.label(), source, summed,
+                            weight_axes=weight_copy, tma_maps=maps, tma_flipped_weight=flipped,
+                            staging=tuple(uncompiled(la) for la, _ in staging),
+                            staged_shapes=tuple(shape for _, shape in staging),
+                            halo_splits=halo_splits, promote_every=promote)
+    # a few-channel strided forward runs stride 1 over its operands regrouped space-to-depth (two copies first)
+    regrouped = policy.space_to_depth_forward(p)
+    ext = policy.extern_launches(regrouped, target, knobs) if regrouped else extern
+    if ext is None:
+        _, _, reason = policy.extern_choice(regrouped or p, target, knobs)
+        raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {reason}")
+    base = ext.launches[0].name
+    staging = tuple(space_to_depth_launch(p, regrouped, name, base) for name in p.arg_names) if regrouped else ()
+    summed = uncompiled(policy.split_k_sum(p, ext.partials_shape, base, target)) if p.op == "grad_weight" else None
+    rounds = ()
+    if p.fp8_compute:
+        rounds = tuple(uncompiled(round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}"))
+                       for i, (shape, dtype, kind) in enumerate(zip(p.arg_shapes, p.arg_dtypes, p.compute)))
+    copy_in, copy_out = _layout_copies(p, ext.copied_channels_last, base, p.op != "grad_weight")
+    return StreamKernel(p, target.arch, ext.problem, ext.copied_channels_last, tuple(map(uncompiled, ext.launches)),
+                        ext.partials_shape, ext.tiles.label(), source, summed, rounds, ext.weight_axes,
+                        tuple(map(uncompiled, copy_in)), uncompiled(copy_out) if copy_out else None,
+                        staging=tuple(uncompiled(la) for la, _ in staging),
+                        staged_shapes=tuple(shape for _, shape in staging))
+
+
+def _layout_copies(p: ConvProblem, copied: tuple[str, ...], base: str, result_copied: bool
+                   ) -> tuple[tuple[Launch, ...], Optional[Launch]]:
+    """The transposes of the NGCHW arguments in `copied` to NHWGC (per image: [G*C, positions] to its transpose)
+    and of the NHWGC result back; none at all where one would not fit CUDA's grid."""
+    if not copied:
+        return (), None
+    ins = []
+    for name in copied:
+        i = p.arg_names.index(name)
+        shape = p.arg_shapes[i]  # (N, G, C, spatial...)
+        ins.append(transpose_launch(shape[0], shape[1] * shape[2], math.prod(shape[3:]), p.arg_dtypes[i],
+                                    f"{base}_{name}"))
+    out = None
+    if result_copied:
+        shape = p.result_shape
+        out = transpose_launch(shape[0], math.prod(shape[3:]), shape[1] * shape[2], p.result_dtype, f"{base}_out")
+    if any(la is None for la in ins) or (result_copied and out is None):
+        return (), None
+    return tuple(ins), out

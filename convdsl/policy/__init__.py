@@ -95,11 +95,11 @@ def overrides(**rules: object) -> Iterator[None]:
     """Replace policy's rules (functions or constants, by name) while the block runs.  A rule is read through the
     name its caller's module binds: the module that defines it, every rule module that imported it (the launch
     builders they call too) and this package.  All of those bindings are replaced, so a replaced rule is what
-    every planner sees (plan_kernel, stream.plan_stream_kernel, the launches), whichever module asks; plans cached
+    the planner sees (passes/plan.plan_kernel: the module's form and launches, the stream kernel's), whichever module asks; plans cached
     before are not served inside the block, nor those made inside after it.
 
         with policy.overrides(tma_grad_weight_parts=lambda p, tiles, target: 4):
-            kernel = stream.plan_stream_kernel(p, target, Knobs(), compile=True)
+            kernel = stream.planned_stream_kernel(p, target, Knobs(), compile=True)
     """
     global _generation
     modules = tuple(vars(m) for m in RULE_MODULES)

@@ -557,7 +557,7 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
     """The TMA plan of p for the stream runner; None where the kernel keeps its cp.async form (tma_forward_reason,
     tma_grad_input_phases_reason, tma_grad_weight_reason, tma_flat_grad_weight_reason).  Tiles in the knobs (the
     tuning database's, or a sweep's) are the cp.async kernel's: the TMA kernels take their own rules' tiles, and a
-    sweep of cp.async tiles plans without them (stream.plan_stream_kernel's `tma`)."""
+    sweep of cp.async tiles plans without them (passes/plan.plan_kernel's `tma`)."""
     if knobs.extern is False:
         return None
     base = re.sub(r"\W", "_", p.name)
