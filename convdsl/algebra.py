@@ -178,3 +178,16 @@ def plan_split_k(p: ConvProblem) -> SplitK:
         # split is one dispatch (a reshape of N into S x N/S); S = 1 when N has no such divisor
         parts = max(s for s in range(1, parts + 1) if p.batch % s == 0)
     return SplitK(parts, "n", tuple(split_chunks(p.batch, parts)))
+
+
+def bf16x3_split_problem(p: ConvProblem) -> ConvProblem:
+    """The bf16 problem that bf16x3's concatenated operands describe (passes/bf16x3.py): the reduction three times
+    longer (C for forward, K for grad_input, N for grad_weight)."""
+    changes: dict = {"dtype": "bf16", "out_dtype": p.result_dtype, "compute": None}
+    if p.op == "forward":
+        changes["in_channels"] = 3 * p.in_channels
+    elif p.op in ("grad_input", "transposed"):
+        changes["out_channels"] = 3 * p.out_channels
+    else:  # grad_weight; with `batch = ?` the nominal batch, the real one comes from the arguments
+        changes["batch"] = 3 * p.batch
+    return p.with_(**changes)

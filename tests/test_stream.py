@@ -243,3 +243,28 @@ def test_a_forward_on_the_phases_kernel_is_described_as_the_forward():
                     weight_layout="GKYXC", dtype="bf16", name="stem")
     text = stream.plan(p, Target("cuda", "sm_90")).stream.describe()
     assert "the forward as one implicit GEMM" in text and "space-to-depth" in text
+
+
+def test_a_machine_without_iree_compiler_plans_and_loads_stream_kernels(tmp_path):
+    # a machine that only runs bundles (convdsl.torch on a GPU host) has PyTorch and iree's runtime at most: the
+    # one planner and the bundle loader must import without IREE's compiler
+    p = BASE.with_(op="grad_weight", name="no_compiler")
+    path = tmp_path / "k.convk"
+    stream.save_bundle([stream.planned_stream_kernel(p, HOPPER, Knobs())], path)
+    script = f"""
+import json
+import sys
+sys.modules["iree.compiler"] = None  # as if not installed
+import convdsl.torch
+from convdsl import stream
+from convdsl.problem import problem_from_spec
+from convdsl.targets import Target
+p = problem_from_spec(json.loads({json.dumps(problem_to_spec(p))!r}))
+plan = stream.plan(p, Target("cuda", "sm_90"))
+(kernel,) = stream.load_bundle({str(path)!r})
+assert plan.stream is not None and kernel.problem == p, plan.stream_reason
+assert "iree.compiler" not in [m for m in sys.modules if sys.modules[m] is not None]
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -38,24 +38,13 @@ from __future__ import annotations
 from iree.compiler import ir
 from iree.compiler.dialects import arith, linalg, tensor
 
+from ..algebra import bf16x3_split_problem as split_problem  # noqa: F401 - the problem the split operands describe
 from ..problem import ConvProblem
 from .ir import PARALLEL, Space, activation_axes, elem_of, empty, generic, sizes_of, tensor_type, weight_axes
 
 # Which of the three blocks holds the lo part: operand A is [hi, hi, lo], operand B is [hi, lo, hi],
 # so that the blocks pair as hi*hi, hi*lo, lo*hi.
 LO_BLOCK = {"a": 2, "b": 1}
-
-
-def split_problem(p: ConvProblem) -> ConvProblem:
-    """The bf16 problem that the concatenated operands describe: the reduction three times longer."""
-    changes: dict = {"dtype": "bf16", "out_dtype": p.result_dtype, "compute": None}
-    if p.op == "forward":
-        changes["in_channels"] = 3 * p.in_channels
-    elif p.op in ("grad_input", "transposed"):
-        changes["out_channels"] = 3 * p.out_channels
-    else:  # grad_weight; with `batch = ?` the nominal batch, the real one comes from the arguments
-        changes["batch"] = 3 * p.batch
-    return p.with_(**changes)
 
 
 def reduction_axis(p: ConvProblem) -> str:

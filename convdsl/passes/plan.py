@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from .. import policy
-from ..algebra import Phase, SplitK, dy_padding, grad_input_phases, plan_split_k, x_window
+from ..algebra import Phase, SplitK, bf16x3_split_problem, dy_padding, grad_input_phases, plan_split_k, x_window
 from ..kernels.elementwise_launches import round_fp8_launch, space_to_depth_launch, transpose_launch
 from ..kernels.launch import Launch
 from ..kernels.stream_kernel import StreamKernel, uncompiled
@@ -22,7 +22,6 @@ from ..targets import Target
 from ..backends.iree import iree_version
 from ..tuning import db
 from ..tuning.knobs import Knobs
-from . import bf16x3
 
 
 @dataclass(frozen=True)
@@ -168,7 +167,7 @@ def _plan_bf16x3(problem: ConvProblem, target: Target) -> KernelPlan:
     plain = _implicit_gemm(_module_plan(problem.with_(compute=None), target, Knobs()))
     if plain.form != "implicit-gemm":
         return replace(plain, problem=problem)
-    inner = _implicit_gemm(_module_plan(bf16x3.split_problem(problem), target, Knobs()))
+    inner = _implicit_gemm(_module_plan(bf16x3_split_problem(problem), target, Knobs()))
     assert inner.form == "implicit-gemm", inner.form  # a longer reduction never turns a GEMM into a gather
     if inner.pad_form == "fuse":
         # the hi/lo split feeding a tensor.pad fused into the contraction computed garbage (CK 3D
