@@ -20,10 +20,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
-from . import cache
+from . import cache, policy
 from .kernels.compile import compile_launch, compile_tma_launch, triton_version
 from .kernels.launch import Binary, Launch, TmaMap
 from .kernels.stream_kernel import StreamKernel, StreamLaunch
+from .kernels.tiles import parse_tiles
 from .passes.plan import KernelPlan, plan, plan_kernel
 from .problem import ConvProblem, problem_from_spec, problem_to_spec
 from .targets import Target
@@ -192,8 +193,24 @@ def _from_record(r: dict) -> StreamKernel:
                               for m in r.get("tma_maps", [])),
                         tuple(r.get("tma_params", [])), bool(r.get("tma_flipped_weight", False)),
                         tuple(_launch_from_record(la) for la in r.get("staging", [])),
-                        tuple(tuple(v) for v in r.get("staged_shapes", [])), r.get("halo_splits", 0),
-                        r.get("promote_every", 0))
+                        tuple(tuple(v) for v in r.get("staged_shapes", [])),
+                        *_compiled_in_decisions(r, problem))
+
+
+def _compiled_in_decisions(r: dict, problem: ConvProblem) -> tuple[int, int]:
+    """The record's halo_splits and promote_every; a bundle written before they were recorded has the rules'
+    values (they have not changed since), so that its kernels still say them."""
+    if "halo_splits" in r:
+        return r["halo_splits"], r["promote_every"]
+    kernels = [la["kernel"] for la in r["launches"]]
+    arch = Target("cuda", r["arch"])
+    halo = 0
+    if kernels == ["forward_halo"]:
+        flipped = bool(r.get("tma_flipped_weight", False))
+        halo = policy.halo_forward_split(policy.grad_input_as_forward(problem) if flipped else problem, arch)
+    promote = (policy.tma_grad_weight_promote(problem, parse_tiles(r["tiles"]))
+               if problem.dtype == "f32" and kernels == ["grad_weight_tma"] else 0)
+    return halo, promote
 
 
 def save_bundle(kernels: Iterable[StreamKernel], path: Union[str, Path]) -> Path:
