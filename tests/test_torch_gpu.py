@@ -685,3 +685,37 @@ def test_double_backward_through_the_native_launcher(channels_last, monkeypatch)
     assert mine(x0.requires_grad_()).grad_fn.name() == "ConvdslConvolutionBackward"
     for got, want in zip(grads["convdsl"], grads["exact"]):
         assert _rel(got, want) <= 1e-4
+
+
+def test_operator_calls_run_native_kernels_once_planned():
+    """The operators (torch.compile's graphs call them) take native.cpp's CUDA kernels once a planned call has a
+    program: repeated calls run without the Python kernel, a signature not seen yet still goes through it, results
+    against float64, and a bad call keeps torch.nn's error type on its way through the C++ kernel."""
+    from convdsl.torch import ops
+
+    assert native.extension() is not None
+    x, w, dy = numeric_tensors(seed=3)
+    want = numeric_reference(x, w, dy)
+    calls = {"n": 0}
+    python_run = runtime.run
+
+    for _ in range(3):  # the first call plans, the second makes the program, then the native kernels take over
+        got = numeric_ops(x, w, dy)
+    assert ops._native_operators and runtime.native_programs()
+    for g, r in zip(got, want):
+        assert _rel(g.double(), r) < 1e-2
+    # calls of a planned signature no longer reach the Python kernel (the dispatcher calls the C++ one)
+    import unittest.mock as mock
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return python_run(*args, **kwargs)
+
+    with mock.patch.object(runtime, "run", counted):  # what every Python kernel calls
+        again = numeric_ops(x, w, dy)
+    assert calls["n"] == 0 and torch.equal(again[1], got[1])
+    # another batch size: the C++ kernel hands it to the Python kernel, which plans it; same numbers per image
+    half = numeric_ops(x[:16], w, dy[:16])
+    assert _rel(half[0].double(), want[0][:16]) < 1e-2 and _rel(half[1].double(), want[1][:16]) < 1e-2
+    with pytest.raises(RuntimeError, match="groups"):
+        torch.ops.convdsl.convolution(x, w, None, [1, 1], [1, 1], [1, 1], [1, 1], 3)

@@ -76,19 +76,27 @@ def _forward(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], str
              groups: int) -> torch.Tensor:
     y = runtime.run("forward", x, w, spatial=x.shape[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
                     pad_hi=pad_hi, dilation=dilation, groups=groups)
+    if not _native_operators and runtime.native_programs():
+        _take_native_operators()
     if bias is not None:
         y = y.add_(bias.view(1, -1, *([1] * (y.dim() - 2))).to(y.dtype))
     return y
 
 
 def _grad_input(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups) -> torch.Tensor:
-    return runtime.run("grad_input", dy, w, spatial=input_size[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
-                       pad_hi=pad_hi, dilation=dilation, groups=groups)
+    dx = runtime.run("grad_input", dy, w, spatial=input_size[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
+                     pad_hi=pad_hi, dilation=dilation, groups=groups)
+    if not _native_operators and runtime.native_programs():
+        _take_native_operators()
+    return dx
 
 
 def _grad_weight(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups) -> torch.Tensor:
-    return runtime.run("grad_weight", x, dy, spatial=x.shape[2:], filt=weight_size[2:], stride=stride,
-                       pad_lo=pad_lo, pad_hi=pad_hi, dilation=dilation, groups=groups)
+    dw = runtime.run("grad_weight", x, dy, spatial=x.shape[2:], filt=weight_size[2:], stride=stride,
+                     pad_lo=pad_lo, pad_hi=pad_hi, dilation=dilation, groups=groups)
+    if not _native_operators and runtime.native_programs():
+        _take_native_operators()
+    return dw
 
 
 def _transposed(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups) -> torch.Tensor:
@@ -116,10 +124,28 @@ _library.define(f"convolution_grad_input(Tensor dy, Tensor w, int[] input_size, 
 _library.define(f"convolution_grad_weight(Tensor x, Tensor dy, int[] weight_size, {_CONV_ARGS}) -> Tensor")
 _library.define("conv_transpose(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] pad_lo, int[] pad_hi, "
                 "int[] output_padding, int[] dilation, int groups) -> Tensor")
+# The three convolutions' CUDA kernels live in a library of their own: once the native extension has a program,
+# they are replaced by its C++ kernels (_take_native_operators), which run a planned signature without Python.
+_cuda_library = torch.library.Library(LIB, "IMPL")
 for _name, _kernel in (("convolution", _forward), ("convolution_grad_input", _grad_input),
                        ("convolution_grad_weight", _grad_weight), ("conv_transpose", _transposed)):
-    for _key in ("CPU", "CUDA"):
-        _library.impl(_name, _kernel, _key)
+    _library.impl(_name, _kernel, "CPU")
+    (_library if _name == "conv_transpose" else _cuda_library).impl(_name, _kernel, "CUDA")
+_native_operators = False
+
+
+def _take_native_operators() -> None:
+    """From the first planned call with a native program on, the dispatcher calls native.cpp's kernels for the
+    three convolutions on CUDA (torch.compile's graphs call them ~50 times a step, where the Python kernel's host
+    time decided the step's); they call the Python kernels for signatures without a program.  The Python CUDA
+    kernels are removed first, so that no kernel is registered twice."""
+    global _native_operators
+    _native_operators = True
+    ext = native.extension()
+    if ext is None:
+        return
+    _cuda_library._destroy()
+    ext.take_operators(LIB, _forward, _grad_input, _grad_weight)
 
 convolution = torch.ops.convdsl.convolution.default
 convolution_grad_input = torch.ops.convdsl.convolution_grad_input.default

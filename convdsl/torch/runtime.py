@@ -347,6 +347,15 @@ def _call_of(key: tuple, op: str, a: torch.Tensor, b: torch.Tensor,
 # per call key (run's): the planned call's program in the native launcher, or None where it has none; the
 # operators' calls (torch.compile's, the general eager path's) then launch from C++ as the eager plans do
 _programs: dict[tuple, Optional[object]] = {}
+OPERATOR_CODES = {"forward": 0, "grad_input": 1, "grad_weight": 2}  # native.cpp's OperatorKind
+
+
+_native_made = False  # whether a planned call has a program of the native extension
+
+
+def native_programs() -> bool:
+    """Whether a planned call has a program of the native extension (then the operators can take its kernels)."""
+    return _native_made
 
 
 def _native_program(call: _Call, a: torch.Tensor, b: torch.Tensor) -> Optional[object]:
@@ -395,6 +404,11 @@ def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], fi
         if key not in _programs:  # its second call: planned, so worked out once
             program = _programs[key] = _native_program(call, a, b)
             if program is not None:
+                global _native_made
+                _native_made = True
+                # the operators' native kernels (ops.py) run this signature's calls from now on without Python
+                native.extension().remember(OPERATOR_CODES[op], a, b, list(spatial), list(filt), list(stride),
+                                            list(pad_lo), list(pad_hi), list(dilation), groups, program)
                 return program.run(a, b)
         if aligned(a, b):  # the kernels read the values through data pointers; autograd is the ops' own
             return call.launch(a, b)

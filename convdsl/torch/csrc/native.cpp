@@ -15,10 +15,15 @@
 #include <cuda.h>
 #include <dlfcn.h>
 
+#include <torch/library.h>
+
 #include <array>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 namespace py = pybind11;
@@ -350,6 +355,149 @@ at::Tensor run_program(const Program& program, const at::Tensor& a, const at::Te
   return program.run(a, b);
 }
 
+// --- the operators' CUDA kernels ----------------------------------------------------------------------------
+// ops.py's torch.library operators (what torch.compile's graphs and the general path call) find the program of a
+// call here, by its signature, and run it without Python; a signature not seen planned yet goes to the Python
+// kernel (runtime.run), which plans it and, from its second call, hands its program here (remember).
+
+enum OperatorKind { kForwardOp = 0, kGradInputOp = 1, kGradWeightOp = 2 };
+
+// runtime._key's fields: op, both arguments' shapes and strides, dtypes and device, the problem's sizes and
+// parameters, and whether TF32 is allowed (f32 calls plan tf32 compute then)
+struct OperatorKey {
+  std::vector<int64_t> ints;
+  bool operator==(const OperatorKey& other) const { return ints == other.ints; }
+};
+
+struct OperatorKeyHash {
+  size_t operator()(const OperatorKey& k) const {
+    size_t h = k.ints.size();
+    for (int64_t v : k.ints) h ^= std::hash<int64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    return h;
+  }
+};
+
+void append(std::vector<int64_t>& ints, c10::IntArrayRef values) {
+  ints.push_back(static_cast<int64_t>(values.size()));
+  ints.insert(ints.end(), values.begin(), values.end());
+}
+
+OperatorKey operator_key(int op, const at::Tensor& a, const at::Tensor& b, c10::IntArrayRef spatial,
+                         c10::IntArrayRef filt, c10::IntArrayRef stride, c10::IntArrayRef pad_lo,
+                         c10::IntArrayRef pad_hi, c10::IntArrayRef dilation, int64_t groups) {
+  OperatorKey k;
+  k.ints.reserve(64);
+  k.ints.push_back(op);
+  append(k.ints, a.sizes());
+  append(k.ints, a.strides());
+  append(k.ints, b.sizes());
+  append(k.ints, b.strides());
+  k.ints.push_back(static_cast<int64_t>(a.scalar_type()));
+  k.ints.push_back(static_cast<int64_t>(b.scalar_type()));
+  k.ints.push_back(a.get_device());
+  for (auto values : {spatial, filt, stride, pad_lo, pad_hi, dilation}) append(k.ints, values);
+  k.ints.push_back(groups);
+  k.ints.push_back(at::globalContext().allowTF32CuDNN());
+  return k;
+}
+
+struct Operators {
+  std::mutex lock;  // the forward runs on the caller's thread, a compiled backward on autograd's
+  std::unordered_map<OperatorKey, std::shared_ptr<Program>, OperatorKeyHash> programs;
+  py::object python[3];  // ops.py's Python kernels, for the signatures not here
+  std::unique_ptr<torch::Library> library;
+
+  std::shared_ptr<Program> find(const OperatorKey& key) {
+    std::lock_guard<std::mutex> guard(lock);
+    auto found = programs.find(key);
+    return found == programs.end() ? nullptr : found->second;
+  }
+};
+
+Operators& operators() {
+  static Operators* all = new Operators();  // never destroyed: its Python objects outlive the interpreter's exit
+  return *all;
+}
+
+std::vector<int64_t> ints(c10::IntArrayRef values) { return std::vector<int64_t>(values.begin(), values.end()); }
+
+template <typename... Args>
+at::Tensor python_kernel(int op, Args&&... args) {
+  py::gil_scoped_acquire gil;
+  // a Python error keeps its type (torch.nn's RuntimeError, ValueError) on its way back to the caller
+  return operators().python[op](std::forward<Args>(args)...).template cast<at::Tensor>();
+}
+
+at::Tensor forward_operator(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                            c10::IntArrayRef stride, c10::IntArrayRef pad_lo, c10::IntArrayRef pad_hi,
+                            c10::IntArrayRef dilation, int64_t groups) {
+  const auto program = operators().find(operator_key(kForwardOp, x, w, x.sizes().slice(2), w.sizes().slice(2),
+                                                     stride, pad_lo, pad_hi, dilation, groups));
+  if (!program) {
+    return python_kernel(kForwardOp, x, w, bias, ints(stride), ints(pad_lo), ints(pad_hi), ints(dilation), groups);
+  }
+  c10::cuda::CUDAGuard device(x.device());
+  at::Tensor y = program->run(x, w);
+  if (bias.has_value() && bias->defined()) {
+    std::vector<int64_t> shape(y.dim(), 1);
+    shape[1] = -1;
+    y.add_(bias->view(shape).to(y.scalar_type()));
+  }
+  return y;
+}
+
+at::Tensor grad_input_operator(const at::Tensor& dy, const at::Tensor& w, c10::IntArrayRef input_size,
+                               c10::IntArrayRef stride, c10::IntArrayRef pad_lo, c10::IntArrayRef pad_hi,
+                               c10::IntArrayRef dilation, int64_t groups) {
+  const auto program = operators().find(operator_key(kGradInputOp, dy, w, input_size.slice(2), w.sizes().slice(2),
+                                                     stride, pad_lo, pad_hi, dilation, groups));
+  if (!program) {
+    return python_kernel(kGradInputOp, dy, w, ints(input_size), ints(stride), ints(pad_lo), ints(pad_hi),
+                         ints(dilation), groups);
+  }
+  c10::cuda::CUDAGuard device(dy.device());
+  return program->run(dy, w);
+}
+
+at::Tensor grad_weight_operator(const at::Tensor& x, const at::Tensor& dy, c10::IntArrayRef weight_size,
+                                c10::IntArrayRef stride, c10::IntArrayRef pad_lo, c10::IntArrayRef pad_hi,
+                                c10::IntArrayRef dilation, int64_t groups) {
+  const auto program = operators().find(operator_key(kGradWeightOp, x, dy, x.sizes().slice(2),
+                                                     weight_size.slice(2), stride, pad_lo, pad_hi, dilation, groups));
+  if (!program) {
+    return python_kernel(kGradWeightOp, x, dy, ints(weight_size), ints(stride), ints(pad_lo), ints(pad_hi),
+                         ints(dilation), groups);
+  }
+  c10::cuda::CUDAGuard device(x.device());
+  return program->run(x, dy);
+}
+
+// The operators' CUDA kernels become these (ops.py has removed its Python ones first); `python`: its Python
+// kernels (forward, grad_input, grad_weight), called for signatures without a program.
+void take_operators(const std::string& ns, py::object forward, py::object grad_input, py::object grad_weight) {
+  Operators& all = operators();
+  TORCH_CHECK(!all.library, "convdsl: the operators' CUDA kernels are already the native ones");
+  all.python[kForwardOp] = std::move(forward);
+  all.python[kGradInputOp] = std::move(grad_input);
+  all.python[kGradWeightOp] = std::move(grad_weight);
+  all.library = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::CUDA, __FILE__,
+                                                 __LINE__);
+  all.library->impl("convolution", &forward_operator);
+  all.library->impl("convolution_grad_input", &grad_input_operator);
+  all.library->impl("convolution_grad_weight", &grad_weight_operator);
+}
+
+// A planned call's program (runtime.run, from its second call), for the operator calls of its signature.
+void remember(int op, const at::Tensor& a, const at::Tensor& b, std::vector<int64_t> spatial,
+              std::vector<int64_t> filt, std::vector<int64_t> stride, std::vector<int64_t> pad_lo,
+              std::vector<int64_t> pad_hi, std::vector<int64_t> dilation, int64_t groups,
+              std::shared_ptr<Program> program) {
+  auto key = operator_key(op, a, b, spatial, filt, stride, pad_lo, pad_hi, dilation, groups);
+  Operators& all = operators();
+  std::lock_guard<std::mutex> guard(all.lock);
+  all.programs[std::move(key)] = std::move(program);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -382,4 +530,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::shared_ptr<Program>, std::shared_ptr<Program>, std::shared_ptr<Program>, const std::string&,
                     const std::string&, int, int, py::object>());
   m.def("convolution", &convolution);
+  m.def("take_operators", &take_operators);
+  m.def("remember", &remember);
 }
