@@ -1,5 +1,6 @@
 // convdsl.torch's planned convolutions in C++: the launches of a call and its autograd node, so that an eager
-// training step spends no Python between a module's forward and its kernels' launches, nor any in backward.
+// training step spends no Python between a module's forward and its kernels' launches, nor any in backward; and
+// the operators' CUDA kernels, so that torch.compile's graphs call a planned convolution without Python either.
 //
 // What a call launches is decided in Python, once per signature (convdsl/torch/native.py builds a Program from a
 // stream kernel: which buffers to allocate, which kernels to launch on which buffers, which TMA descriptors to
