@@ -14,12 +14,12 @@ from typing import Optional
 
 from .. import policy
 from ..algebra import Phase, SplitK, bf16x3_split_problem, dy_padding, grad_input_phases, plan_split_k, x_window
+from ..backends.iree import iree_version
 from ..kernels.elementwise_launches import round_fp8_launch, space_to_depth_launch, transpose_launch
 from ..kernels.launch import Launch
 from ..kernels.stream_kernel import StreamKernel, uncompiled
 from ..problem import ConvProblem
 from ..targets import Target
-from ..backends.iree import iree_version
 from ..tuning import db
 from ..tuning.knobs import Knobs
 
