@@ -19,6 +19,8 @@ Ordering: IREE runs on its own CUDA stream.  Before a call the framework's curre
 """
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -33,6 +35,14 @@ DRIVER_DEVICE_TYPES = {"local-task": (KDL_CPU, KDL_CUDA_HOST), "local-sync": (KD
 DTYPE_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 # IREE's CPU device refuses to import host memory that starts elsewhere ("must be aligned to 64")
 HOST_ALIGNMENT = 64
+# PyTorch's intra-op threads (OpenMP; libgomp waits by spinning) spin for milliseconds after each parallel op, on
+# the cores IREE's local-task workers then run a kernel on, and the kernel waits for the worker that shares a core
+# with them: the first CPU kernel call on torch tensors caps PyTorch's threads at this many (0 leaves them; a
+# later torch.set_num_threads is the caller's choice): docs/decisions.md#cpu-torch-threads
+TORCH_CPU_THREADS_ENV = "CONVDSL_TORCH_CPU_THREADS"
+DEFAULT_TORCH_CPU_THREADS = 1
+
+log = logging.getLogger("convdsl.interop")
 
 
 def empty(shape: Sequence[int], dtype: Any = np.float32) -> np.ndarray:
@@ -194,10 +204,38 @@ class DLPackKernel:
         return copy
 
 
-def torch_call(module, name: str, *tensors: Any, out: Optional[Any] = None) -> Any:
-    """`name`'s kernel on torch tensors (on the module's device), into `out` or a new tensor."""
+def torch_cpu_threads() -> int:
+    """The most intra-op threads PyTorch keeps once a CPU kernel ran on torch tensors (TORCH_CPU_THREADS_ENV,
+    default DEFAULT_TORCH_CPU_THREADS; 0: no cap)."""
+    value = os.environ.get(TORCH_CPU_THREADS_ENV, "").strip()
+    return int(value) if value else DEFAULT_TORCH_CPU_THREADS
+
+
+_torch_threads_capped = False
+
+
+def cap_torch_threads() -> None:
+    """Once per process: PyTorch's intra-op threads capped at torch_cpu_threads() (see TORCH_CPU_THREADS_ENV)."""
+    global _torch_threads_capped
+    if _torch_threads_capped:
+        return
+    _torch_threads_capped = True
     import torch
 
+    limit, threads = torch_cpu_threads(), torch.get_num_threads()
+    if 0 < limit < threads:
+        torch.set_num_threads(limit)
+        log.info("PyTorch's intra-op threads %d -> %d while IREE's CPU workers run convdsl's kernels (%s=0 leaves "
+                 "them)", threads, limit, TORCH_CPU_THREADS_ENV)
+
+
+def torch_call(module, name: str, *tensors: Any, out: Optional[Any] = None) -> Any:
+    """`name`'s kernel on torch tensors (on the module's device), into `out` or a new tensor.  The first call on
+    the CPU caps PyTorch's intra-op threads (cap_torch_threads)."""
+    import torch
+
+    if not _torch_threads_capped and module.target.driver in HOST_DRIVERS:
+        cap_torch_threads()  # their spinning took the IREE workers' cores (docs/decisions.md#cpu-torch-threads)
     kernels = module.__dict__.setdefault("_dlpack_kernels", {})
     kernel = kernels.get(name) or kernels.setdefault(name, DLPackKernel(module, name))
     if out is None:
@@ -206,4 +244,4 @@ def torch_call(module, name: str, *tensors: Any, out: Optional[Any] = None) -> A
     return kernel(*tensors, out=out)
 
 
-__all__ = ["DLPackKernel", "InteropError", "empty", "torch_call"]
+__all__ = ["DLPackKernel", "InteropError", "cap_torch_threads", "empty", "torch_call", "torch_cpu_threads"]

@@ -503,3 +503,29 @@ def test_native_launcher_is_skipped_when_disabled(monkeypatch):
 def test_native_launcher_source_is_installed_with_the_package():
     """The extension is built from the installed package's source at first use: it must ship with it."""
     assert native.SOURCE.is_file() and "PYBIND11_MODULE" in native.SOURCE.read_text()
+
+
+@pytest.mark.parametrize("setting, want", [(None, 1), ("0", 3), ("2", 2)])
+def test_first_cpu_kernel_call_caps_torchs_intra_op_threads(monkeypatch, setting, want):
+    """PyTorch's OpenMP threads spin after each op on the cores IREE's CPU workers run the next kernel on
+    (docs/decisions.md#cpu-torch-threads): the first CPU kernel call caps them (CONVDSL_TORCH_CPU_THREADS, default
+    1; 0 leaves them), once, so a later torch.set_num_threads stands."""
+    from convdsl import interop
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(interop, "_torch_threads_capped", False)
+    if setting is None:
+        monkeypatch.delenv(interop.TORCH_CPU_THREADS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(interop.TORCH_CPU_THREADS_ENV, setting)
+    try:
+        torch.set_num_threads(3)
+        mod, ref = _pair("Conv2d", dict(in_channels=4, out_channels=6, kernel_size=3, padding=1), torch.float32)
+        x = torch.randn(2, 4, 6, 6)
+        assert _rel(mod(x), ref(x.double())) <= 1e-5
+        assert torch.get_num_threads() == want
+        torch.set_num_threads(3)
+        mod(x)
+        assert torch.get_num_threads() == 3  # capped once: the caller's later setting stands
+    finally:
+        torch.set_num_threads(before)
