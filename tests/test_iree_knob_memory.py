@@ -144,8 +144,8 @@ def test_explain_and_manifest_say_which_kernels_kept_irees_configuration(monkeyp
     source.write_text("conv c { dims = 2; batch = 1; in_channels = 128; out_channels = 128; input = [16, 16]; "
                       "filter = [3, 3]; padding = 1; dtype = f16 }\nkernel dgrad = grad_input(c)\n")
     knobs = Knobs(n_scale=2)
-    monkeypatch.setattr(compiler, "tuned_knobs", lambda p, target: (knobs, "test"))
-    monkeypatch.setattr("convdsl.cli.tuned_knobs", lambda p, target: (knobs, "test"))
+    # the one lookup both `compile` and `explain` plan with
+    monkeypatch.setattr("convdsl.passes.plan.lookup_knobs", lambda p, target: (knobs, "test"))
     assert main(["explain", str(source), "--target", "rocm", "--stage", "plan"]) == 0
     assert "not compiled into the cache yet" in capsys.readouterr().out
     _reject_edited(monkeypatch)
