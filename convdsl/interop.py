@@ -41,6 +41,9 @@ HOST_ALIGNMENT = 64
 # later torch.set_num_threads is the caller's choice): docs/decisions.md#cpu-torch-threads
 TORCH_CPU_THREADS_ENV = "CONVDSL_TORCH_CPU_THREADS"
 DEFAULT_TORCH_CPU_THREADS = 1
+# the default cap applies on machines of at most this many cores (where it was measured to pay); on more, one
+# thread would slow PyTorch's own ops by more than the kernels gain, unmeasured: the default leaves them
+CAPPED_MOST_CORES = 4
 
 log = logging.getLogger("convdsl.interop")
 
@@ -205,10 +208,12 @@ class DLPackKernel:
 
 
 def torch_cpu_threads() -> int:
-    """The most intra-op threads PyTorch keeps once a CPU kernel ran on torch tensors (TORCH_CPU_THREADS_ENV,
-    default DEFAULT_TORCH_CPU_THREADS; 0: no cap)."""
+    """The most intra-op threads PyTorch keeps once a CPU kernel ran on torch tensors (TORCH_CPU_THREADS_ENV;
+    by default DEFAULT_TORCH_CPU_THREADS on machines of at most CAPPED_MOST_CORES cores, else no cap; 0: no cap)."""
     value = os.environ.get(TORCH_CPU_THREADS_ENV, "").strip()
-    return int(value) if value else DEFAULT_TORCH_CPU_THREADS
+    if value:
+        return int(value)
+    return DEFAULT_TORCH_CPU_THREADS if (os.cpu_count() or 1) <= CAPPED_MOST_CORES else 0
 
 
 _torch_threads_capped = False

@@ -505,15 +505,17 @@ def test_native_launcher_source_is_installed_with_the_package():
     assert native.SOURCE.is_file() and "PYBIND11_MODULE" in native.SOURCE.read_text()
 
 
-@pytest.mark.parametrize("setting, want", [(None, 1), ("0", 3), ("2", 2)])
-def test_first_cpu_kernel_call_caps_torchs_intra_op_threads(monkeypatch, setting, want):
+@pytest.mark.parametrize("setting, cores, want", [(None, 2, 1), (None, 64, 3), ("0", 2, 3), ("2", 64, 2)])
+def test_first_cpu_kernel_call_caps_torchs_intra_op_threads(monkeypatch, setting, cores, want):
     """PyTorch's OpenMP threads spin after each op on the cores IREE's CPU workers run the next kernel on
-    (docs/decisions.md#cpu-torch-threads): the first CPU kernel call caps them (CONVDSL_TORCH_CPU_THREADS, default
-    1; 0 leaves them), once, so a later torch.set_num_threads stands."""
+    (docs/decisions.md#cpu-torch-threads): the first CPU kernel call caps them (CONVDSL_TORCH_CPU_THREADS; by
+    default 1 on machines of at most 4 cores, no cap on more; 0 leaves them), once, so a later
+    torch.set_num_threads stands."""
     from convdsl import interop
 
     before = torch.get_num_threads()
     monkeypatch.setattr(interop, "_torch_threads_capped", False)
+    monkeypatch.setattr(interop.os, "cpu_count", lambda: cores)
     if setting is None:
         monkeypatch.delenv(interop.TORCH_CPU_THREADS_ENV, raising=False)
     else:
