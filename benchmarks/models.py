@@ -245,6 +245,20 @@ def _host_ms_per_step(step: Callable[[int], float], steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _host_profile(step: Callable[[int], float], steps: int, top: int = 15) -> list[list]:
+    """Where a step's host time goes: the operators and runtime calls with the most self CPU time, per step
+    ([name, microseconds, calls]), from PyTorch's profiler; to tell two backends' host-bound steps apart."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return [[e.key[:80], round(e.self_cpu_time_total / steps), e.count // steps] for e in events]
+
+
 def _graphed_step(case: ModelCase, model: nn.Module, opt: torch.optim.Optimizer, losses: list,
                   batches: list) -> Callable[[int], float]:
     """The whole training step (forward, backward, optimizer step) captured in one CUDA graph, as PyTorch's
@@ -342,6 +356,8 @@ def run_case(case: ModelCase, fmt_name: str, mode: str, args: argparse.Namespace
             row[f"{name}_images_per_s"] = round(statistics.median(rates[name]), 1)
             row[f"{name}_gpu_ms_per_step"] = round(_gpu_ms_per_step(steps[name], 3), 2)
             row[f"{name}_host_ms_per_step"] = round(_host_ms_per_step(steps[name], 5), 2)
+            if args.host_profile:
+                row[f"{name}_host_profile"] = _host_profile(steps[name], 3)
         fallbacks = sorted({str(w.message) for w in caught if issubclass(w.category, fallback.KernelFallbackWarning)})
     row["speedup"] = round(row["convdsl_images_per_s"] / row["cudnn_images_per_s"], 3)
     row["gpu_speedup"] = round(row["cudnn_gpu_ms_per_step"] / row["convdsl_gpu_ms_per_step"], 3)
@@ -479,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--lr", type=float, default=0.01)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--check-gradients", action="store_true")
+    r.add_argument("--host-profile", action="store_true",
+                   help="also record each backend's operators with the most self CPU time per step")
     r.add_argument("-o", "--out", type=Path)
     args = ap.parse_args(argv)
     return {"record": record, "bundle": bundle, "check": check_layers, "run": run}[args.stage](args)
