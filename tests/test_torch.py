@@ -4,6 +4,7 @@ both memory formats, with and without bias, against torch.nn's convolutions in f
 model built from the modules; DistributedDataParallel over gloo; torch.nn's errors for bad calls."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -287,6 +288,39 @@ def test_torch_compile_with_inductor_on_the_cpu():
     want = model(x)
     want.sum().backward()
     assert _rel(y, want.detach().double()) <= 1e-5 and _rel(grad, x.grad.double()) <= 1e-5
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
+                    reason="torch.compile's default backend (Inductor) needs a C++ compiler on the CPU")
+def test_torch_compile_backend_runs_an_unconverted_models_convolutions(monkeypatch):
+    """torch.compile(model, backend="convdsl"): the model is not converted, yet every convolution of the compiled
+    step, forward and both gradients (a transposed one too), is convdsl's; outputs and gradients as torch.nn's."""
+    from convdsl.torch import runtime
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=4), nn.ReLU(),
+                          nn.ConvTranspose2d(8, 4, 2, stride=2), nn.Flatten(), nn.Linear(256, 3))
+    x = torch.randn(2, 3, 8, 8)
+    want_model = copy.deepcopy(model).double()
+    xd = x.double().requires_grad_()
+    want = want_model(xd)
+    want.square().sum().backward()
+    ops_run = []
+    real_run = runtime.run
+    monkeypatch.setattr(runtime, "run", lambda op, *a, **k: ops_run.append(op) or real_run(op, *a, **k))
+    compiled = torch.compile(model, backend="convdsl")
+    xg = x.clone().requires_grad_()
+    y = compiled(xg)
+    y.square().sum().backward()
+    assert all(type(m) in (nn.Conv2d, nn.ConvTranspose2d, nn.BatchNorm2d, nn.ReLU, nn.Flatten, nn.Linear)
+               for m in model)  # nothing converted
+    # 3 forwards (the transposed one as grad_input's kernel), 2 grad_inputs + the transposed one's forward, 3 grad_weights
+    assert sorted(ops_run) == sorted(["forward"] * 3 + ["grad_input"] * 3 + ["grad_weight"] * 3), ops_run
+    assert _rel(y, want.detach()) <= 1e-5
+    assert _rel(xg.grad, xd.grad) <= 1e-4
+    for mine, exact in zip(model.parameters(), want_model.parameters()):
+        assert _rel(mine.grad, exact.grad) <= 1e-4
 
 
 def test_operator_registrations_pass_opcheck():

@@ -4,6 +4,8 @@ modules, and `convert(model)`.
     import convdsl.torch as ct
     model = ct.convert(torchvision_model)           # its torch.nn convolutions now run convdsl's kernels
     conv = ct.Conv2d(64, 64, 3, padding=1, groups=32)
+    compiled = torch.compile(model, backend="convdsl")   # or no convert(): Inductor takes aten's convolutions as
+                                                         # convdsl's (convdsl/torch/inductor.py)
 
 On CUDA the kernels are launched on PyTorch's current stream (no host synchronisation, CUDA-graph capturable);
 on the CPU they run the IREE module.  See convdsl/torch/runtime.py for the layouts and the paths.

@@ -60,7 +60,7 @@ def _empty_like_format(shape: Sequence[int], like: torch.Tensor, dtype: torch.dt
     return torch.empty(list(shape), dtype=dtype, device=like.device, memory_format=fmt)
 
 
-def _like_forward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def like_forward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """dY in the memory format of its forward's result (channels-last where x or w is, as torch.nn's rule), as
     PyTorch's convolution_backward makes it: the gradients' problems then follow from the forward alone, not
     from the strides whatever op produced dY happened to give (a step traced on fake tensors records them)."""
@@ -109,7 +109,7 @@ def _transposed(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, gr
     return y
 
 
-def _bias_grad(dy: torch.Tensor) -> torch.Tensor:
+def bias_grad(dy: torch.Tensor) -> torch.Tensor:
     return dy.sum(dim=[0, *range(2, dy.dim())])
 
 
@@ -170,7 +170,7 @@ def _convolution_setup(ctx, inputs, output) -> None:
 
 def _convolution_backward(ctx, dy):
     x, w = ctx.saved_tensors
-    dy = _like_forward(dy, x, w)
+    dy = like_forward(dy, x, w)
     stride, pad_lo, pad_hi, dilation, groups = ctx.conv
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
@@ -178,7 +178,7 @@ def _convolution_backward(ctx, dy):
     if ctx.needs_input_grad[1]:
         dw = convolution_grad_weight(x, dy, list(w.shape), stride, pad_lo, pad_hi, dilation, groups)
     if ctx.has_bias and ctx.needs_input_grad[2]:
-        db = _bias_grad(dy)
+        db = bias_grad(dy)
     return dx, dw, db, None, None, None, None, None
 
 
@@ -268,7 +268,7 @@ def _transpose_setup(ctx, inputs, output) -> None:
 
 def _transpose_backward(ctx, dy):
     x, w = ctx.saved_tensors
-    dy = _like_forward(dy, x, w)
+    dy = like_forward(dy, x, w)
     stride, pad_lo, pad_hi, dilation, groups = ctx.conv
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
@@ -276,7 +276,7 @@ def _transpose_backward(ctx, dy):
     if ctx.needs_input_grad[1]:
         dw = convolution_grad_weight(dy, x, list(w.shape), stride, pad_lo, pad_hi, dilation, groups)
     if ctx.has_bias and ctx.needs_input_grad[2]:
-        db = _bias_grad(dy)
+        db = bias_grad(dy)
     return dx, dw, db, None, None, None, None, None, None
 
 
@@ -332,12 +332,12 @@ def _conv_gradients(needs: Sequence[bool], x: torch.Tensor, w: torch.Tensor, dy:
                     conv: tuple) -> tuple:
     """(dx, dw, db) of a convolution, each where `needs` asks.  Under create_graph (grad mode on in backward:
     double backward) through the operators, whose formulas autograd records; else the plain computations."""
-    dy = _like_forward(dy, x, w)
+    dy = like_forward(dy, x, w)
     grad_input, grad_weight = ((convolution_grad_input, convolution_grad_weight) if torch.is_grad_enabled()
                                else (_grad_input, _grad_weight))
     dx = grad_input(dy, w, list(x.shape), *conv) if needs[0] else None
     dw = grad_weight(x, dy, list(w.shape), *conv) if needs[1] else None
-    db = _bias_grad(dy) if needs[2] else None
+    db = bias_grad(dy) if needs[2] else None
     return dx, dw, db
 
 
@@ -352,7 +352,7 @@ class EagerConvTranspose(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        dy = _like_forward(dy, x, w)
+        dy = like_forward(dy, x, w)
         forward, grad_weight = ((convolution, convolution_grad_weight) if torch.is_grad_enabled()  # create_graph
                                 else (_forward, _grad_weight))
         dx = dw = db = None
@@ -361,7 +361,7 @@ class EagerConvTranspose(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = grad_weight(dy, x, list(w.shape), *ctx.conv)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = _bias_grad(dy)
+            db = bias_grad(dy)
         return dx, dw, db, None, None, None, None, None, None
 
 
@@ -445,7 +445,7 @@ def _planned_gradients(plan: _Plan, x: torch.Tensor, w: torch.Tensor, parameter:
     if torch.is_grad_enabled():  # create_graph: differentiable gradients, the weight's cast recorded too
         dx, dw, db = _conv_gradients(needs, x, parameter.to(plan.compute_dtype), dy, plan.conv)
         return dx, None if dw is None else dw.to(plan.weight_dtype), db
-    dy = dy.contiguous(memory_format=plan.forward.result_format)  # _like_forward, worked out once
+    dy = dy.contiguous(memory_format=plan.forward.result_format)  # like_forward, worked out once
     grad_input, grad_weight = plan.gradients_for(dy, x, w, needs)
     dx = dw = db = None
     if needs[0]:
@@ -459,7 +459,7 @@ def _planned_gradients(plan: _Plan, x: torch.Tensor, w: torch.Tensor, parameter:
         if dw.dtype != plan.weight_dtype:
             dw = dw.to(plan.weight_dtype)
     if needs[2]:
-        db = _bias_grad(dy)
+        db = bias_grad(dy)
     return dx, dw, db
 
 

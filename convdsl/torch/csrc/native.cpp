@@ -239,7 +239,7 @@ struct Program {
 struct ConvPlan {
   std::shared_ptr<Program> forward, grad_input, grad_weight;
   at::ScalarType compute_dtype, weight_dtype;
-  at::MemoryFormat dy_format;  // dY is taken in the forward result's format (ops._like_forward)
+  at::MemoryFormat dy_format;  // dY is taken in the forward result's format (ops.like_forward)
   std::vector<int64_t> bias_shape, bias_dims;
   // (x, w, parameter, dy, (needs dx, dw, db)) -> (dx, dw, db): the Python gradients
   py::object python_gradients;
