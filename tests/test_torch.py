@@ -565,3 +565,41 @@ def test_first_cpu_kernel_call_caps_torchs_intra_op_threads(monkeypatch, setting
         assert torch.get_num_threads() == 3  # capped once: the caller's later setting stands
     finally:
         torch.set_num_threads(before)
+
+
+def test_operators_hand_their_cuda_kernels_to_the_native_extension(monkeypatch):
+    """Once a planned call has a native program, the three convolutions' Python CUDA kernels are removed and the
+    extension registers its own (given the Python ones for signatures it has no program for); where registering
+    fails, the Python kernels come back: the operators never lack a CUDA kernel."""
+    from convdsl.torch import ops
+
+    def has_cuda_kernel(name: str) -> bool:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"convdsl::{name}", "CUDA")
+
+    taken = []
+
+    class Extension:
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        def take_operators(self, namespace, *kernels):
+            if self.fails:
+                raise RuntimeError("no registration")
+            taken.append((namespace, kernels))
+
+    names = ("convolution", "convolution_grad_input", "convolution_grad_weight")
+    assert all(map(has_cuda_kernel, names)) and not ops._native_operators
+    try:
+        monkeypatch.setattr(native, "extension", lambda: Extension(fails=False))
+        ops._take_native_operators()
+        assert taken == [("convdsl", (ops._forward, ops._grad_input, ops._grad_weight))]
+        assert not any(map(has_cuda_kernel, names)) and has_cuda_kernel("conv_transpose")  # the extension's now
+        ops._cuda_library = ops._python_cuda_kernels()
+        monkeypatch.setattr(native, "extension", lambda: Extension(fails=True))
+        with pytest.warns(native.NativeUnavailableWarning, match="no registration"):
+            ops._take_native_operators()
+        assert all(map(has_cuda_kernel, names))
+    finally:
+        if not all(map(has_cuda_kernel, names)):
+            ops._cuda_library = ops._python_cuda_kernels()
+        ops._native_operators = False  # as before the test (the extension's were never registered)

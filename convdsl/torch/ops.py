@@ -19,6 +19,7 @@ IREE module through DLPack; on the CPU, the IREE module.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from typing import Optional, Sequence
 
@@ -126,11 +127,21 @@ _library.define("conv_transpose(Tensor x, Tensor w, Tensor? bias, int[] stride, 
                 "int[] output_padding, int[] dilation, int groups) -> Tensor")
 # The three convolutions' CUDA kernels live in a library of their own: once the native extension has a program,
 # they are replaced by its C++ kernels (_take_native_operators), which run a planned signature without Python.
-_cuda_library = torch.library.Library(LIB, "IMPL")
-for _name, _kernel in (("convolution", _forward), ("convolution_grad_input", _grad_input),
-                       ("convolution_grad_weight", _grad_weight), ("conv_transpose", _transposed)):
+_CUDA_KERNELS = (("convolution", _forward), ("convolution_grad_input", _grad_input),
+                 ("convolution_grad_weight", _grad_weight))
+for _name, _kernel in (*_CUDA_KERNELS, ("conv_transpose", _transposed)):
     _library.impl(_name, _kernel, "CPU")
-    (_library if _name == "conv_transpose" else _cuda_library).impl(_name, _kernel, "CUDA")
+_library.impl("conv_transpose", _transposed, "CUDA")
+
+
+def _python_cuda_kernels() -> torch.library.Library:
+    library = torch.library.Library(LIB, "IMPL")
+    for name, kernel in _CUDA_KERNELS:
+        library.impl(name, kernel, "CUDA")
+    return library
+
+
+_cuda_library = _python_cuda_kernels()
 _native_operators = False
 
 
@@ -144,8 +155,14 @@ def _take_native_operators() -> None:
     ext = native.extension()
     if ext is None:
         return
+    global _cuda_library
     _cuda_library._destroy()
-    ext.take_operators(LIB, _forward, _grad_input, _grad_weight)
+    try:
+        ext.take_operators(LIB, _forward, _grad_input, _grad_weight)
+    except RuntimeError as err:  # the operators keep their Python kernels, never none
+        _cuda_library = _python_cuda_kernels()
+        warnings.warn(f"convdsl.torch: the operators' native kernels could not be registered ({err}); operator "
+                      "calls run their Python kernels", native.NativeUnavailableWarning, stacklevel=2)
 
 convolution = torch.ops.convdsl.convolution.default
 convolution_grad_input = torch.ops.convdsl.convolution_grad_input.default
