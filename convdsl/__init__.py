@@ -34,7 +34,10 @@ _LAZY_MODULES = ("interop",)
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        # kept as the package's attribute: later lookups (`convdsl.grad_input(...)` on every call) skip this import
+        globals()[name] = value
+        return value
     if name in _LAZY_MODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'convdsl' has no attribute {name!r}")

@@ -428,10 +428,16 @@ def _check_extra_tensors(problem: ConvProblem, fn: str, extra: Extra) -> None:
             raise ArgumentError(f"{fn}: argument {name!r} expected dtype {dtype} ({side}), got {value.dtype}")
 
 
-def _extra_arrays(problem: ConvProblem, extra: Extra) -> tuple[np.ndarray, ...]:
-    """The checked extra tensors in argument order, per-channel vectors as f32 (G, channels)."""
+def _extra_spec(problem: ConvProblem) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The names and shapes of the problem's tensors after the two operands (worked out once per problem: its
+    shapes are properties computed on every read)."""
+    return tuple(zip(problem.arg_names[2:], problem.arg_shapes[2:]))
+
+
+def _extra_arrays(spec: tuple[tuple[str, tuple[int, ...]], ...], extra: Extra) -> tuple[np.ndarray, ...]:
+    """The checked extra tensors in argument order (spec: _extra_spec), per-channel vectors as f32 (G, channels)."""
     out = []
-    for name, shape in zip(problem.arg_names[2:], problem.arg_shapes[2:]):
+    for name, shape in spec:
         value = extra[name]
         if name in _PER_CHANNEL:
             value = np.ascontiguousarray(value.reshape(shape), dtype=np.float32)
@@ -511,11 +517,12 @@ def get_kernel(problem: ConvProblem, target: Union[str, Target] = "cpu", arch: O
     return kernel
 
 
-# (op, the arrays' shapes and dtypes, the options with their types) -> the problem infer_problem made of them.
+# (op, the arrays' shapes and dtypes, the options with their types) -> the problem infer_problem made of them (and
+# its _extra_spec).
 # Building and checking a ConvProblem took about 50 us a call, a tenth of a small kernel's time; only the arrays'
 # types, shapes and dtypes and the options decide it, so a repeated call takes it from here.  Bounded: a program
 # that calls with ever new shapes only refills it.
-_inferred: dict[tuple, ConvProblem] = {}
+_inferred: dict[tuple, tuple[ConvProblem, tuple]] = {}
 _INFERRED_LIMIT = 4096
 
 
@@ -543,17 +550,19 @@ def _inferred_key(op: str, a: Any, b: Any, extra: Extra, options: Mapping[str, A
 def _run(op: str, a: np.ndarray, b: np.ndarray, options: Mapping[str, Any], extra: Extra,
          target: Union[str, Target], arch: Optional[str], dynamic_batch: bool) -> np.ndarray:
     key = _inferred_key(op, a, b, extra, options)
-    problem = _inferred.get(key) if key is not None else None
-    if problem is None:
+    known = _inferred.get(key) if key is not None else None
+    if known is None:
         problem = infer_problem(op, a, b, **{n: v for n, v in extra.items() if v is not None}, **options)
+        known = (problem, _extra_spec(problem))
         if key is not None:
             if len(_inferred) >= _INFERRED_LIMIT:
                 _inferred.clear()
-            _inferred[key] = problem
+            _inferred[key] = known
+    problem, spec = known
     if dynamic_batch:
         # one module for every batch size: the key no longer depends on N, the kernel accepts any N
         problem = problem.with_(dynamic_batch=True, batch=DYNAMIC_BATCH_NOMINAL)
-    args = (a, b) + _extra_arrays(problem, extra)
+    args = (a, b) + _extra_arrays(spec, extra) if spec else (a, b)
     return get_kernel(problem, target, arch)(*args)
 
 

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from .backends.into_call import HOST_DRIVERS, IntoCall, default_wait
+from .backends.iree import HOST_ALIGNMENT  # IREE's CPU device imports host memory only at this alignment
 from .module import concrete_problem
 
 # DLPack device types (dlpack.h)
@@ -33,8 +35,6 @@ KDL_CPU, KDL_CUDA, KDL_CUDA_HOST, KDL_ROCM = 1, 2, 3, 10
 DRIVER_DEVICE_TYPES = {"local-task": (KDL_CPU, KDL_CUDA_HOST), "local-sync": (KDL_CPU, KDL_CUDA_HOST),
                        "cuda": (KDL_CUDA,), "hip": (KDL_ROCM,)}
 DTYPE_NAMES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-# IREE's CPU device refuses to import host memory that starts elsewhere ("must be aligned to 64")
-HOST_ALIGNMENT = 64
 # PyTorch's intra-op threads (OpenMP; libgomp waits by spinning) spin for milliseconds after each parallel op, on
 # the cores IREE's local-task workers then run a kernel on, and the kernel waits for the worker that shares a core
 # with them: the first CPU kernel call on torch tensors caps PyTorch's threads at this many (0 leaves them; a
@@ -108,6 +108,73 @@ def _synchronize_producers(tensors) -> None:
             return
 
 
+# the call signatures a kernel keeps (a program that calls with ever new shapes only refills them)
+SIGNATURES_KEPT = 256
+
+
+def _signature(tensors) -> Optional[tuple]:
+    """What a call's checks depend on, per tensor: its type, shape, strides, dtype and device (torch: and whether
+    it requires grad, which its DLPack export refuses); None where a tensor is neither a torch tensor nor a NumPy
+    array (such calls are checked every time)."""
+    torch = sys.modules.get("torch")
+    tensor_type = torch.Tensor if torch is not None else None
+    key = []
+    for t in tensors:
+        kind = type(t)
+        if kind is tensor_type:
+            key.append((kind, t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
+        elif kind is np.ndarray:
+            key.append((kind, t.shape, t.strides, t.dtype))
+        else:
+            return None
+    return tuple(key)
+
+
+def _pointer(t: Any) -> int:
+    """The first byte of a torch tensor's or NumPy array's memory."""
+    return t.data_ptr() if hasattr(t, "data_ptr") else t.__array_interface__["data"][0]
+
+
+def _nbytes(t: Any) -> Optional[int]:
+    if hasattr(t, "data_ptr") and hasattr(t, "element_size"):
+        return int(t.numel()) * int(t.element_size())
+    return int(t.nbytes) if isinstance(t, np.ndarray) else None
+
+
+def _device_of(t: Any) -> int:
+    return int(t.__dlpack_device__()[0])
+
+
+def _exporter(t: Any):
+    """A faster way to t's DLPack capsule than `t.__dlpack__()`, or None: a plain CPU torch tensor's is
+    torch._C._to_dlpack itself (what __dlpack__ calls after its checks, which the tensor's signature already
+    passed; about 1.5 us a tensor less)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and type(t) is torch.Tensor and t.device.type == "cpu" and not t.requires_grad:
+        return getattr(torch._C, "_to_dlpack", None)
+    return None
+
+
+class _Plan:
+    """A checked call signature: its concrete problem, each tensor's capsule exporter, size and DLPack device
+    type, and its destination-passing call once made."""
+
+    __slots__ = ("concrete", "host", "exports", "nbytes", "devices", "names", "result_name", "call")
+
+    def __init__(self, concrete, host: bool, exports: list, nbytes: list, devices: list) -> None:
+        self.concrete, self.host, self.exports, self.nbytes, self.devices = concrete, host, exports, nbytes, devices
+        self.names, self.result_name = tuple(concrete.arg_names), concrete.result_name
+        self.call: Optional[IntoCall] = None
+
+    def check_no_overlap(self, pointers: Sequence[int]) -> None:
+        """DLPackKernel._check_no_overlap on the pointers of a call of this signature."""
+        start, end = pointers[-1], pointers[-1] + self.nbytes[-1]
+        for name, ptr, size, device in zip(self.names, pointers, self.nbytes, self.devices):
+            if device == self.devices[-1] and ptr < end and start < ptr + size:
+                raise InteropError(f"{self.concrete.name}: out ({self.result_name!r}) shares memory with argument "
+                                   f"{name!r}; expected a separate output tensor")
+
+
 class DLPackKernel:
     """One kernel of a compiled module, called on tensors that support DLPack (`__dlpack__`)."""
 
@@ -116,6 +183,11 @@ class DLPackKernel:
         self.kernel = module[name]
         self.problem = self.kernel.problem
         self._calls: dict[tuple, Any] = {}
+        # per call signature (every tensor's type, shape, strides, dtype, device): its checks passed once, and what
+        # its calls reuse (docs/decisions.md#cpu-torch-threads: the per-call checks and imports took 1.6-2.2 ms a
+        # training step); signature_hits counts the calls that took a known signature
+        self._plans: dict[tuple, _Plan] = {}
+        self.signature_hits = 0
 
     def result_shape(self, *args: Any) -> tuple[int, ...]:
         return self._concrete(args).result_shape
@@ -162,35 +234,70 @@ class DLPackKernel:
                 raise InteropError(f"{concrete.name}: out ({concrete.result_name!r}) shares memory with argument "
                                    f"{name!r}; expected a separate output tensor")
 
-    def _import(self, name: str, t: Any):
+    def _import(self, name: str, t: Any, export: Optional[Any] = None):
         device = self.module.loaded.device
         try:
-            return device.from_dlpack_capsule(t.__dlpack__())
+            return device.from_dlpack_capsule(export(t) if export is not None else t.__dlpack__())
         except Exception as err:  # noqa: BLE001 - IREE maps its status codes to several exception types
             raise InteropError(f"{self.problem.name}: IREE could not import argument {name!r}: "
                                f"{str(err).splitlines()[0]}") from None
 
     def __call__(self, *args: Any, out: Any) -> Any:
         """Compute into `out` (a tensor of the result's shape and dtype) and return it."""
+        key = _signature((*args, out))
+        plan = self._plans.get(key) if key is not None else None
+        if plan is None:
+            plan = self._plan(args, out, key)
+        else:
+            # a signature checked before: only what can change between calls of it (memory) is looked at
+            self.signature_hits += 1
+            pointers = [_pointer(t) for t in (*args, out)]
+            plan.check_no_overlap(pointers)
+            if plan.host and plan.call is not None and not any(ptr % HOST_ALIGNMENT for ptr in pointers):
+                views = [self._import(n, t, e) for n, t, e in zip(plan.names, args, plan.exports)]
+                plan.call.call(plan.call.pack(views, out=self._import(plan.result_name, out, plan.exports[-1])))
+                return out
+        return self._run(plan, args, out)
 
+    def _plan(self, args, out, key) -> "_Plan":
+        """The checks of a new signature, and what its later calls reuse (kept where the signature is known)."""
         concrete = self._check(args, out)
-        _synchronize_producers([*args, out])
+        tensors = (*args, out)
         host = self.module.target.driver in HOST_DRIVERS
+        plan = _Plan(concrete, host, [_exporter(t) for t in tensors], [_nbytes(t) for t in tensors],
+                     [_device_of(t) for t in tensors])
+        if key is not None:
+            if len(self._plans) >= SIGNATURES_KEPT:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def _run(self, plan: "_Plan", args, out) -> Any:
+        """A call through the general path: producers synchronised, misaligned host memory through aligned copies."""
+        concrete = plan.concrete
+        _synchronize_producers([*args, out])
         # misaligned host memory goes through aligned copies (see the module's docstring)
-        args = [self._aligned(n, t, False) if host else t for n, t in zip(concrete.arg_names, args)]
-        target = self._aligned(concrete.result_name, out, True) if host else out
-        views = [self._import(n, t) for n, t in zip(concrete.arg_names, args)]
-        out_view = self._import(concrete.result_name, target)
-        key = tuple(tuple(t.shape) for t in args)
+        given = args
+        args = [self._aligned(n, t, False) if plan.host else t for n, t in zip(concrete.arg_names, args)]
+        target = self._aligned(concrete.result_name, out, True) if plan.host else out
+        views = [self._import(n, t, e if t is g else None)
+                 for n, t, g, e in zip(concrete.arg_names, args, given, plan.exports)]
+        out_view = self._import(concrete.result_name, target, plan.exports[-1] if target is out else None)
+        if plan.call is None:
+            plan.call = self._into_call(views, out_view)
+        plan.call.call(plan.call.pack(views, out=out_view))
+        if target is not out:
+            _host_array(out)[...] = target
+        return out
+
+    def _into_call(self, views, out_view) -> IntoCall:
+        key = tuple(tuple(v.shape) for v in views)
         call = self._calls.get(key)
         if call is None:
             loaded = self.module.loaded
             call = self._calls[key] = IntoCall(loaded.context, loaded.vm_module, self.problem.name, views, out_view,
                                                wait=default_wait(self.module.target.driver))
-        call.call(call.pack(views, out=out_view))
-        if target is not out:
-            _host_array(out)[...] = target
-        return out
+        return call
 
     def _aligned(self, name: str, t: Any, is_out: bool) -> Any:
         """`t` itself where its host memory is aligned for IREE's import, else an aligned copy (of `out`: an
@@ -234,6 +341,12 @@ def cap_torch_threads() -> None:
                  "them)", threads, limit, TORCH_CPU_THREADS_ENV)
 
 
+def dlpack_kernel(module, name: str) -> DLPackKernel:
+    """The module's DLPackKernel of `name`, one per module and kernel (it keeps its checked call signatures)."""
+    kernels = module.__dict__.setdefault("_dlpack_kernels", {})
+    return kernels.get(name) or kernels.setdefault(name, DLPackKernel(module, name))
+
+
 def torch_call(module, name: str, *tensors: Any, out: Optional[Any] = None) -> Any:
     """`name`'s kernel on torch tensors (on the module's device), into `out` or a new tensor.  The first call on
     the CPU caps PyTorch's intra-op threads (cap_torch_threads)."""
@@ -241,12 +354,12 @@ def torch_call(module, name: str, *tensors: Any, out: Optional[Any] = None) -> A
 
     if not _torch_threads_capped and module.target.driver in HOST_DRIVERS:
         cap_torch_threads()  # their spinning took the IREE workers' cores (docs/decisions.md#cpu-torch-threads)
-    kernels = module.__dict__.setdefault("_dlpack_kernels", {})
-    kernel = kernels.get(name) or kernels.setdefault(name, DLPackKernel(module, name))
+    kernel = dlpack_kernel(module, name)
     if out is None:
         dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[kernel.problem.result_dtype]
         out = torch.empty(kernel.result_shape(*tensors), dtype=dtype, device=tensors[0].device)
     return kernel(*tensors, out=out)
 
 
-__all__ = ["DLPackKernel", "InteropError", "cap_torch_threads", "empty", "torch_call", "torch_cpu_threads"]
+__all__ = ["DLPackKernel", "InteropError", "cap_torch_threads", "dlpack_kernel", "empty", "torch_call",
+           "torch_cpu_threads"]

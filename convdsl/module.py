@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Union
 
@@ -22,6 +22,10 @@ from .backends.iree import LoadedModule, iree_version
 from .problem import ConvProblem, problem_to_spec
 from .reference import NUMPY_DTYPES
 from .targets import Target, native_cuda_arch
+
+
+# the argument signatures a Kernel remembers as checked (a program that calls with ever new shapes only refills them)
+CHECKED_SIGNATURES_KEPT = 256
 
 
 class ArgumentError(TypeError):
@@ -140,9 +144,18 @@ class Kernel:
 
     problem: ConvProblem
     module: "CompiledModule"
+    # the (shape, dtype) signatures of NumPy arguments that passed check_args: the problem's shapes are properties
+    # worked out on every read, and checking them took about 8 us a call, more than a small kernel's Python besides
+    checked: set = field(default_factory=set, repr=False, compare=False)
 
     def __call__(self, *args: np.ndarray) -> np.ndarray:
-        self.check_args(args)
+        signature = tuple((a.shape, a.dtype) for a in args) if all(type(a) is np.ndarray for a in args) else None
+        if signature is None or signature not in self.checked:
+            self.check_args(args)
+            if signature is not None:
+                if len(self.checked) >= CHECKED_SIGNATURES_KEPT:
+                    self.checked.clear()
+                self.checked.add(signature)
         self._check_same_batch(args)
         return self.module.call(self.problem, args)
 
@@ -207,22 +220,26 @@ class CompiledModule:
         makes stream-ordered, from a pool), through the allocating function.  Calls of one module that keep a
         workspace run one at a time."""
         loaded = self.loaded
-        device_args = [loaded.upload(a) for a in args]
-        into = self._kept_workspace_call(p, args, device_args) if self.target.backend == "cpu" else None
+        if self.target.backend != "cpu":
+            return loaded.call(p.name, *[loaded.upload(a) for a in args], out_dtype=p.result_dtype)
+        # 64-byte aligned inputs are read in place, the function invoked directly and its result mapped
+        # (docs/decisions.md#cpu-api-input-alignment)
+        views = [loaded.import_view(a) for a in args]
+        into = self._kept_workspace_call(p, args, views)
         if into is None:
-            return loaded.call(p.name, *device_args, out_dtype=p.result_dtype)
+            return loaded.host_result(loaded.call_views(p.name, views), p.result_dtype)
         # a new result buffer each call, returned as it is (the host array of a CPU buffer maps it)
         out = loaded.allocate_result(_result_shape(p, args), p.result_dtype)
         with self._calling:
-            into.call(into.pack([a._buffer_view for a in device_args], out=out))
-        return loaded.download_view(out, p.result_dtype)
+            into.call(into.pack(views, out=out))
+        return loaded.host_result(out, p.result_dtype)
 
     def clear_workspaces(self) -> None:
         """Give back the workspaces the module's kernels keep (see call); the next calls make them again."""
         with self._calling:
             self._into_calls.clear()
 
-    def _kept_workspace_call(self, p: ConvProblem, args: Sequence[np.ndarray], device_args: Sequence
+    def _kept_workspace_call(self, p: ConvProblem, args: Sequence[np.ndarray], views: Sequence
                              ) -> Optional[IntoCall]:
         """The destination-passing call of p for these argument shapes, with its kept workspace, or None where p
         keeps none (policy.cpu_keeps_workspace)."""
@@ -236,7 +253,7 @@ class CompiledModule:
             if loaded.vm_module.lookup_function(p.name + INTO_SUFFIX) is None:
                 return None  # a module compiled before convdsl exported the twin
             # the workspace is allocated here (address space only: its pages come with the first call)
-            into = IntoCall(loaded.context, loaded.vm_module, p.name, [a._buffer_view for a in device_args],
+            into = IntoCall(loaded.context, loaded.vm_module, p.name, views,
                             loaded.allocate_result(_result_shape(p, args), p.result_dtype), wait="block")
             kept = sum(c.workspace_bytes for _, c in self._into_calls.values() if c is not None)
             keep = policy.cpu_keeps_workspace(into.workspace_bytes, kept, _memory_bytes())

@@ -22,6 +22,7 @@ import torch
 
 from .. import stream
 from ..abi import KERNEL_NAME
+from .. import interop
 from ..interop import torch_call
 from ..module import native_cuda_arch
 from ..problem import ConvProblem
@@ -228,6 +229,20 @@ class _Call:
     # a stream call whose arguments, as they come, are in the memory formats the problem maps (no copy into
     # another format first): `launch` runs it, direct or through the kernel's own layout copies
     planned: bool = False
+    # an IREE call whose arguments, as they come, are in the mapped memory formats: the (shape, strides) of the
+    # layout views of a, b and the result (made with as_strided: one call a tensor, not a permute and a view), and
+    # its interop.DLPackKernel, so that a repeated call skips the layout checks (`run_iree`)
+    iree_views: Optional[tuple] = None
+    dlpack: object = None
+
+    def run_iree(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """An IREE call with iree_views on its arguments as they lie: the result, computed."""
+        if not interop._torch_threads_capped and a.device.type == "cpu":
+            interop.cap_torch_threads()
+        out = torch.empty(self.result_shape, dtype=self.result_dtype, device=a.device, memory_format=self.result_format)
+        (sa, ta), (sb, tb), (so, to) = self.iree_views
+        self.dlpack(a.detach().as_strided(sa, ta), b.detach().as_strided(sb, tb), out=out.as_strided(so, to))
+        return out
 
     def launch(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """A planned call on its arguments as they lie (the caller checked `aligned`): the result, queued.  Direct
@@ -340,8 +355,17 @@ def _call_of(key: tuple, op: str, a: torch.Tensor, b: torch.Tensor,
         as_given = laid_a is a and laid_b is b
         call = dataclasses.replace(call, direct=call.direct and as_given,
                                    planned=call.runner is not None and as_given)
+        if call.iree is not None and as_given:
+            call = dataclasses.replace(call, iree_views=_iree_views(call, laid_a, laid_b),
+                                       dlpack=interop.dlpack_kernel(call.iree.module, p.name))
         call = _calls.setdefault(key, call)
     return call
+
+
+def _iree_views(call: _Call, a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """The (shape, strides) of _layout_views of a, b and the call's result (made as run makes it)."""
+    out = torch.empty(call.result_shape, dtype=call.result_dtype, device="meta", memory_format=call.result_format)
+    return tuple((tuple(v.shape), tuple(v.stride())) for v in _layout_views(call.problem, a, b, out))
 
 
 # per call key (run's): the planned call's program in the native launcher, or None where it has none; the
@@ -414,6 +438,8 @@ def run(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], fi
             return call.launch(a, b)
     if call is None:
         call = _call_of(key, op, a, b, None, spatial, filt, stride, pad_lo, pad_hi, dilation, groups)
+    if call.iree_views is not None:  # the tensors as they come are laid out: no copies to consider
+        return call.run_iree(a, b)
     if call.fallback:
         return fallback.compute(op, a.detach(), b.detach(), spatial=spatial, filt=filt, stride=stride,
                                 pad_lo=pad_lo, pad_hi=pad_hi, dilation=dilation, groups=groups)
