@@ -27,8 +27,10 @@ def _convolution(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
     # aten's padding is symmetric: pad_lo = pad_hi
     stride, padding, dilation = list(stride), list(padding), list(dilation)
     if transposed:
-        return ops.conv_transpose(x, w, bias, stride, padding, padding, list(output_padding), dilation, groups)
-    return ops.convolution(x, w, bias, stride, padding, padding, dilation, groups)
+        y = ops.conv_transpose(x, w, None, stride, padding, padding, list(output_padding), dilation, groups)
+    else:
+        y = ops.convolution(x, w, None, stride, padding, padding, dilation, groups)
+    return ops.plus_bias(y, bias)  # Inductor's add, to fuse into what reads y next
 
 
 def _convolution_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias_sizes: Optional[Sequence[int]],

@@ -603,11 +603,18 @@ def _autocast(device_type: str, *tensors):
                  for t in tensors)
 
 
+def plus_bias(y: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """y + bias per channel, out of place: in a compiled graph the add is Inductor's to fuse into the op that reads
+    y next, where inside the operator it would be a pass of its own over y."""
+    return y if bias is None else y + bias.view(1, -1, *([1] * (y.dim() - 2))).to(y.dtype)
+
+
 def call_convolution(x, w, bias, stride, pad_lo, pad_hi, dilation, groups) -> torch.Tensor:
     if runtime.recording_active():
         _note_eager_grad_weight(x, w, stride, pad_lo, pad_hi, dilation, groups)
-    if torch.compiler.is_compiling() or runtime.recording_active():
         return convolution(x, w, bias, stride, pad_lo, pad_hi, dilation, groups)
+    if torch.compiler.is_compiling():
+        return plus_bias(convolution(x, w, None, stride, pad_lo, pad_hi, dilation, groups), bias)
     x, w, bias = _autocast(x.device.type, x, w, bias)
     return EagerConvolution.apply(x, w, bias, stride, pad_lo, pad_hi, dilation, groups)
 
@@ -630,8 +637,10 @@ def _note_eager_grad_weight(x, w, stride, pad_lo, pad_hi, dilation, groups) -> N
 
 
 def call_conv_transpose(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups) -> torch.Tensor:
-    if torch.compiler.is_compiling() or runtime.recording_active():
+    if runtime.recording_active():
         return conv_transpose(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups)
+    if torch.compiler.is_compiling():
+        return plus_bias(conv_transpose(x, w, None, stride, pad_lo, pad_hi, output_padding, dilation, groups), bias)
     x, w, bias = _autocast(x.device.type, x, w, bias)
     return EagerConvTranspose.apply(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups)
 
