@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -75,13 +76,27 @@ CASES = [
                 pad_lo=(3, 3), pad_hi=(3, 2), weight_layout="GKCYX", groups=1), SMALL),
     (BASE.with_(op="forward", dims=3, in_channels=2, out_channels=5, input=(5, 6, 7), filter=(3, 2, 3),
                 stride=(2, 1, 2), dilation=(1, 1, 1), pad_lo=(1, 0, 1), pad_hi=(0, 1, 1), groups=1), SMALL),
+    # forward and grad_input split-K on the stream path (policy.output_split; here the tiles' k asks for it): f32
+    # partials of the result summed in order with the scale epilogue; the general loop (3D, several taps, a
+    # reduction of 37 channels: a ragged last step), the one-tap loop (1x1, 37 channels), the flat reduction (3
+    # channels), grad_input of one stride phase
+    (BASE.with_(op="forward", dims=3, in_channels=37, out_channels=20, input=(3, 4, 5), filter=(3, 1, 2),
+                stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 0, 1), pad_hi=(1, 0, 0), groups=1,
+                dtype="bf16", epilogue=Epilogue("scale", 0.5)), SMALL + "k3"),
+    (BASE.with_(op="forward", in_channels=37, out_channels=18, filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0),
+                groups=1), SMALL + "k4"),
+    (BASE.with_(op="forward", in_channels=3, out_channels=8, groups=1, stride=(1, 1)), SMALL + "k2"),
+    (BASE.with_(op="grad_input", in_channels=20, out_channels=37, groups=1, dtype="bf16"), SMALL + "k5"),
 ]
+# the output split-K cases (stream-only launches: the module keeps one pass)
+OUTPUT_SPLIT = tuple(range(len(CASES) - 4, len(CASES)))
 # the space-to-depth cases: their stream kernels regroup the operands, the IREE module's kernel does not
-SPACE_TO_DEPTH = (len(CASES) - 2, len(CASES) - 1)
+SPACE_TO_DEPTH = (OUTPUT_SPLIT[0] - 2, OUTPUT_SPLIT[0] - 1)
 
 
-# in the 64-bit offset form too: split-K partials and their sum, the fp8 roundings, strided grad_input's copies
-WIDE_CASES = (0, 3, 4)
+# in the 64-bit offset form too: split-K partials and their sum, the fp8 roundings, strided grad_input's copies,
+# a forward's split-K partials
+WIDE_CASES = (0, 3, 4, OUTPUT_SPLIT[0])
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +183,18 @@ def test_stream_launches_are_the_modules_launches():
         if i in SPACE_TO_DEPTH:  # the module's kernel is the regrouped problem's, planned alike
             plan = plan_kernel(policy.space_to_depth_forward(p), HOPPER, knobs)
             assert [sl.launch.kernel for sl in kernel.staging] == ["space_to_depth"] * 2
+        assert len(kernel.rounds) == (2 if p.fp8_compute else 0)
+        if i in OUTPUT_SPLIT:  # the module's launch in one pass, the stream's split-K: the same GEMM otherwise
+            (split,), (whole,) = (sl.launch for sl in kernel.launches), plan.extern.launches
+            splits = dict(split.constants)["SPLIT"]
+            assert splits == parse_tiles(tiles).split and kernel.partials_shape == (splits, math.prod(p.result_shape))
+            assert split.grid == (*whole.grid[:2], splits) and split.pointer_types[2] == "fp32"
+            assert ({k: v for k, v in split.constants if k not in ("SPLIT", "PART")}
+                    == {k: v for k, v in whole.constants if k not in ("SPLIT", "PART")})
+            assert kernel.sum is not None and dict(whole.constants)["SPLIT"] == 1
+            continue
         assert tuple(sl.launch for sl in kernel.launches) == plan.extern.launches
         assert (kernel.sum is not None) == (p.op == "grad_weight")
-        assert len(kernel.rounds) == (2 if p.fp8_compute else 0)
 
 
 def test_forward_takes_the_triton_kernel_and_compiles_for_cuda():
@@ -220,6 +244,51 @@ def test_sum_launch_spreads_small_weights_over_the_gpu():
     c = dict(launch.constants)
     assert c["BLOCK_S"] * c["BLOCK_E"] <= 4096 and c["S"] == 3584
     assert parse_tiles(SMALL).block_m == 16
+
+
+def test_few_output_tiles_over_a_long_reduction_split_on_the_stream_path_only():
+    # r2plus1d_18's 3x1x1 forward over 921 channels at 1x7x7, batch 8: 392 rows x 512 columns, 16 programs of
+    # 128 x 128 on 132 SMs over 3 x 15 reduction steps: split-K into f32 partials and their sum (policy.output_split)
+    r2plus1d = ConvProblem(op="forward", dims=3, groups=1, batch=8, in_channels=921, out_channels=512,
+                           input=(1, 7, 7), filter=(3, 1, 1), stride=(1, 1, 1), dilation=(1, 1, 1),
+                           pad_lo=(1, 0, 0), pad_hi=(1, 0, 0), dtype="bf16", name="r2p1d")
+    kernel = stream.planned_stream_kernel(r2plus1d, HOPPER, Knobs())
+    (launch,) = (sl.launch for sl in kernel.launches)
+    splits = launch.grid[2]
+    assert 2 <= splits <= policy.OUTPUT_SPLIT_MOST and kernel.partials_shape == (splits, 8 * 7 * 7 * 512)
+    assert kernel.sum is not None and dict(kernel.sum.launch.constants)["S"] == splits
+    assert "split-K" in kernel.describe()
+    # the module keeps one pass (its lowering sums grad_weight's partials only)
+    (whole,) = plan_kernel(r2plus1d, HOPPER, Knobs()).extern.launches
+    assert whole.grid[2] == 1 and dict(whole.constants)["SPLIT"] == 1
+    # grad_input of the same layer (one stride phase) splits too; enough output tiles, a short reduction, or
+    # several stride phases do not
+    dgrad = r2plus1d.with_(op="grad_input", in_channels=512, out_channels=921, filter=(1, 3, 3), pad_lo=(0, 1, 1),
+                           pad_hi=(0, 1, 1))
+    assert stream.planned_stream_kernel(dgrad, HOPPER, Knobs()).partials_shape
+    for whole_pass in (r2plus1d.with_(batch=64, input=(4, 14, 14)), r2plus1d.with_(in_channels=64),
+                       dgrad.with_(stride=(1, 2, 2), input=(1, 14, 14))):
+        kernel = stream.planned_stream_kernel(whole_pass, HOPPER, Knobs())
+        assert not kernel.partials_shape and kernel.sum is None, whole_pass.describe()
+
+
+def test_plain_triton_kernels_unroll_over_constexprs_only():
+    # Triton 3.6 (the one PyTorch 2.11 pins) takes tl.static_range only over constexprs, and an element of a
+    # constexpr tuple (F[2]) or a product of them is a plain int there: the depthwise kernels failed to compile
+    # (3.9 accepts both).  The cp.async and elementwise kernels must compile with both; the Gluon kernels need 3.9.
+    import ast
+
+    from convdsl.kernels import elementwise, igemm
+
+    for module in (igemm, elementwise):
+        tree = ast.parse(Path(module.__file__).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "static_range":
+                for arg in node.args:
+                    wrapped = (isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute)
+                               and arg.func.attr == "constexpr")
+                    assert isinstance(arg, (ast.Name, ast.Constant)) or wrapped, (
+                        f"{module.__name__}:{node.lineno}: static_range({ast.unparse(arg)}): wrap it in tl.constexpr")
 
 
 @pytest.mark.parametrize("fused", [dict(epilogue=Epilogue(steps=("bias", "relu"))),

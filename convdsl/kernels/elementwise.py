@@ -109,7 +109,7 @@ def split_bf16(x, y, N: tl.constexpr, PARTS: tl.constexpr, ORDER: tl.constexpr, 
     p2 = p1
     if PARTS == 3:
         p2 = bf16_nearest((v - p0) - p1)
-    for j in tl.static_range(len(ORDER)):
+    for j in tl.static_range(tl.constexpr(len(ORDER))):
         part = p0
         if ORDER[j] == 1:
             part = p1

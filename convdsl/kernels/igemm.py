@@ -71,6 +71,16 @@ def mma(a, b, acc, PRECISION: tl.constexpr, ROUND_A: tl.constexpr, ROUND_B: tl.c
 
 
 @triton.jit
+def _chunk(steps, SPLIT: tl.constexpr):
+    # the reduction steps [first, last) of this program's split-K chunk: even chunks of `steps`, whole when SPLIT = 1
+    if SPLIT > 1:
+        s = tl.program_id(2)
+        return (s * steps) // SPLIT, ((s + 1) * steps) // SPLIT
+    else:
+        return 0, steps
+
+
+@triton.jit
 def grad_input_phases(
     dy, w, dx,
     # sizes: channels, batch; dY spatial O and stride S per dimension (3 each)
@@ -93,6 +103,10 @@ def grad_input_phases(
     # one phase with fewer reduction channels than a tile step holds (an RGB stem's 3): the reduction runs over
     # (taps, channels) flattened, BLOCK_K of them per step, instead of a step per tap
     FLAT: tl.constexpr,
+    # split-K (one phase only): program_id(2) = s runs reduction steps [s*T // SPLIT, (s+1)*T // SPLIT) of the
+    # phase's T and stores its f32 sum at dX's offsets + s * PART (dX is then the [SPLIT, PART] f32 partials; a
+    # sum kernel adds them in order, applies ALPHA and casts): few output tiles with a long reduction fill the GPU
+    SPLIT: tl.constexpr, PART: tl.constexpr,
 ):
     # One launch for every stride phase: each program finds its phase (a uniform branch) and runs that phase's
     # tile with the phase's constants folded in, so dX is written by one dispatch (IREE places it in the
@@ -146,7 +160,8 @@ def grad_input_phases(
                 r1 = q1 * RS[1]
                 r2 = q2 * RS[2]
                 row_base = dy_row + r0 * DY[3] + r1 * DY[4] + r2 * DY[5]
-                for step in tl.range(0, (TAPS * K + BLOCK_K - 1) // BLOCK_K, num_stages=NUM_STAGES):
+                first, last = _chunk((TAPS * K + BLOCK_K - 1) // BLOCK_K, SPLIT)
+                for step in tl.range(first, last, num_stages=NUM_STAGES):
                     r = step * BLOCK_K + kk
                     r_ok = r < TAPS * K
                     j = r // K
@@ -180,7 +195,10 @@ def grad_input_phases(
                 a_ptrs = dy_row[:, None] + (o0 * DY[3] + o1 * DY[4] + o2 * DY[5])[:, None] + (kk * DY[2])[None, :]
                 tap = Y0[0][p] * W[3] + Y0[1][p] * W[4] + Y0[2][p] * W[5]
                 b_ptrs = w_col[None, :] + (tap + kk * W[1])[:, None]
-                for step in tl.range(0, K_STEPS, num_stages=NUM_STAGES):
+                first, last = _chunk(K_STEPS, SPLIT)
+                a_ptrs += first * BLOCK_K * DY[2]
+                b_ptrs += first * BLOCK_K * W[1]
+                for step in tl.range(first, last, num_stages=NUM_STAGES):
                     if K % BLOCK_K == 0:  # masks constant along the channels: whole vectors per load
                         a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
                         b = tl.load(b_ptrs, mask=c_ok[None, :], other=0.0)
@@ -192,7 +210,8 @@ def grad_input_phases(
                     a_ptrs += BLOCK_K * DY[2]
                     b_ptrs += BLOCK_K * W[1]
             else:
-                for step in tl.range(0, J[0][p] * J[1][p] * J[2][p] * K_STEPS, num_stages=NUM_STAGES):
+                first, last = _chunk(J[0][p] * J[1][p] * J[2][p] * K_STEPS, SPLIT)
+                for step in tl.range(first, last, num_stages=NUM_STAGES):
                     j = wide_index(step // K_STEPS, WIDE)
                     k = (step % K_STEPS) * BLOCK_K + kk
                     j2 = j % J[2][p]
@@ -216,13 +235,17 @@ def grad_input_phases(
                         b = tl.load(b_ptrs, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
                     acc = mma(a, b, acc, PRECISION, ROUND_A, ROUND_B)
 
-            out = acc * ALPHA
             i0 = R[0][p] + S[0] * q0
             i1 = R[1][p] + S[1] * q1
             i2 = R[2][p] + S[2] * q2
             dx_ptrs = (dx + g * DX[1] + (n * DX[0] + i0 * DX[3] + i1 * DX[4] + i2 * DX[5])[:, None]
                        + (c * DX[2])[None, :])
-            tl.store(dx_ptrs, out.to(dx.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
+            if SPLIT > 1:  # this chunk's f32 partial sum; the sum kernel scales and casts
+                dx_ptrs += wide_index(tl.program_id(2), WIDE) * PART
+                tl.store(dx_ptrs, acc, mask=m_ok[:, None] & c_ok[None, :])
+            else:
+                out = acc * ALPHA
+                tl.store(dx_ptrs, out.to(dx.dtype.element_ty), mask=m_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
@@ -364,18 +387,18 @@ def grad_input_direct(
                       & (zero + a1 >= 0) & (zero + a1 % S[1] == 0) & (zero + a1 < O[1] * S[1]))
             base = dy + (n * DY[0] + (a0 // S[0]) * DY[3] + (a1 // S[1]) * DY[4]) + ch * DY[1]
             taps = ()  # the row's weights (through L1: every chunk of every dX row reads them)
-            for f2 in tl.static_range(F[2]):
+            for f2 in tl.static_range(tl.constexpr(F[2])):
                 taps = taps + (tl.load(w + ch * W[0] + f0 * W[3] + f1 * W[4] + f2 * W[5], mask=ch_ok,
                                        other=0.0).to(tl.float32),)
             dys = ()
-            for e in tl.static_range(E_HI - E_LO + 1):
+            for e in tl.static_range(tl.constexpr(E_HI - E_LO + 1)):
                 o2 = w0 // S[2] + (e + E_LO)
                 dys = dys + (tl.load(base + o2 * DY[5], mask=row_ok & (zero + o2 >= 0) & (zero + o2 < O[2]),
                                      other=0.0).to(tl.float32),)
             new = ()
             for iw in tl.static_range(BLOCK_W):
                 acc = accs[iw]
-                for f2 in tl.static_range(F[2]):
+                for f2 in tl.static_range(tl.constexpr(F[2])):
                     if (iw + LO[2] - f2 * D[2]) % S[2] == 0:
                         acc += dys[(iw + LO[2] - f2 * D[2]) // S[2] - E_LO] * taps[f2]
                 new = new + (acc,)
@@ -425,7 +448,7 @@ def forward_direct(
             row_ok = ch_ok & (zero + i0 >= 0) & (zero + i0 < I[0]) & (zero + i1 >= 0) & (zero + i1 < I[1])
             base = x + (n * X[0] + i0 * X[3] + i1 * X[4]) + ch * X[1]
             taps = ()  # the row's weights (through L1: every chunk of every Y row reads them)
-            for f2 in tl.static_range(F[2]):
+            for f2 in tl.static_range(tl.constexpr(F[2])):
                 taps = taps + (tl.load(w + ch * W[0] + f0 * W[3] + f1 * W[4] + f2 * W[5], mask=ch_ok,
                                        other=0.0).to(tl.float32),)
             xs = ()
@@ -436,7 +459,7 @@ def forward_direct(
             new = ()
             for ow in tl.static_range(BLOCK_W):
                 acc = accs[ow]
-                for f2 in tl.static_range(F[2]):
+                for f2 in tl.static_range(tl.constexpr(F[2])):
                     acc += xs[ow * S[2] + f2 * D[2]] * taps[f2]
                 new = new + (acc,)
             accs = new
@@ -478,7 +501,7 @@ def grad_weight_depthwise(
     # dY offsets of a position, the same for every tap row (the loads of one warp's copies meet in L1)
     dy_tile = tr[:, None] * 0 + (ch * DY[1])[None, :]
     accs = ()
-    for a in tl.static_range(GROUPS * F[2]):
+    for a in tl.static_range(tl.constexpr(GROUPS * F[2])):
         accs = accs + (tl.zeros((TAP_ROWS, BLOCK_CH), dtype=tl.float32),)
     for row in range(s * ROWS_PER, tl.minimum((s + 1) * ROWS_PER, ROWS)):
         o1 = row % O[1]
@@ -503,7 +526,7 @@ def grad_weight_depthwise(
                     i2 = x_tile * 0 + (w0 * S[2] + (j - LO[2]))
                     xs = xs + (tl.load(x + x_tile + i2 * X[5], mask=row_ok & (i2 >= 0) & (i2 < I[2]),
                                        other=0.0).to(tl.float32),)
-                for f2 in tl.static_range(F[2]):
+                for f2 in tl.static_range(tl.constexpr(F[2])):
                     acc = accs[grp * F[2] + f2]
                     for ow in tl.static_range(BLOCK_W):
                         acc += xs[ow * S[2] + f2 * D[2]] * dys[ow]
@@ -512,7 +535,7 @@ def grad_weight_depthwise(
     for grp in tl.static_range(GROUPS):
         f01 = grp * TAP_ROWS + tr
         out = partials + ((s * G + ch) * (F[0] * F[1] * F[2]))[None, :] + (f01 * F[2])[:, None]
-        for f2 in tl.static_range(F[2]):
+        for f2 in tl.static_range(tl.constexpr(F[2])):
             tl.store(out + f2, accs[grp * F[2] + f2], mask=ch_ok & (f01 < F[0] * F[1])[:, None])
 
 
@@ -562,14 +585,14 @@ def grad_weight_depthwise_rows(
     x_ch = x + n * X[0] + ch * X[1]
     dy_ch = dy + n * DY[0] + o0 * DY[3] + ch * DY[1]
     accs = ()
-    for a in tl.static_range(F[0] * F[1] * F[2]):
+    for a in tl.static_range(tl.constexpr(F[0] * F[1] * F[2])):
         accs = accs + (tl.zeros((BLOCK_CH,), dtype=tl.float32),)
     for w0_ in range(0, O[2], BLOCK_W):
         w0 = wide_index(w0_, WIDE)
         # the X rows i1 = first + f1 - LO[1] (f1 < KEPT) of every f0, SPAN positions each: index
         # (f0 * KEPT + f1) * SPAN + j
         kept = ()
-        for f0 in tl.static_range(F[0]):
+        for f0 in tl.static_range(tl.constexpr(F[0])):
             for f1 in tl.static_range(KEPT):
                 kept = kept + _x_row(x_ch, o0 * S[0] + f0 * D[0] - LO[0], first + (f1 - LO[1]), w0, ch_ok, zero,
                                      I, S, LO, X, SPAN)
@@ -581,13 +604,13 @@ def grad_weight_depthwise_rows(
                                      mask=ch_ok & (zero + w0 + ow < O[2]), other=0.0).to(tl.float32),)
             # the new X row of every f0: i1 = o1 + KEPT - LO[1]
             fresh = ()
-            for f0 in tl.static_range(F[0]):
+            for f0 in tl.static_range(tl.constexpr(F[0])):
                 fresh = fresh + _x_row(x_ch, o0 * S[0] + f0 * D[0] - LO[0], o1 + (KEPT - LO[1]), w0, ch_ok, zero,
                                        I, S, LO, X, SPAN)
             new = ()
-            for f0 in tl.static_range(F[0]):
-                for f1 in tl.static_range(F[1]):
-                    for f2 in tl.static_range(F[2]):
+            for f0 in tl.static_range(tl.constexpr(F[0])):
+                for f1 in tl.static_range(tl.constexpr(F[1])):
+                    for f2 in tl.static_range(tl.constexpr(F[2])):
                         acc = accs[(f0 * F[1] + f1) * F[2] + f2]
                         for ow in tl.static_range(BLOCK_W):
                             # (no local for the window index: Triton would carry it through the loop as a tensor)
@@ -599,7 +622,7 @@ def grad_weight_depthwise_rows(
             accs = new
             # slide: row f1 + 1 becomes row f1 for the next dY row
             slid = ()
-            for f0 in tl.static_range(F[0]):
+            for f0 in tl.static_range(tl.constexpr(F[0])):
                 for f1 in tl.static_range(KEPT):
                     for j in tl.static_range(SPAN):
                         if f1 + 1 < KEPT:
@@ -608,5 +631,5 @@ def grad_weight_depthwise_rows(
                             slid = slid + (fresh[f0 * SPAN + j],)
             kept = slid
     out = partials + (s * G + ch) * (F[0] * F[1] * F[2])
-    for t in tl.static_range(F[0] * F[1] * F[2]):
+    for t in tl.static_range(tl.constexpr(F[0] * F[1] * F[2])):
         tl.store(out + t, accs[t], mask=ch_ok)

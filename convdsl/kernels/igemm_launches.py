@@ -16,13 +16,14 @@ from .tiles import TileConfig
 
 
 def grad_input_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str,
-                      weight_axes: Sequence[str] = ()) -> Launch:
+                      weight_axes: Sequence[str] = (), split: int = 1) -> Launch:
     """One launch for every stride phase (all-zero phases too: their programs store zeros): phase p's programs
     write the dX positions i = r + s*q of its residue r; together they write every element of dX once.
     Phases are ordered by taps, heaviest first, so that the short ones fill the last wave.  One launch rather
     than a dispatch per phase, because phases tied into one dX made IREE copy dX into the caller's buffer
     afterwards (docs/decisions.md#one-launch-for-all-phases).  precision: Triton's dot precision.  weight_axes: the
-    axis order of the weight copy the launch reads (policy.weight_copy_axes; empty: p's weight layout)."""
+    axis order of the weight copy the launch reads (policy.weight_copy_axes; empty: p's weight layout).  split > 1
+    (one phase only): split-K, the launch writing `split` f32 partials of dX (output_split_shape) for a sum launch."""
     tiles.check_matrix()
     phases = sorted(grad_input_phases(p), key=lambda ph: -math.prod(d.J for d in ph.dims))
     groups, c, k = packed_sizes(p, tiles.pack)
@@ -50,18 +51,35 @@ def grad_input_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: s
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         NUM_STAGES=tiles.stages, WIDE=needs_wide(p),
         ONE_TAP=all(math.prod(d.J for d in ph.dims) <= 1 for ph in phases), FLAT=False,
+        **_split_constants(p, split, len(phases)),
     )
     elem = operand_element(p)
-    return Launch("grad_input_phases", f"{base}_phases", (elem, elem, ELEMENT[p.result_dtype]),
-                  tuple(consts.items()), check_grid(base, (first[-1], groups, 1)), tiles.warps, tiles.stages)
+    return Launch("grad_input_phases", f"{base}_phases", (elem, elem, _result_element(p, split)),
+                  tuple(consts.items()), check_grid(base, (first[-1], groups, split)), tiles.warps, tiles.stages)
+
+
+def output_split_shape(p: ConvProblem, split: int) -> tuple[int, ...]:
+    """The f32 partials of a split forward / grad_input: [split, the result's elements] (each in the result's own
+    memory order, so that the sum is elementwise)."""
+    return (split, math.prod(p.result_shape)) if split > 1 else ()
+
+
+def _split_constants(p: ConvProblem, split: int, phases: int) -> dict:
+    if split > 1 and phases != 1:
+        raise ValueError(f"kernel {p.name}: split-K of forward / grad_input takes one stride phase, not {phases}")
+    return dict(SPLIT=split, PART=math.prod(p.result_shape) if split > 1 else 0)
+
+
+def _result_element(p: ConvProblem, split: int) -> str:
+    return "fp32" if split > 1 else ELEMENT[p.result_dtype]
 
 
 def forward_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str,
-                   weight_axes: Sequence[str] = ()) -> Launch:
+                   weight_axes: Sequence[str] = (), split: int = 1) -> Launch:
     """Forward as grad_input_phases with one phase: rows are Y's positions q (written at i = q), columns its K
     channels, the reduction runs over taps j and the C channels of X, read at s*q - lo + j*d (the read stride RS
     = s, off = -lo, o_step = -d).  The kernel's dY is X, its dX is Y, and the weight's k and c strides swap so
-    that W[g, k, y, c] is read as the kernel's W[g, c, y, k].  weight_axes: as grad_input_launch's."""
+    that W[g, k, y, c] is read as the kernel's W[g, c, y, k].  weight_axes and split: as grad_input_launch's."""
     tiles.check_matrix()
     groups, k_out, c_red = packed_sizes(p.with_(in_channels=p.out_channels, out_channels=p.in_channels), tiles.pack)
     x_str = pack_strides(activation_strides(p, p.input, p.in_channels), tiles.pack)
@@ -85,11 +103,11 @@ def forward_launch(p: ConvProblem, tiles: TileConfig, base: str, precision: str,
         ROUND_A=tf32_staged(precision, x_str[2]), ROUND_B=tf32_staged(precision, w_swapped[1]),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         NUM_STAGES=tiles.stages, WIDE=needs_wide(p), ONE_TAP=math.prod(taps) == 1,
-        FLAT=flat_reduction(p, tiles),
+        FLAT=flat_reduction(p, tiles), **_split_constants(p, split, 1),
     )
     elem = operand_element(p)
-    return Launch("grad_input_phases", f"{base}_forward", (elem, elem, ELEMENT[p.result_dtype]),
-                  tuple(consts.items()), check_grid(base, (programs, groups, 1)), tiles.warps, tiles.stages)
+    return Launch("grad_input_phases", f"{base}_forward", (elem, elem, _result_element(p, split)),
+                  tuple(consts.items()), check_grid(base, (programs, groups, split)), tiles.warps, tiles.stages)
 
 
 def _pad_phase(ph: Phase) -> list[dict[str, int]]:

@@ -78,6 +78,9 @@ class StreamKernel:
             copies += (f"; x and w regrouped space-to-depth, stride 1 over {p.in_channels} channels and "
                        f"{'x'.join(map(str, p.filter))} taps")
         copies += f"; w copied to {weight_axes_name(self.problem, self.weight_axes)}" if self.weight_axes else ""
+        if self.problem.op != "grad_weight" and self.partials_shape:  # forward / grad_input split-K
+            copies += (f"; split-K: {self.partials_shape[0]} chunks of the reduction into f32 partials, summed in "
+                       "order")
         return (f"stream path: Triton kernels {names} (tiles {self.tiles}, {self.arch}){copies}; "
                 f"knobs from the {self.knobs_source}")
 

@@ -274,9 +274,11 @@ def _stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str, tm
     if ext is None:
         _, _, reason = policy.extern_choice(regrouped or p, target, knobs)
         raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {reason}")
+    if p.op != "grad_weight" and not regrouped:  # few output tiles over a long reduction: split-K
+        ext = policy.split_output_launches(p, ext, target)
     base = ext.launches[0].name
     staging = tuple(space_to_depth_launch(p, regrouped, name, base) for name in p.arg_names) if regrouped else ()
-    summed = uncompiled(policy.split_k_sum(p, ext.partials_shape, base, target)) if p.op == "grad_weight" else None
+    summed = uncompiled(policy.split_k_sum(p, ext.partials_shape, base, target)) if ext.partials_shape else None
     rounds = ()
     if p.fp8_compute:
         rounds = tuple(uncompiled(round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}"))

@@ -12,7 +12,8 @@ from typing import Optional, Union
 from ..kernels.compile import triton_version
 from ..kernels.elementwise_launches import sum_partials_launch
 from ..kernels.igemm_launches import (forward_direct_launch, forward_launch, grad_input_direct_launch,
-                                      grad_input_launch, grad_weight_depthwise_launch, grad_weight_launch)
+                                      grad_input_launch, grad_weight_depthwise_launch, grad_weight_launch,
+                                      output_split_shape)
 from ..kernels.launch import (Launch, depthwise_channel_blocks, geometry, output_tiles, packable, packed_sizes, pad3,
                               reduction_steps, tiles_within_images)
 from ..kernels.tiles import MATRIX_BLOCK, TileConfig, matrix_block, parse_tiles
@@ -443,6 +444,50 @@ def extern_launches(problem: ConvProblem, target: Target, knobs: Knobs) -> Optio
 
 
 def split_k_sum(p: ConvProblem, partials_shape: tuple[int, ...], base: str, target: Target) -> Launch:
-    """The stream runner's sum of grad_weight's f32 partials (kernels/elementwise.sum_partials), spread over the
-    programs the target's sum aims for (Target.sum_programs)."""
+    """The stream runner's sum of split-K f32 partials (kernels/elementwise.sum_partials: grad_weight's, or a split
+    forward's / grad_input's), spread over the programs the target's sum aims for (Target.sum_programs)."""
     return sum_partials_launch(p, partials_shape, base, target.sum_programs)
+
+
+# forward / grad_input split-K on the stream path: reductions of at least OUTPUT_SPLIT_LEAST_REDUCTION steps (shorter
+# ones finish before a result-sized f32 partial per chunk is written and summed), chunks of at least
+# OUTPUT_SPLIT_LEAST_STEPS, at most OUTPUT_SPLIT_MOST of them
+OUTPUT_SPLIT_LEAST_REDUCTION = 32
+OUTPUT_SPLIT_LEAST_STEPS = 4
+OUTPUT_SPLIT_MOST = 16
+
+
+def output_split(p: ConvProblem, ext: ExternLaunches, target: Target) -> int:
+    """Split-K chunks S for a forward's or grad_input's GEMM kernel (grad_input_phases, one stride phase): the
+    tiles' split where a knob sets it, else where the output tiles leave more than half the SMs without a program
+    (few rows and columns over a long reduction: r2plus1d's 7x7 layers of 921 channels ran 16 programs on 132
+    SMs, docs/decisions.md#output-split-k) over at least OUTPUT_SPLIT_LEAST_REDUCTION steps, as many chunks as
+    fill the resident slots once, each of at least OUTPUT_SPLIT_LEAST_STEPS steps.  1: no split (NGCHW copies, fp8 rounding and stride phases keep one pass)."""
+    (launch,) = ext.launches
+    if launch.kernel != "grad_input_phases" or ext.copied_channels_last or p.fp8_compute:
+        return 1
+    c = dict(launch.constants)
+    if c["PHASES"] != 1:
+        return 1
+    if ext.tiles.split:
+        return ext.tiles.split
+    taps = math.prod(j[0] for j in c["J"])
+    steps = -(-(taps * c["K"]) // c["BLOCK_K"]) if c["FLAT"] else taps * -(-c["K"] // c["BLOCK_K"])
+    programs = launch.grid[0] * launch.grid[1]
+    if 2 * programs > target.gpu.sm_count or steps < OUTPUT_SPLIT_LEAST_REDUCTION:
+        return 1
+    slots = target.gpu.sm_count * resident_programs(ext.tiles, 4 if p.dtype == "f32" else 2, target)
+    return max(1, min(OUTPUT_SPLIT_MOST, steps // OUTPUT_SPLIT_LEAST_STEPS, slots // programs))
+
+
+def split_output_launches(p: ConvProblem, ext: ExternLaunches, target: Target) -> ExternLaunches:
+    """The stream kernel's launches of a forward or grad_input: ext's, or its GEMM launch split-K (output_split)
+    with f32 partials for split_k_sum.  The module keeps ext's launches (its lowering sums grad_weight's partials
+    only)."""
+    split = output_split(p, ext, target)
+    if split == 1:
+        return ext
+    base = re.sub(r"\W", "_", p.name)
+    build = forward_launch if p.op == "forward" else grad_input_launch
+    launch = build(ext.problem, ext.tiles, base, dot_precision(p), ext.weight_axes, split=split)
+    return replace(ext, launches=(launch,), partials_shape=output_split_shape(p, split))
