@@ -2,7 +2,8 @@
 
 torchvision's models (and a ConvTranspose decoder on a ResNet-18 encoder), bf16 autocast, SGD with momentum, the
 same initial weights and batches for both backends; per model, memory format (contiguous, channels-last) and mode
-(eager, torch.compile, the whole step captured in a CUDA graph) it reports images/s of each backend (the median over interleaved blocks of steps), GPU time
+(eager, torch.compile, the whole step captured in a CUDA graph; `inductor`: torch.compile(backend="convdsl") on the
+unconverted model against plain torch.compile) it reports images/s of each backend (the median over interleaved blocks of steps), GPU time
 per step (the sum of every GPU kernel's time in profiled steps), host time per step (the time to queue one step
 on an idle GPU), whether the loss curves agree, and whether one step's gradients agree with a float64 step (as
 `examples/train_resnet.py --check-gradients` judges them, by `convdsl.torch.testing.compare_gradients`: each
@@ -40,7 +41,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import convdsl.torch as ct  # noqa: E402
-from convdsl.torch import fallback, runtime  # noqa: E402
+from convdsl.torch import fallback, inductor, runtime  # noqa: E402
 from convdsl.torch.testing import compare_gradients  # noqa: E402
 
 FORMATS = {"contiguous": (torch.contiguous_format, torch.contiguous_format),
@@ -221,7 +222,9 @@ def _gradient_check(case: ModelCase, base: nn.Module, fmt: torch.memory_format, 
     return result.worst_ratio, which
 
 
-def _gpu_ms_per_step(step: Callable[[int], float], steps: int) -> float:
+def _gpu_ms_per_step(step: Callable[[int], float], steps: int, kernels: int = 0) -> tuple[float, list[list]]:
+    """GPU time per step (the sum of every kernel's time in profiled steps), and the `kernels` kernels with the most
+    time per step ([name, microseconds, launches]): where two backends' steps differ outside the convolutions."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -229,9 +232,15 @@ def _gpu_ms_per_step(step: Callable[[int], float], steps: int) -> float:
         for i in range(steps):
             step(i)
         torch.cuda.synchronize()
-    device_us = sum(e.device_time_total for e in prof.events()
-                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    return device_us / steps / 1e3
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list] = {}
+    for e in events:
+        entry = by_name.setdefault(e.name[:100], [0.0, 0])
+        entry[0] += e.device_time_total
+        entry[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:kernels]
+    return (sum(e.device_time_total for e in events) / steps / 1e3,
+            [[name, round(us / steps, 1), count // steps] for name, (us, count) in top])
 
 
 def _host_ms_per_step(step: Callable[[int], float], steps: int) -> float:
@@ -311,11 +320,14 @@ def run_case(case: ModelCase, fmt_name: str, mode: str, args: argparse.Namespace
         backends = {}
         for name in ("cudnn", "convdsl"):
             model = copy.deepcopy(base)
-            if name == "convdsl":
+            if name == "convdsl" and mode != "inductor":
                 ct.convert(model)
             model = model.cuda().to(memory_format=fmt).train()
             opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-            runner = torch.compile(model) if mode == "compile" else model
+            if mode == "inductor":  # the model's own torch.nn convolutions, compiled as convdsl's or as aten's
+                runner = torch.compile(model, backend=inductor.backend) if name == "convdsl" else torch.compile(model)
+            else:
+                runner = torch.compile(model) if mode == "compile" else model
             backends[name] = (runner, opt, [])
 
         def step_of(name: str) -> Callable[[int], float]:
@@ -354,7 +366,10 @@ def run_case(case: ModelCase, fmt_name: str, mode: str, args: argparse.Namespace
         losses = {name: [float(v) for v in backends[name][2]] for name in backends}
         for name in backends:
             row[f"{name}_images_per_s"] = round(statistics.median(rates[name]), 1)
-            row[f"{name}_gpu_ms_per_step"] = round(_gpu_ms_per_step(steps[name], 3), 2)
+            gpu_ms, top = _gpu_ms_per_step(steps[name], 3, args.gpu_kernels)
+            row[f"{name}_gpu_ms_per_step"] = round(gpu_ms, 2)
+            if args.gpu_kernels:
+                row[f"{name}_gpu_kernels"] = top
             row[f"{name}_host_ms_per_step"] = round(_host_ms_per_step(steps[name], 5), 2)
             if args.host_profile:
                 row[f"{name}_host_profile"] = _host_profile(steps[name], 3)
@@ -488,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="train each model on both backends, interleaved")
     common(r)
     r.add_argument("--modes", type=lambda s: s.split(","), default=["eager", "compile"],
-                   help="eager, compile (torch.compile, default mode), graphs (the whole step in a CUDA graph)")
+                   help="eager, compile (torch.compile, default mode), graphs (the whole step in a CUDA graph), "
+                        "inductor (torch.compile(backend=\"convdsl\") without convert())")
     r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--blocks", type=int, default=4)
     r.add_argument("--block-steps", type=int, default=5)
@@ -497,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--check-gradients", action="store_true")
     r.add_argument("--host-profile", action="store_true",
                    help="also record each backend's operators with the most self CPU time per step")
+    r.add_argument("--gpu-kernels", type=int, default=0, metavar="N",
+                   help="also record each backend's N GPU kernels with the most time per step")
     r.add_argument("-o", "--out", type=Path)
     args = ap.parse_args(argv)
     return {"record": record, "bundle": bundle, "check": check_layers, "run": run}[args.stage](args)

@@ -9,11 +9,19 @@ eager calls is kept beside it.
 
 Prints one row per distinct convolution (calls per step, CUDA-event ms per call of each, the step's difference)
 sorted by that difference, and writes results/layers-<device>-<date>.json.
+
+The models of `benchmarks/models.py` instead: their recorded problems (`models.py record`, with each problem's
+calls per step by model and memory format) and their bundles (CONVDSL_STREAM_BUNDLES), one row per distinct
+convolution and a calls-weighted sum per model:
+
+    CONVDSL_STREAM_BUNDLES=build/models.convk python3 benchmarks/torch_layers.py \
+        --problems build/models.problems.json --models resnet50,r2plus1d_18 --format channels_last --out results/
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,9 +39,18 @@ def main(argv=None) -> int:
     from convdsl.torch.stream import StreamRunner
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bundle", type=Path, required=True, help="one step's kernels, one per call")
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--bundle", type=Path, help="one step's kernels, one per call")
+    source.add_argument("--problems", type=Path, help="benchmarks/models.py record's problems (kernels from "
+                        "CONVDSL_STREAM_BUNDLES, else compiled here)")
+    ap.add_argument("--models", type=lambda s: s.split(","), help="with --problems: these models (default all)")
+    ap.add_argument("--format", default="channels_last", help="with --problems: contiguous or channels_last")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="check each result against cuDNN's instead of a float64 reference (faster)")
     ap.add_argument("--out", type=Path, required=True, help="directory for the results JSON")
     args = ap.parse_args(argv)
+    if args.problems is not None:
+        return _models(args)
 
     kernels = stream.load_bundle(args.bundle)
     counts = args.bundle.with_suffix(".calls.json")
@@ -90,6 +107,93 @@ def main(argv=None) -> int:
     path = args.out / f"layers-{versions['device'].replace(' ', '_')}-{versions['date'][:10]}.json"
     path.write_text(json.dumps({"versions": versions, "summary": summary, "results": rows}, indent=1) + "\n")
     print(json.dumps(summary))
+    print(f"wrote {path}")
+    return 0 if summary["all_correct"] else 1
+
+
+def _models(args) -> int:
+    """Every distinct convolution the chosen models call per step in one memory format, timed once; each model's
+    convolution time per step is the calls-weighted sum over its own problems."""
+    import torch
+
+    from benchmarks.gpu_bench import TorchConv, random_args, reference, rel_error, tolerance
+    from benchmarks.torch_bench import _case_dict, graph_ms
+    from convdsl import stream
+    from convdsl.problem import problem_from_spec
+    from convdsl.targets import Target
+    from convdsl.torch.stream import StreamRunner
+
+    data = json.loads(args.problems.read_text())
+    models = args.models or sorted({key.split("/")[0] for key in data["calls_per_step"]})
+    keys = [f"{m}/{args.format}" for m in models]
+    missing = [k for k in keys if k not in data["calls_per_step"]]
+    if missing:
+        raise SystemExit(f"--models: {', '.join(missing)} not recorded in {args.problems}")
+    major, minor = torch.cuda.get_device_capability()
+    target = Target("cuda", f"sm_{major}{minor}")
+    device = torch.device("cuda", 0)
+    rows = []
+    for entry in data["problems"]:
+        calls = {k.split("/")[0]: n for k, n in entry["calls"].items() if k in keys and n}
+        if not calls:
+            continue
+        p = problem_from_spec(entry["problem"])
+        cd = _case_dict(p)
+        row = {"describe": p.describe(), "op": p.op, "calls": calls}
+        try:
+            k = stream.stream_kernel(p, target)
+        except Exception as err:  # noqa: BLE001 - a layer without a kernel runs cuDNN's in training: say so
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            rows.append(row)
+            print(f"no kernel: {p.describe()}: {row['error']}", flush=True)
+            continue
+        conv = TorchConv(cd)
+        runner = StreamRunner(k, device)
+        inputs = random_args(cd, seed=1)
+        got = runner(*inputs)
+        targs = conv.to_torch(inputs)
+        cudnn = conv.fn(conv.like(targs[0].dtype))
+        if args.no_reference:  # cuDNN's result, at twice the tolerance (both round)
+            ref, limit = conv.from_torch(cudnn(*targs)), 2 * tolerance(cd)
+        else:
+            ref, _ = reference(cd, conv, inputs)
+            limit = tolerance(cd)
+        err = rel_error(got, ref)
+        del ref
+        row.update(convdsl_ms=graph_ms(lambda: runner(*inputs)), cudnn_ms=graph_ms(lambda: cudnn(*targs)),
+                   error=err, ok=err <= limit, stream=k.describe())
+        rows.append(row)
+        del inputs, targs, got
+        torch.cuda.empty_cache()
+    timed = [r for r in rows if "convdsl_ms" in r]
+    per_model = {}
+    for m in models:
+        mine = [r for r in timed if m in r["calls"]]
+        step = {name: sum(r["calls"][m] * r[f"{name}_ms"] for r in mine) for name in ("convdsl", "cudnn")}
+        by_op = {op: {name: round(sum(r["calls"][m] * r[f"{name}_ms"] for r in mine if r["op"] == op), 4)
+                      for name in ("convdsl", "cudnn")} for op in sorted({r["op"] for r in mine})}
+        per_model[m] = {"distinct": len(mine), "calls_per_step": sum(r["calls"][m] for r in mine),
+                        "step_ms": {k: round(v, 4) for k, v in step.items()},
+                        "speedup": round(step["cudnn"] / step["convdsl"], 3) if step["convdsl"] else None,
+                        "by_op_ms": by_op, "no_kernel": sum(1 for r in rows if m in r["calls"] and "error" in r)}
+        print(f"{m:<30} {per_model[m]['calls_per_step']:4d} calls, conv ms/step convdsl {step['convdsl']:.3f} "
+              f"cuDNN {step['cudnn']:.3f} -> {per_model[m]['speedup']}x", flush=True)
+    for r in sorted(timed, key=lambda r: -sum(r["calls"].values()) * (r["convdsl_ms"] - r["cudnn_ms"]))[:25]:
+        n = sum(r["calls"].values())
+        print(f"{n:3d} x {r['describe'][:90]:<90} convdsl {r['convdsl_ms']:.4f} cuDNN {r['cudnn_ms']:.4f} "
+              f"{'ok' if r['ok'] else 'BAD'}")
+    speedups = [v["speedup"] for v in per_model.values() if v["speedup"]]
+    summary = {"format": args.format, "models": per_model, "all_correct": all(r["ok"] for r in timed),
+               "geomean_speedup": round(statistics.geometric_mean(speedups), 3) if speedups else None}
+    versions = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                "cudnn": torch.backends.cudnn.version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "command": "python3 benchmarks/torch_layers.py --problems PROBLEMS --format "
+                           f"{args.format} --models {','.join(models)}" + (" --no-reference" if args.no_reference else "")
+                           + " --out DIR"}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"model-layers-{args.format}-{versions['device'].replace(' ', '_')}-{versions['date'][:10]}.json"
+    path.write_text(json.dumps({"versions": versions, "summary": summary, "results": rows}, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in summary.items() if k != "models"}))
     print(f"wrote {path}")
     return 0 if summary["all_correct"] else 1
 
