@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from datetime import datetime, timezone
@@ -123,6 +124,11 @@ def _models(args) -> int:
     from convdsl.targets import Target
     from convdsl.torch.stream import StreamRunner
 
+    # the bundles training registers (convdsl/torch/runtime.py): without them every kernel compiles here, with the
+    # installed Triton (PyTorch 2.11's 3.6 has no Gluon TMA kernels: the cp.async ones only)
+    bundles = [path for path in os.environ.get("CONVDSL_STREAM_BUNDLES", "").split(os.pathsep) if path]
+    for path in bundles:
+        stream.register_bundle(stream.load_bundle(path))
     data = json.loads(args.problems.read_text())
     models = args.models or sorted({key.split("/")[0] for key in data["calls_per_step"]})
     keys = [f"{m}/{args.format}" for m in models]
@@ -143,9 +149,9 @@ def _models(args) -> int:
         try:
             k = stream.stream_kernel(p, target)
         except Exception as err:  # noqa: BLE001 - a layer without a kernel runs cuDNN's in training: say so
-            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            row["no_kernel"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             rows.append(row)
-            print(f"no kernel: {p.describe()}: {row['error']}", flush=True)
+            print(f"no kernel: {p.describe()}: {row['no_kernel']}", flush=True)
             continue
         conv = TorchConv(cd)
         runner = StreamRunner(k, device)
@@ -175,7 +181,7 @@ def _models(args) -> int:
         per_model[m] = {"distinct": len(mine), "calls_per_step": sum(r["calls"][m] for r in mine),
                         "step_ms": {k: round(v, 4) for k, v in step.items()},
                         "speedup": round(step["cudnn"] / step["convdsl"], 3) if step["convdsl"] else None,
-                        "by_op_ms": by_op, "no_kernel": sum(1 for r in rows if m in r["calls"] and "error" in r)}
+                        "by_op_ms": by_op, "no_kernel": sum(1 for r in rows if m in r["calls"] and "no_kernel" in r)}
         print(f"{m:<30} {per_model[m]['calls_per_step']:4d} calls, conv ms/step convdsl {step['convdsl']:.3f} "
               f"cuDNN {step['cudnn']:.3f} -> {per_model[m]['speedup']}x", flush=True)
     for r in sorted(timed, key=lambda r: -sum(r["calls"].values()) * (r["convdsl_ms"] - r["cudnn_ms"]))[:25]:
@@ -184,6 +190,7 @@ def _models(args) -> int:
               f"{'ok' if r['ok'] else 'BAD'}")
     speedups = [v["speedup"] for v in per_model.values() if v["speedup"]]
     summary = {"format": args.format, "models": per_model, "all_correct": all(r["ok"] for r in timed),
+               "bundles": len(bundles),
                "geomean_speedup": round(statistics.geometric_mean(speedups), 3) if speedups else None}
     versions = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                 "cudnn": torch.backends.cudnn.version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -240,7 +240,8 @@ def test_which_forwards_take_the_tma_kernel():
         "f32: in one-pass TF32 only (three passes need the cp.async kernel's splits)"
     assert not takes(BASE.with_(op="grad_input")) and not takes(BASE.with_(op="grad_weight"))
     assert not takes(BASE.with_(layout="NGCHW")) and not takes(BASE.with_(weight_layout="GKCYX"))
-    assert not takes(BASE.with_(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0))), "1x1: the cp.async one-tap loop"
+    one_by_one = BASE.with_(filter=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0))
+    assert takes(one_by_one) and not takes(one_by_one.with_(stride=(2, 2))), "1x1: TMA at stride 1 (#tma-1x1)"
     one_row = BASE.with_(filter=(1, 3), pad_lo=(0, 1), pad_hi=(0, 1))
     assert takes(one_row) and not takes(one_row.with_(weight_layout="GKCYX"))
     assert not takes(BASE.with_(in_channels=3)), "an RGB stem's 3 channels: not a whole 16-channel step"
@@ -1239,3 +1240,22 @@ def test_swapped_forward_compiles_flipped_and_plain():
         assert binary.threads == 128 and kinds.count("map") == 3
         # the ring: 4 stages of a 128 x 64 window and a 64 x 64 weight tile, 16-bit
         assert binary.shared_bytes >= 4 * (128 * 64 + 64 * 64) * 2
+
+
+def test_stride_one_16_bit_1x1_gemms_take_the_tma_forward():
+    # ResNet-50's 1x1 layers (plain GEMMs): the persistent TMA forward beat the cp.async one-tap loop on all 20 of
+    # ResNet-50's and DenseNet-121's measured (docs/decisions.md#tma-1x1); strided, f32 and grad_weight 1x1s were not
+    # measured there and keep the cp.async kernels
+    one = RESNET_WGRAD.with_(op="forward", in_channels=256, out_channels=1024, input=(14, 14), filter=(1, 1),
+                             pad_lo=(0, 0), pad_hi=(0, 0))
+    assert policy.tma_forward_reason(one, HOPPER) is None
+    forward = stream.planned_stream_kernel(one, HOPPER, Knobs())
+    assert forward.tma_maps and forward.launches[0].launch.kernel.startswith("forward_tma")
+    dgrad = stream.planned_stream_kernel(one.with_(op="grad_input"), HOPPER, Knobs())
+    assert dgrad.tma_flipped_weight and dgrad.launches[0].launch.kernel.startswith("forward_tma")
+    for kept in (one.with_(stride=(2, 2), input=(28, 28)), one.with_(dtype="f32", compute="tf32")):
+        assert "one tap" in policy.tma_forward_reason(kept, HOPPER)
+        assert not stream.planned_stream_kernel(kept, HOPPER, Knobs()).tma_maps
+    assert "one tap" in policy.tma_grad_weight_reason(one.with_(op="grad_weight"), HOPPER)
+    # on Ampere, and in a module, the cp.async kernel
+    assert policy.tma_forward_reason(one, AMPERE) is not None

@@ -27,8 +27,8 @@ from .cuda import weight_copy_axes
 # --- what every TMA kernel needs ------------------------------------------------------------------------
 
 def _tma_common_reason(p: ConvProblem, target: Target) -> Optional[str]:
-    """What every TMA kernel needs: Hopper, 16-bit exact products, NHWGC, a fixed batch, more than one tap, the
-    im2col box in range, and Gluon's TMA im2col in the installed Triton."""
+    """What every TMA kernel needs: Hopper, 16-bit exact products, NHWGC, a fixed batch, the im2col box in range,
+    and Gluon's TMA im2col in the installed Triton (which kernels take one tap: each kernel's own rule)."""
     if not (target.has_tma and target.has_wgmma):
         return f"TMA im2col with wgmma is Hopper's (sm_90); target is {target.arch}"
     fp8 = p.op in ("forward", "grad_weight") and p.dtype in ("f16", "bf16") and p.fp8_compute
@@ -37,10 +37,6 @@ def _tma_common_reason(p: ConvProblem, target: Target) -> Optional[str]:
                 "grad_weight in fp8 compute")
     if p.layout != "NHWGC" or p.dynamic_batch:
         return "the TMA kernels read NHWGC activations of a fixed batch"
-    if math.prod(p.filter) == 1:
-        # a 1x1 convolution is a plain GEMM, which the cp.async kernel's one-tap loop runs faster on ResNet-50's
-        # shapes (up to 1.7x; the TMA kernel won only past 1024 reduction channels; docs/decisions.md#tma-forward)
-        return "one tap: the cp.async kernel's one-tap loop"
     lower, upper = im2col_box(p)
     low, high = target.tma_im2col_corners(p.dims + 2)
     if any(not low <= v <= high for v in (*lower, *upper)) or max(p.stride) > target.tma_most_stride:
@@ -238,6 +234,8 @@ def tma_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]:
     """Why grad_weight does not run on the TMA kernel (None: it does)."""
     if p.op != "grad_weight":
         return "not grad_weight"
+    if math.prod(p.filter) == 1:  # a plain GEMM with dY first (policy.dy_first), not measured on this kernel
+        return "one tap: the cp.async kernel's one-tap GEMM"
     reason = _tma_common_reason(p, target)
     if reason is not None:
         return reason
@@ -278,6 +276,11 @@ def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
     keep the cp.async kernels (docs/decisions.md#tma-forward)."""
     if p.op != "forward" or p.out_dtype is not None:
         return "the TMA kernel computes forward in the input's dtype"
+    if math.prod(p.filter) == 1 and (any(s != 1 for s in p.stride) or p.dtype not in ("f16", "bf16")
+                                     or p.compute is not None):
+        # a stride-1 16-bit 1x1 is a plain GEMM the persistent TMA kernel runs 1.04-1.52x faster than the cp.async
+        # one-tap loop (docs/decisions.md#tma-1x1); strided, f32 and fp8 ones were not measured there
+        return "one tap, strided or not 16-bit: the cp.async kernel's one-tap loop"
     reason = _tma_common_reason(p, target)
     if reason is not None:
         return reason
