@@ -460,9 +460,10 @@ OUTPUT_SPLIT_MOST = 16
 def output_split(p: ConvProblem, ext: ExternLaunches, target: Target) -> int:
     """Split-K chunks S for a forward's or grad_input's GEMM kernel (grad_input_phases, one stride phase): the
     tiles' split where a knob sets it, else where the output tiles leave more than half the SMs without a program
-    (few rows and columns over a long reduction: r2plus1d's 7x7 layers of 921 channels ran 16 programs on 132
-    SMs, docs/decisions.md#output-split-k) over at least OUTPUT_SPLIT_LEAST_REDUCTION steps, as many chunks as
-    fill the resident slots once, each of at least OUTPUT_SPLIT_LEAST_STEPS steps.  1: no split (NGCHW copies, fp8 rounding and stride phases keep one pass)."""
+    (few rows and columns over a long reduction, as video models' late layers have; docs/decisions.md#output-split-k)
+    over at least OUTPUT_SPLIT_LEAST_REDUCTION steps, as many chunks as fill the resident slots once, each of at
+    least OUTPUT_SPLIT_LEAST_STEPS steps.  1: no split (NGCHW copies, fp8 rounding and stride phases keep one
+    pass)."""
     (launch,) = ext.launches
     if launch.kernel != "grad_input_phases" or ext.copied_channels_last or p.fp8_compute:
         return 1
