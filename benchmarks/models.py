@@ -138,16 +138,24 @@ def record(args: argparse.Namespace) -> int:
         case = cases[name]
         for fmt in args.formats:
             memory_format = _format(case, fmt)
-            model = ct.convert(case.build()).to(args.device).to(memory_format=memory_format)
-            calls: dict = {}
-            with runtime.recording(as_cuda=True, calls=calls) as recorded, \
-                    FakeTensorMode(allow_non_fake_inputs=True):
-                x = torch.empty(case.batch, *case.input_shape, device=args.device).to(memory_format=memory_format)
-                y = (torch.zeros(case.batch, *case.input_shape[1:], dtype=torch.long, device=args.device)
-                     if case.segmentation else torch.zeros(case.batch, dtype=torch.long, device=args.device))
-                with torch.autocast(args.device, dtype=torch.bfloat16):
-                    loss = _loss(case, model, x, y)
-                loss.backward()
+            model = ct.convert(case.build()).to(memory_format=memory_format)
+            if args.device == "cpu":  # the library's tracer (convdsl/torch/bundles.py)
+                x = torch.empty(case.batch, *case.input_shape).to(memory_format=memory_format)
+                y = (torch.zeros(case.batch, *case.input_shape[1:], dtype=torch.long) if case.segmentation
+                     else torch.zeros(case.batch, dtype=torch.long))
+                step = ct.record_step(model, lambda m: _loss(case, m, x, y), autocast=torch.bfloat16)
+                recorded, calls = step.problems, step.calls
+            else:  # fake CUDA tensors under CUDA autocast (a CUDA build of PyTorch)
+                model = model.to(args.device)
+                calls = {}
+                with runtime.recording(as_cuda=True, calls=calls) as recorded, \
+                        FakeTensorMode(allow_non_fake_inputs=True):
+                    x = torch.empty(case.batch, *case.input_shape, device=args.device).to(memory_format=memory_format)
+                    y = (torch.zeros(case.batch, *case.input_shape[1:], dtype=torch.long, device=args.device)
+                         if case.segmentation else torch.zeros(case.batch, dtype=torch.long, device=args.device))
+                    with torch.autocast(args.device, dtype=torch.bfloat16):
+                        loss = _loss(case, model, x, y)
+                    loss.backward()
             # every recorded problem: also those no call of the traced path counts (the eager path's grad_weight
             # into the parameter's dtype), which the run asks for
             for p in recorded:

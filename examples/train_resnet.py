@@ -284,32 +284,23 @@ def check_gradients(args: argparse.Namespace) -> int:
 def build_bundle(args: argparse.Namespace) -> int:
     """Trace one training step on fake tensors (on the CPU: no GPU, no compute) and compile the stream kernels
     of every convolution it makes, forward and backward, into one bundle file."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from convdsl.compiler import compile as compile_artifact
     from convdsl.problem import problem_to_spec
-    from convdsl.targets import Target
-    from convdsl.torch import runtime
 
     groups, width = (32, 4) if args.resnext else (1, 64)
     model = ct.convert(ResNet(groups=groups, width_per_group=width, classes=args.classes))
     model = model.to(memory_format=torch.channels_last)
-    calls: dict = {}
-    with runtime.recording(as_cuda=True, calls=calls) as problems, FakeTensorMode(allow_non_fake_inputs=True):
-        images = torch.randn(args.batch, 3, args.image_size, args.image_size)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.f32):
-            loss = nn.CrossEntropyLoss()(model(images.contiguous(memory_format=torch.channels_last)),
-                                         torch.zeros(args.batch, dtype=torch.long))
-        loss.backward()
-    # every recorded problem's stream kernel; those without one are left out (built.skipped says why)
-    built = compile_artifact(list(problems), Target("cuda", args.arch), artifact="bundle")
-    built.write(args.bundle_out)
-    kernels = built.kernels
+    images = torch.empty(args.batch, 3, args.image_size, args.image_size).contiguous(memory_format=torch.channels_last)
+    labels = torch.zeros(args.batch, dtype=torch.long)
+    step = ct.record_step(model, lambda m: nn.CrossEntropyLoss()(m(images), labels),
+                          autocast=None if args.f32 else torch.bfloat16)
+    # every recorded problem's stream kernel; those without one are left out (with why)
+    without = step.write_bundle(args.bundle_out, arch=args.arch)
     # how often each kernel runs in a step, beside the bundle (benchmarks/torch_layers.py weighs by it)
     counts = args.bundle_out.with_suffix(".calls.json")
-    counts.write_text(json.dumps([{"problem": problem_to_spec(p), "calls": n} for p, n in calls.items()]) + "\n")
-    print(f"wrote {args.bundle_out} and {counts}: {len(kernels)} stream kernels, {sum(calls.values())} convolution "
-          f"calls per step")
+    counts.write_text(json.dumps([{"problem": problem_to_spec(p), "calls": n} for p, n in step.calls.items()])
+                      + "\n")
+    print(f"wrote {args.bundle_out} and {counts}: {len(step.problems) - len(without)} stream kernels, "
+          f"{sum(step.calls.values())} convolution calls per step")
     return 0
 
 

@@ -398,6 +398,42 @@ def test_recording_under_autocast_adds_the_eager_grad_weight_into_the_parameter_
     assert sum(calls.values()) == 3 * 2
 
 
+def test_record_step_lists_what_the_step_calls_and_leaves_the_model_alone(tmp_path):
+    """ct.record_step: one training step of a convert()ed model traced on fake tensors lists every kernel the step
+    calls and how often (as the step traced by hand does), the model keeps its gradients and buffers, autocast
+    gives 16-bit problems, and write_bundle compiles them for sm_90."""
+    pytest.importorskip("triton")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from convdsl import stream
+    from convdsl.torch import runtime
+
+    model = ct.convert(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                     nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2), nn.Flatten(),
+                                     nn.Linear(128, 3))).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    y = torch.tensor([0, 2])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = ct.record_step(model, lambda m: nn.functional.cross_entropy(m(x), y))
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # num_batches_tracked too
+    calls: dict = {}
+    twin = copy.deepcopy(model)
+    with runtime.recording(as_cuda=True, calls=calls) as traced, FakeTensorMode(allow_non_fake_inputs=True):
+        nn.functional.cross_entropy(twin(x), y).backward()  # by hand, as the tests above trace
+    assert list(traced) == list(step.problems) and calls == dict(step.calls)
+    assert sum(step.calls.values()) == 2 + 1 + 2  # forwards, one grad_input (the first has no dX), grad_weights
+    assert sorted(p.op for p in step.calls) == ["forward", "forward", "grad_input", "grad_weight", "grad_weight"]
+    assert all(p.layout == "NHWGC" and p.dtype == "f32" and p.tf32 for p in step.problems)  # as CUDA with TF32
+    halves = ct.record_step(model, lambda m: nn.functional.cross_entropy(m(x), y), autocast=torch.bfloat16)
+    assert {p.dtype for p in halves.problems} == {"bf16"}
+    with pytest.raises(ValueError, match="convert"):  # torch.nn's own convolutions: nothing to compile
+        ct.record_step(nn.Conv2d(3, 4, 3), lambda m: m(torch.randn(1, 3, 5, 5)).sum())
+    without = step.write_bundle(tmp_path / "step.convk", arch="sm_90")
+    kernels = stream.load_bundle(tmp_path / "step.convk")
+    assert {k.problem for k in kernels} | {p for p, _ in without} == set(step.problems) and kernels
+
+
 def test_problem_for_keeps_out_dtype_only_where_it_differs():
     from convdsl.torch import runtime
 

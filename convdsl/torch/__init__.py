@@ -6,16 +6,18 @@ modules, and `convert(model)`.
     conv = ct.Conv2d(64, 64, 3, padding=1, groups=32)
     compiled = torch.compile(model, backend="convdsl")   # or no convert(): Inductor takes aten's convolutions as
                                                          # convdsl's (convdsl/torch/inductor.py)
+    ct.record_step(model, loss_of_model).write_bundle("model.convk")   # its kernels compiled ahead (bundles.py)
 
 On CUDA the kernels are launched on PyTorch's current stream (no host synchronisation, CUDA-graph capturable);
 on the CPU they run the IREE module.  See convdsl/torch/runtime.py for the layouts and the paths.
 """
 from __future__ import annotations
 
+from .bundles import RecordedStep, record_step
 from .fallback import KernelFallbackWarning, KernelUnavailableError, set_strict
 from .modules import Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, convert
 from .ops import conv_transpose, convolution, convolution_grad_input, convolution_grad_weight
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "convert",
            "conv_transpose", "convolution", "convolution_grad_input", "convolution_grad_weight",
-           "KernelFallbackWarning", "KernelUnavailableError", "set_strict"]
+           "KernelFallbackWarning", "KernelUnavailableError", "set_strict", "RecordedStep", "record_step"]
