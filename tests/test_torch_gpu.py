@@ -719,3 +719,36 @@ def test_operator_calls_run_native_kernels_once_planned():
     assert _rel(half[0].double(), want[0][:16]) < 1e-2 and _rel(half[1].double(), want[1][:16]) < 1e-2
     with pytest.raises(RuntimeError, match="groups"):
         torch.ops.convdsl.convolution(x, w, None, [1, 1], [1, 1], [1, 1], [1, 1], 3)
+
+
+def test_a_step_recorded_on_the_cpu_needs_no_other_kernel_on_cuda(tmp_path, monkeypatch):
+    """ct.record_step traces on fake CPU tensors under CPU autocast; the bundle it writes must hold every kernel the
+    same step asks for on CUDA under CUDA autocast: with it registered, a real step compiles nothing (strict mode,
+    compiling refused)."""
+    from convdsl import stream
+    from convdsl.torch import fallback
+
+    torch.manual_seed(0)
+    # shapes no other test uses, so that no kernel of this process serves them already
+    model = ct.convert(nn.Sequential(nn.Conv2d(3, 40, 3, padding=1), nn.BatchNorm2d(40), nn.ReLU(),
+                                     nn.Conv2d(40, 40, 3, stride=2, padding=1, groups=5), nn.ReLU(),
+                                     nn.ConvTranspose2d(40, 24, 4, stride=2, padding=1), nn.Flatten(),
+                                     nn.Linear(24 * 18 * 18, 7))).to(memory_format=torch.channels_last)
+    x = torch.randn(6, 3, 18, 18).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 7, (6,))
+    step = ct.record_step(model, lambda m: nn.functional.cross_entropy(m(x), y), autocast=torch.bfloat16)
+    arch = runtime._cuda_target(torch.device("cuda", 0)).arch
+    assert step.write_bundle(tmp_path / "step.convk", arch=arch) == []  # every problem has a stream kernel
+    stream.register_bundle(stream.load_bundle(tmp_path / "step.convk"))
+
+    def refuse(plan):
+        raise AssertionError(f"compiled at first use: {plan.problem.describe()}")
+
+    monkeypatch.setattr(stream, "build_kernel", refuse)
+    monkeypatch.setattr(fallback, "_strict", True)  # a missing kernel raises instead of running cuDNN's
+    cuda_model = model.cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = nn.functional.cross_entropy(cuda_model(x.cuda()), y.cuda())
+    loss.backward()
+    torch.cuda.synchronize()
+    assert math.isfinite(loss.item()) and all(p.grad is not None for p in cuda_model.parameters())
