@@ -79,7 +79,7 @@ CASES = [
     # forward and grad_input split-K on the stream path (policy.output_split; here the tiles' k asks for it): f32
     # partials of the result summed in order with the scale epilogue; the general loop (3D, several taps, a
     # reduction of 37 channels: a ragged last step), the one-tap loop (1x1, 37 channels), the flat reduction (3
-    # channels), grad_input of one stride phase
+    # channels), grad_input of one stride phase, the transposed convolution at stride 1
     (BASE.with_(op="forward", dims=3, in_channels=37, out_channels=20, input=(3, 4, 5), filter=(3, 1, 2),
                 stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 0, 1), pad_hi=(1, 0, 0), groups=1,
                 dtype="bf16", epilogue=Epilogue("scale", 0.5)), SMALL + "k3"),
@@ -87,9 +87,11 @@ CASES = [
                 groups=1), SMALL + "k4"),
     (BASE.with_(op="forward", in_channels=3, out_channels=8, groups=1, stride=(1, 1)), SMALL + "k2"),
     (BASE.with_(op="grad_input", in_channels=20, out_channels=37, groups=1, dtype="bf16"), SMALL + "k5"),
+    (BASE.with_(op="transposed", in_channels=24, out_channels=40, groups=1, epilogue=Epilogue("scale", 2.0)),
+     SMALL + "k3"),
 ]
 # the output split-K cases (stream-only launches: the module keeps one pass)
-OUTPUT_SPLIT = tuple(range(len(CASES) - 4, len(CASES)))
+OUTPUT_SPLIT = tuple(range(len(CASES) - 5, len(CASES)))
 # the space-to-depth cases: their stream kernels regroup the operands, the IREE module's kernel does not
 SPACE_TO_DEPTH = (OUTPUT_SPLIT[0] - 2, OUTPUT_SPLIT[0] - 1)
 
