@@ -33,11 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main(argv=None) -> int:
     import torch
 
-    from benchmarks.gpu_bench import TorchConv, random_args, reference, rel_error, tolerance
-    from benchmarks.torch_bench import _case_dict, _queued, graph_ms
     from convdsl import stream
     from convdsl.problem import problem_from_spec
-    from convdsl.torch.stream import StreamRunner
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = ap.add_mutually_exclusive_group(required=True)
@@ -72,26 +69,10 @@ def main(argv=None) -> int:
     device = torch.device("cuda", 0)
     rows = []
     for key, k in first.items():
-        p = k.problem
-        cd = _case_dict(p)
-        conv = TorchConv(cd)
-        runner = StreamRunner(k, device)
-        inputs = random_args(cd, seed=1)
-        got = runner(*inputs)
-        ref, _ = reference(cd, conv, inputs)
-        err = rel_error(got, ref)
-        del ref
-        targs = conv.to_torch(inputs)
-        cudnn = conv.fn(conv.like(targs[0].dtype))
-        mine = graph_ms(lambda: runner(*inputs))
-        theirs = graph_ms(lambda: cudnn(*targs))
-        row = {"describe": p.describe(), "op": p.op, "calls": calls[key], "convdsl_ms": mine, "cudnn_ms": theirs,
-               "step_difference_ms": calls[key] * (mine - theirs), "error": err, "ok": err <= tolerance(cd),
-               "queued_convdsl_ms": _queued(lambda: runner(*inputs))["kernel_ms"],
-               "queued_cudnn_ms": _queued(lambda: cudnn(*targs))["kernel_ms"], "stream": k.describe()}
+        row = {"describe": k.problem.describe(), "op": k.problem.op, "calls": calls[key],
+               **_timed(k, device, float64=True, queued=True)}
+        row["step_difference_ms"] = calls[key] * (row["convdsl_ms"] - row["cudnn_ms"])
         rows.append(row)
-        del inputs, targs, got
-        torch.cuda.empty_cache()
     rows.sort(key=lambda r: -r["step_difference_ms"])
     for r in rows:
         print(f"{r['calls']:2d} x {r['describe'][:92]:<92} convdsl {r['convdsl_ms']:.4f} cuDNN {r['cudnn_ms']:.4f} "
@@ -112,23 +93,53 @@ def main(argv=None) -> int:
     return 0 if summary["all_correct"] else 1
 
 
+def _timed(k, device, float64: bool, queued: bool = False) -> dict:
+    """One stream kernel through the stream runner and the same convolution through cuDNN on the same random
+    tensors, each timed by CUDA-graph replay; its error against the float64 reference (float64), else against
+    cuDNN's result at twice the tolerance (both round); queued: also the CUDA-event time of queued eager calls."""
+    import torch
+
+    from benchmarks.gpu_bench import TorchConv, random_args, reference, rel_error, tolerance
+    from benchmarks.torch_bench import _case_dict, _queued, graph_ms
+    from convdsl.torch.stream import StreamRunner
+
+    cd = _case_dict(k.problem)
+    conv = TorchConv(cd)
+    runner = StreamRunner(k, device)
+    inputs = random_args(cd, seed=1)
+    got = runner(*inputs)
+    targs = conv.to_torch(inputs)
+    cudnn = conv.fn(conv.like(targs[0].dtype))
+    if float64:
+        ref, limit = reference(cd, conv, inputs)[0], tolerance(cd)
+    else:
+        ref, limit = conv.from_torch(cudnn(*targs)), 2 * tolerance(cd)
+    err = rel_error(got, ref)
+    del ref
+    row = {"convdsl_ms": graph_ms(lambda: runner(*inputs)), "cudnn_ms": graph_ms(lambda: cudnn(*targs)),
+           "error": err, "ok": err <= limit, "stream": k.describe()}
+    if queued:
+        row.update(queued_convdsl_ms=_queued(lambda: runner(*inputs))["kernel_ms"],
+                   queued_cudnn_ms=_queued(lambda: cudnn(*targs))["kernel_ms"])
+    del inputs, targs, got
+    torch.cuda.empty_cache()
+    return row
+
+
 def _models(args) -> int:
     """Every distinct convolution the chosen models call per step in one memory format, timed once; each model's
     convolution time per step is the calls-weighted sum over its own problems."""
     import torch
 
-    from benchmarks.gpu_bench import TorchConv, random_args, reference, rel_error, tolerance
-    from benchmarks.torch_bench import _case_dict, graph_ms
     from convdsl import stream
     from convdsl.problem import problem_from_spec
     from convdsl.targets import Target
-    from convdsl.torch.stream import StreamRunner
+    from convdsl.torch import runtime
 
-    # the bundles training registers (convdsl/torch/runtime.py): without them every kernel compiles here, with the
-    # installed Triton (PyTorch 2.11's 3.6 has no Gluon TMA kernels: the cp.async ones only)
-    bundles = [path for path in os.environ.get("CONVDSL_STREAM_BUNDLES", "").split(os.pathsep) if path]
-    for path in bundles:
-        stream.register_bundle(stream.load_bundle(path))
+    # the bundles training registers: without them every kernel compiles here, with the installed Triton (PyTorch
+    # 2.11's 3.6 has no Gluon TMA kernels: the cp.async ones only)
+    runtime.register_bundles()
+    bundles = [path for path in os.environ.get(runtime.BUNDLES_ENV, "").split(os.pathsep) if path]
     data = json.loads(args.problems.read_text())
     models = args.models or sorted({key.split("/")[0] for key in data["calls_per_step"]})
     keys = [f"{m}/{args.format}" for m in models]
@@ -144,7 +155,6 @@ def _models(args) -> int:
         if not calls:
             continue
         p = problem_from_spec(entry["problem"])
-        cd = _case_dict(p)
         row = {"describe": p.describe(), "op": p.op, "calls": calls}
         try:
             k = stream.stream_kernel(p, target)
@@ -153,24 +163,8 @@ def _models(args) -> int:
             rows.append(row)
             print(f"no kernel: {p.describe()}: {row['no_kernel']}", flush=True)
             continue
-        conv = TorchConv(cd)
-        runner = StreamRunner(k, device)
-        inputs = random_args(cd, seed=1)
-        got = runner(*inputs)
-        targs = conv.to_torch(inputs)
-        cudnn = conv.fn(conv.like(targs[0].dtype))
-        if args.no_reference:  # cuDNN's result, at twice the tolerance (both round)
-            ref, limit = conv.from_torch(cudnn(*targs)), 2 * tolerance(cd)
-        else:
-            ref, _ = reference(cd, conv, inputs)
-            limit = tolerance(cd)
-        err = rel_error(got, ref)
-        del ref
-        row.update(convdsl_ms=graph_ms(lambda: runner(*inputs)), cudnn_ms=graph_ms(lambda: cudnn(*targs)),
-                   error=err, ok=err <= limit, stream=k.describe())
+        row.update(_timed(k, device, float64=not args.no_reference))
         rows.append(row)
-        del inputs, targs, got
-        torch.cuda.empty_cache()
     timed = [r for r in rows if "convdsl_ms" in r]
     per_model = {}
     for m in models:

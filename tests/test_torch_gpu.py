@@ -390,7 +390,7 @@ def _hopper_kernel_call(p, kernel_name: str, seed: int):
 def _stream_target():
     """The stream kernels' target on this GPU (the bundles named by CONVDSL_STREAM_BUNDLES registered first), and
     whether it is Hopper, where the TMA kernels run."""
-    runtime._register_bundles()
+    runtime.register_bundles()
     return runtime._cuda_target(torch.device("cuda")), torch.cuda.get_device_capability() == (9, 0)
 
 

@@ -113,7 +113,8 @@ _bundles_registered = False
 BUNDLES_ENV = "CONVDSL_STREAM_BUNDLES"
 
 
-def _register_bundles() -> None:
+def register_bundles() -> None:
+    """Register the bundles named in CONVDSL_STREAM_BUNDLES (once a process), as the first CUDA call does."""
     global _bundles_registered
     if _bundles_registered:
         return
@@ -172,7 +173,7 @@ def _stream_runner(p: ConvProblem, device: torch.device) -> Optional[StreamRunne
     key = (p, device.index)
     if key in _runners:
         return _runners[key]
-    _register_bundles()
+    register_bundles()
     target = _cuda_target(device)
     reason = stream.unsupported_reason(p, target)
     runner = None
