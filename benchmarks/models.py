@@ -312,6 +312,17 @@ def _graphed_step(case: ModelCase, model: nn.Module, opt: torch.optim.Optimizer,
     return step
 
 
+def _fused(model: nn.Module, row: dict) -> nn.Module:
+    """ct.fuse(model) (Conv -> BatchNorm -> activation fused), or convert() where torch.fx cannot trace it."""
+    try:
+        fused = ct.fuse(model)
+    except ValueError as e:
+        row["fused"] = str(e)
+        return ct.convert(model)
+    row["fused"] = sum(isinstance(m, ct.ConvBNAct) for m in fused.modules())
+    return fused
+
+
 def run_case(case: ModelCase, fmt_name: str, mode: str, args: argparse.Namespace) -> dict:
     fmt = _format(case, fmt_name)
     torch.manual_seed(args.seed)
@@ -329,7 +340,7 @@ def run_case(case: ModelCase, fmt_name: str, mode: str, args: argparse.Namespace
         for name in ("cudnn", "convdsl"):
             model = copy.deepcopy(base)
             if name == "convdsl" and mode != "inductor":
-                ct.convert(model)
+                model = _fused(model, row) if args.fuse else ct.convert(model)
             model = model.cuda().to(memory_format=fmt).train()
             opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
             if mode == "inductor":  # the model's own torch.nn convolutions, compiled as convdsl's or as aten's
@@ -519,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--lr", type=float, default=0.01)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--check-gradients", action="store_true")
+    r.add_argument("--fuse", action="store_true",
+                   help="convdsl's model through ct.fuse(): Conv -> BatchNorm -> activation fused (convdsl/torch/fused.py)")
     r.add_argument("--host-profile", action="store_true",
                    help="also record each backend's operators with the most self CPU time per step")
     r.add_argument("--gpu-kernels", type=int, default=0, metavar="N",

@@ -1,0 +1,229 @@
+"""BatchNorm and an activation around a convolution's output, as Triton kernels: the elementwise work that a
+Conv -> BatchNorm -> activation sequence does in five passes over the activation tensor on PyTorch (statistics,
+normalise, activation; forward) plus three backward (activation, BatchNorm's reductions, BatchNorm's input
+gradient), done in two forward and two backward passes (convdsl/torch/fused.py runs them).
+
+Tensors are viewed as y[n, c, s] (s the flattened spatial position) in one of two layouts, picked by CL:
+  CL = True:  channels-last, offset (n * HW + s) * C + c = r * C + c with rows r = (n, s): a block is
+              [BLOCK_R rows, BLOCK_C channels], the channels contiguous;
+  CL = False: contiguous NC(D)HW, offset n * C * HW + c * HW + s: a block is [BLOCK_C channels, BLOCK_R
+              positions] of one image (blocks never cross an image, so the positions stay contiguous).
+Row blocks are numbered b = 0 .. BLOCKS - 1 (CL: BLOCKS = ceil(N * HW / BLOCK_R); else N * ceil(HW / BLOCK_R)).
+
+  stats_partials:  program (p, cb) walks row blocks [p * PER, (p + 1) * PER) of channels cb and keeps, per channel,
+                   the count, mean and M2 (sum of squared deviations from the mean) of what it read, merging each
+                   block's own (two-pass, in registers) with Chan et al.'s rule:
+                       n = na + nb, mean = ma + (mb - ma) * nb / n, M2 = M2a + M2b + (mb - ma)^2 * na * nb / n
+                   (no E[x^2] - E[x]^2 cancellation); stores them at [p, c].
+  stats_finalize:  merges the P partials of each channel in order p = 0 .. P - 1 (a fixed order: the same bits
+                   every call), var = M2 / R (R = N * HW), invstd = 1 / sqrt(var + eps); with UPDATE, torch.nn's
+                   running averages: running = (1 - f) * running + f * stat, the variance's unbiased (R / (R - 1)).
+  apply_act:       out = act(z), z = (y - mean) * invstd * w + b, computed in f32 and rounded once.
+  grad_partials:   with xhat = (y - mean) * invstd, z = xhat * w + b and dz = dout * act'(z) (the activation's
+                   derivative from the recomputed z: nothing but y is kept from the forward), per-program sums of
+                   dz and dz * xhat per channel, stored at [p, c].
+  grad_finalize:   dbeta = sum_p of the first, dgamma = sum_p of the second, in order.
+  grad_apply:      dy = w * invstd * (dz - dbeta / R - xhat * dgamma / R): BatchNorm's input gradient in
+                   training mode (the batch's mean and variance depend on y).
+
+Activations (ACT): 0 none, 1 relu, 2 relu6, 3 silu, 4 hardswish, with torch's derivatives at the kinks
+(relu: 0 at z <= 0; relu6: 1 on 0 < z < 6; hardswish: 0 below -3, z / 3 + 1/2 on [-3, 3], 1 above).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ACTIVATIONS = {None: 0, "relu": 1, "relu6": 2, "silu": 3, "hardswish": 4}
+
+
+@triton.jit
+def _block(b, cb, C, HW, ROWS, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr):
+    """Offsets and mask of row block b, channel block cb, and the block's channels (see the module docstring)."""
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    if CL:
+        r = b * BLOCK_R + tl.arange(0, BLOCK_R)
+        offsets = r[:, None] * C + c[None, :]
+        mask = (r < ROWS)[:, None] & (c < C)[None, :]
+    else:
+        per_image = tl.cdiv(HW, BLOCK_R)
+        n = b // per_image
+        s = (b % per_image) * BLOCK_R + tl.arange(0, BLOCK_R)
+        offsets = n * C * HW + c[:, None] * HW + s[None, :]
+        mask = (c < C)[:, None] & (s < HW)[None, :]
+    return offsets, mask, c
+
+
+@triton.jit
+def _per_channel(v, CL: tl.constexpr):
+    """A channel vector broadcast over a block."""
+    if CL:
+        return v[None, :]
+    else:
+        return v[:, None]
+
+
+@triton.jit
+def _channel_sum(t, CL: tl.constexpr):
+    if CL:
+        return tl.sum(t, 0)
+    else:
+        return tl.sum(t, 1)
+
+
+@triton.jit
+def _activation(z, ACT: tl.constexpr):
+    if ACT == 1:
+        return tl.maximum(z, 0.0)
+    elif ACT == 2:
+        return tl.minimum(tl.maximum(z, 0.0), 6.0)
+    elif ACT == 3:
+        return z / (1.0 + tl.exp(-z))
+    elif ACT == 4:
+        return z * tl.minimum(tl.maximum(z + 3.0, 0.0), 6.0) / 6.0
+    else:
+        return z
+
+
+@triton.jit
+def _activation_grad(dout, z, ACT: tl.constexpr):
+    if ACT == 1:
+        return tl.where(z > 0.0, dout, 0.0)
+    elif ACT == 2:
+        return tl.where((z > 0.0) & (z < 6.0), dout, 0.0)
+    elif ACT == 3:
+        s = 1.0 / (1.0 + tl.exp(-z))
+        return dout * s * (1.0 + z * (1.0 - s))
+    elif ACT == 4:
+        return tl.where(z < -3.0, 0.0, tl.where(z <= 3.0, dout * (z / 3.0 + 0.5), dout))
+    else:
+        return dout
+
+
+@triton.jit
+def stats_partials(y, count, mean, m2, C, HW, ROWS, BLOCKS, PER,
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr):
+    p = tl.program_id(0)
+    cb = tl.program_id(1)
+    n_acc = 0.0
+    mean_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    m2_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for b in range(p * PER, tl.minimum((p + 1) * PER, BLOCKS)):
+        offsets, mask, c = _block(b, cb, C, HW, ROWS, BLOCK_R, BLOCK_C, CL)
+        x = tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32)
+        # the block's valid rows (the same for every channel)
+        if CL:
+            nb = tl.minimum(ROWS - b * BLOCK_R, BLOCK_R).to(tl.float32)
+        else:
+            per_image = tl.cdiv(HW, BLOCK_R)
+            nb = tl.minimum(HW - (b % per_image) * BLOCK_R, BLOCK_R).to(tl.float32)
+        mb = _channel_sum(x, CL) / nb
+        d = tl.where(mask, x - _per_channel(mb, CL), 0.0)
+        m2b = _channel_sum(d * d, CL)
+        total = n_acc + nb
+        delta = mb - mean_acc
+        mean_acc = mean_acc + delta * (nb / total)
+        m2_acc = m2_acc + m2b + delta * delta * (n_acc * nb / total)
+        n_acc = total
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    tl.store(mean + p * C + c, mean_acc, mask=c_ok)
+    tl.store(m2 + p * C + c, m2_acc, mask=c_ok)
+    tl.store(count + p * C + c, tl.zeros((BLOCK_C,), dtype=tl.float32) + n_acc, mask=c_ok)
+
+
+@triton.jit
+def stats_finalize(count, mean, m2, mean_out, invstd_out, running_mean, running_var, P, C, ROWS, eps, factor,
+                   UPDATE: tl.constexpr, BLOCK_C: tl.constexpr):
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    n_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    mean_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    m2_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for p in range(0, P):
+        nb = tl.load(count + p * C + c, mask=c_ok, other=0.0)
+        mb = tl.load(mean + p * C + c, mask=c_ok, other=0.0)
+        m2b = tl.load(m2 + p * C + c, mask=c_ok, other=0.0)
+        total = n_acc + nb
+        share = tl.where(total > 0.0, nb / tl.where(total > 0.0, total, 1.0), 0.0)
+        delta = mb - mean_acc
+        mean_acc = mean_acc + delta * share
+        m2_acc = m2_acc + m2b + delta * delta * n_acc * share
+        n_acc = total
+    var = m2_acc / ROWS
+    tl.store(mean_out + c, mean_acc, mask=c_ok)
+    tl.store(invstd_out + c, 1.0 / tl.sqrt(var + eps), mask=c_ok)
+    if UPDATE:
+        rm = tl.load(running_mean + c, mask=c_ok, other=0.0).to(tl.float32)
+        rv = tl.load(running_var + c, mask=c_ok, other=0.0).to(tl.float32)
+        rm = (1.0 - factor) * rm + factor * mean_acc
+        rv = (1.0 - factor) * rv + factor * (m2_acc / (ROWS - 1))
+        tl.store(running_mean + c, rm.to(running_mean.dtype.element_ty), mask=c_ok)
+        tl.store(running_var + c, rv.to(running_var.dtype.element_ty), mask=c_ok)
+
+
+@triton.jit
+def apply_act(y, out, mean, invstd, w, bias, C, HW, ROWS,
+              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr, ACT: tl.constexpr):
+    offsets, mask, c = _block(tl.program_id(0), tl.program_id(1), C, HW, ROWS, BLOCK_R, BLOCK_C, CL)
+    c_ok = c < C
+    scale = tl.load(invstd + c, mask=c_ok, other=0.0) * tl.load(w + c, mask=c_ok, other=0.0).to(tl.float32)
+    shift = tl.load(bias + c, mask=c_ok, other=0.0).to(tl.float32) - tl.load(mean + c, mask=c_ok, other=0.0) * scale
+    x = tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32)
+    z = x * _per_channel(scale, CL) + _per_channel(shift, CL)
+    tl.store(out + offsets, _activation(z, ACT).to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def grad_partials(dout, y, mean, invstd, w, bias, sum_dz, sum_dzx, C, HW, ROWS, BLOCKS, PER,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr, ACT: tl.constexpr):
+    p = tl.program_id(0)
+    cb = tl.program_id(1)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    mu = _per_channel(tl.load(mean + c, mask=c_ok, other=0.0), CL)
+    inv = _per_channel(tl.load(invstd + c, mask=c_ok, other=0.0), CL)
+    gamma = _per_channel(tl.load(w + c, mask=c_ok, other=0.0).to(tl.float32), CL)
+    beta = _per_channel(tl.load(bias + c, mask=c_ok, other=0.0).to(tl.float32), CL)
+    acc_dz = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    acc_dzx = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for b in range(p * PER, tl.minimum((p + 1) * PER, BLOCKS)):
+        offsets, mask, _c = _block(b, cb, C, HW, ROWS, BLOCK_R, BLOCK_C, CL)
+        xhat = (tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32) - mu) * inv
+        g = tl.load(dout + offsets, mask=mask, other=0.0).to(tl.float32)
+        dz = tl.where(mask, _activation_grad(g, xhat * gamma + beta, ACT), 0.0)
+        acc_dz += _channel_sum(dz, CL)
+        acc_dzx += _channel_sum(dz * xhat, CL)
+    tl.store(sum_dz + p * C + c, acc_dz, mask=c_ok)
+    tl.store(sum_dzx + p * C + c, acc_dzx, mask=c_ok)
+
+
+@triton.jit
+def grad_finalize(sum_dz, sum_dzx, dbeta, dgamma, P, C, BLOCK_C: tl.constexpr):
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    acc_dz = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    acc_dzx = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for p in range(0, P):
+        acc_dz += tl.load(sum_dz + p * C + c, mask=c_ok, other=0.0)
+        acc_dzx += tl.load(sum_dzx + p * C + c, mask=c_ok, other=0.0)
+    tl.store(dbeta + c, acc_dz, mask=c_ok)
+    tl.store(dgamma + c, acc_dzx, mask=c_ok)
+
+
+@triton.jit
+def grad_apply(dout, y, mean, invstd, w, bias, dbeta, dgamma, dy, C, HW, ROWS,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr, ACT: tl.constexpr):
+    offsets, mask, c = _block(tl.program_id(0), tl.program_id(1), C, HW, ROWS, BLOCK_R, BLOCK_C, CL)
+    c_ok = c < C
+    mu = tl.load(mean + c, mask=c_ok, other=0.0)
+    inv = tl.load(invstd + c, mask=c_ok, other=0.0)
+    gamma = tl.load(w + c, mask=c_ok, other=0.0).to(tl.float32)
+    beta = tl.load(bias + c, mask=c_ok, other=0.0).to(tl.float32)
+    mean_dz = tl.load(dbeta + c, mask=c_ok, other=0.0) / ROWS
+    mean_dzx = tl.load(dgamma + c, mask=c_ok, other=0.0) / ROWS
+    xhat = (tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32) - _per_channel(mu, CL)) * _per_channel(inv, CL)
+    g = tl.load(dout + offsets, mask=mask, other=0.0).to(tl.float32)
+    dz = _activation_grad(g, xhat * _per_channel(gamma, CL) + _per_channel(beta, CL), ACT)
+    grad = (dz - _per_channel(mean_dz, CL) - xhat * _per_channel(mean_dzx, CL)) * _per_channel(gamma * inv, CL)
+    tl.store(dy + offsets, grad.to(dy.dtype.element_ty), mask=mask)

@@ -1,0 +1,278 @@
+"""Convolution -> BatchNorm -> activation as one module, with the BatchNorm and the activation done in two passes
+over the convolution's output forward and two backward (convdsl/kernels/batchnorm.py has the kernels and the
+algebra) instead of PyTorch's five and three.
+
+    fused = ct.ConvBNAct(nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), "relu")
+    model = ct.fuse(torchvision.models.resnet50())    # every Conv -> BN (-> activation) of the model fused
+
+Numerics are torch.nn's: batch statistics in training (biased variance normalises, the unbiased one enters the
+running average, momentum None is the cumulative average), running statistics in eval; only the rounding differs
+(the activation is computed from the normalised value in f32 and rounded once).  The fused kernels run on CUDA in
+eager mode and in CUDA graphs, in training mode; eval mode, the CPU, float64, `torch.compile` (whose Inductor
+fuses these elementwise steps itself) and tensors of 2^31 elements or more run torch.nn's BatchNorm and
+activation on the convolution's output instead, with the same results.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from .modules import _TORCH_BASES, _ConvMixin, _ConvTransposeMixin, convert
+
+try:
+    from ..kernels import batchnorm as _kernels
+except ImportError:  # no Triton: the fused module runs torch.nn's steps
+    _kernels = None
+
+# activations by name: torch.nn's modules and functions that fuse(), and what the unfused path computes
+ACTIVATION_FUNCTIONS = {"relu": F.relu, "relu6": F.relu6, "silu": F.silu, "hardswish": F.hardswish}
+_ACTIVATION_MODULES = {nn.ReLU: "relu", nn.ReLU6: "relu6", nn.SiLU: "silu", nn.Hardswish: "hardswish"}
+_ACTIVATION_CALLS = {F.relu: "relu", torch.relu: "relu", F.relu6: "relu6", F.silu: "silu",
+                     F.hardswish: "hardswish", "relu": "relu", "relu_": "relu"}
+_BATCH_NORMS = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# programs of a statistics pass per streaming multiprocessor (enough rows in flight to cover memory latency)
+_PROGRAMS_PER_SM = 4
+# elements per block of the elementwise passes
+_BLOCK_ELEMENTS = 4096
+
+
+def activation_name(activation: Union[None, str, nn.Module]) -> Optional[str]:
+    """The fused kernels' name of an activation given as a name, a torch.nn module or None."""
+    if activation is None or isinstance(activation, nn.Identity):
+        return None
+    if isinstance(activation, str):
+        if activation not in ACTIVATION_FUNCTIONS:
+            raise ValueError(f"ConvBNAct: activation {activation!r} is not one of "
+                             f"{sorted(ACTIVATION_FUNCTIONS)} (or None)")
+        return activation
+    name = _ACTIVATION_MODULES.get(type(activation))
+    if name is None:
+        raise ValueError(f"ConvBNAct: activation {type(activation).__name__} is not one of "
+                         f"{[m.__name__ for m in _ACTIVATION_MODULES]} (or None)")
+    return name
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    return t.movedim(1, -1).is_contiguous()
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+    return min(cap, 1 << max(0, (n - 1).bit_length()))
+
+
+class _Geometry:
+    """A tensor's view as y[n, c, s] for the kernels: its layout and blocks (kernels/batchnorm.py)."""
+
+    def __init__(self, y: torch.Tensor) -> None:
+        self.n, self.c = y.shape[0], y.shape[1]
+        self.hw = math.prod(y.shape[2:])
+        self.rows = self.n * self.hw
+        self.cl = _channels_last(y) and not y.is_contiguous()
+        if self.cl:
+            self.block_c = _pow2_at_most(self.c, 64)
+            self.block_r = max(1, _BLOCK_ELEMENTS // self.block_c)
+            self.blocks = -(-self.rows // self.block_r)
+        else:
+            self.block_r = _pow2_at_most(self.hw, 256)
+            self.block_c = _pow2_at_most(self.c, max(1, _BLOCK_ELEMENTS // self.block_r))
+            self.blocks = self.n * -(-self.hw // self.block_r)
+        self.channel_blocks = -(-self.c // self.block_c)
+
+    def same_layout(self, t: torch.Tensor) -> torch.Tensor:
+        if self.cl:
+            return t if _channels_last(t) else t.movedim(1, -1).contiguous().movedim(-1, 1)
+        return t.contiguous()
+
+    def programs(self, device: torch.device) -> tuple[int, int]:
+        """(P, PER): P programs along the rows per channel block, each PER row blocks."""
+        sms = _sm_count(device)
+        wanted = max(1, _PROGRAMS_PER_SM * sms // self.channel_blocks)
+        per = max(1, -(-self.blocks // wanted))
+        return -(-self.blocks // per), per
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter (tests): a few programs, so that partials get merged
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+class BatchNormActivation(torch.autograd.Function):
+    """out = act(batch_norm(y)) in training mode (batch statistics), the running statistics updated in place."""
+
+    @staticmethod
+    def forward(ctx, y, weight, bias, running_mean, running_var, factor: float, eps: float, act: int):
+        geo = _Geometry(y)
+        y = geo.same_layout(y)
+        f32 = dict(device=y.device, dtype=torch.float32)
+        p, per = geo.programs(y.device)
+        count, mean_p, m2_p = (torch.empty((p, geo.c), **f32) for _ in range(3))
+        grid_rows = (p, geo.channel_blocks)
+        _kernels.stats_partials[grid_rows](y, count, mean_p, m2_p, geo.c, geo.hw, geo.rows, geo.blocks, per,
+                                           BLOCK_R=geo.block_r, BLOCK_C=geo.block_c, CL=geo.cl)
+        mean, invstd = torch.empty(geo.c, **f32), torch.empty(geo.c, **f32)
+        update = running_mean is not None
+        block = _pow2_at_most(geo.c, 256)
+        _kernels.stats_finalize[(-(-geo.c // block),)](
+            count, mean_p, m2_p, mean, invstd, running_mean if update else mean,
+            running_var if update else invstd, p, geo.c, geo.rows, eps, factor, UPDATE=update, BLOCK_C=block)
+        out = torch.empty_like(y)
+        _kernels.apply_act[(geo.blocks, geo.channel_blocks)](
+            y, out, mean, invstd, weight, bias, geo.c, geo.hw, geo.rows,
+            BLOCK_R=geo.block_r, BLOCK_C=geo.block_c, CL=geo.cl, ACT=act)
+        ctx.save_for_backward(y, mean, invstd, weight, bias)
+        ctx.act = act
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, mean, invstd, weight, bias = ctx.saved_tensors
+        geo = _Geometry(y)
+        dout = geo.same_layout(dout)
+        f32 = dict(device=y.device, dtype=torch.float32)
+        p, per = geo.programs(y.device)
+        sum_dz, sum_dzx = torch.empty((p, geo.c), **f32), torch.empty((p, geo.c), **f32)
+        _kernels.grad_partials[(p, geo.channel_blocks)](
+            dout, y, mean, invstd, weight, bias, sum_dz, sum_dzx, geo.c, geo.hw, geo.rows, geo.blocks, per,
+            BLOCK_R=geo.block_r, BLOCK_C=geo.block_c, CL=geo.cl, ACT=ctx.act)
+        dbeta, dgamma = torch.empty(geo.c, **f32), torch.empty(geo.c, **f32)
+        block = _pow2_at_most(geo.c, 256)
+        _kernels.grad_finalize[(-(-geo.c // block),)](sum_dz, sum_dzx, dbeta, dgamma, p, geo.c, BLOCK_C=block)
+        dy = torch.empty_like(y)
+        _kernels.grad_apply[(geo.blocks, geo.channel_blocks)](
+            dout, y, mean, invstd, weight, bias, dbeta, dgamma, dy, geo.c, geo.hw, geo.rows,
+            BLOCK_R=geo.block_r, BLOCK_C=geo.block_c, CL=geo.cl, ACT=ctx.act)
+        needs = ctx.needs_input_grad
+        return (dy, dgamma.to(weight.dtype) if needs[1] else None, dbeta.to(bias.dtype) if needs[2] else None,
+                None, None, None, None, None)
+
+
+class ConvBNAct(nn.Module):
+    """A convolution, the BatchNorm of its output and an optional activation ("relu", "relu6", "silu",
+    "hardswish", or the torch.nn module), as one module: `conv` and `bn` are the given modules (the convolution
+    converted to convdsl's), so their parameters, buffers and train/eval modes are theirs."""
+
+    def __init__(self, conv: nn.Module, bn: nn.Module, activation: Union[None, str, nn.Module] = None) -> None:
+        super().__init__()
+        dims = len(getattr(conv, "kernel_size", ()))
+        if not isinstance(convert(conv), (_ConvMixin, _ConvTransposeMixin)):
+            raise TypeError(f"ConvBNAct: conv must be a torch.nn convolution, got {type(conv).__name__}")
+        if not isinstance(bn, _BATCH_NORMS[dims]):
+            raise TypeError(f"ConvBNAct: a {dims}D convolution needs {_BATCH_NORMS[dims].__name__}, "
+                            f"got {type(bn).__name__}")
+        if bn.num_features != conv.out_channels:
+            raise ValueError(f"ConvBNAct: bn has {bn.num_features} features, the convolution "
+                             f"{conv.out_channels} output channels")
+        self.conv, self.bn = conv, bn
+        self.activation = activation_name(activation)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.batch_norm_activation(self.conv(x))
+
+    def batch_norm_activation(self, y: torch.Tensor) -> torch.Tensor:
+        """The BatchNorm and the activation of the convolution's output y: fused where the kernels run (training
+        mode on CUDA), else torch.nn's modules."""
+        bn = self.bn
+        batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
+        if not (batch_stats and self._fusable(y)):
+            y = bn(y)
+            return y if self.activation is None else ACTIVATION_FUNCTIONS[self.activation](y)
+        bn._check_input_dim(y)
+        if y.shape[0] * math.prod(y.shape[2:]) <= 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {y.size()}")
+        factor = 0.0
+        update = bn.training and bn.track_running_stats and bn.running_mean is not None
+        if update:
+            if bn.num_batches_tracked is not None:
+                bn.num_batches_tracked.add_(1)
+            factor = (1.0 / float(bn.num_batches_tracked)) if bn.momentum is None else bn.momentum
+        weight = bn.weight if bn.weight is not None else torch.ones(bn.num_features, device=y.device)
+        bias = bn.bias if bn.bias is not None else torch.zeros(bn.num_features, device=y.device)
+        return BatchNormActivation.apply(y, weight, bias, bn.running_mean if update else None,
+                                         bn.running_var if update else None, factor, bn.eps,
+                                         _kernels.ACTIVATIONS[self.activation])
+
+    @staticmethod
+    def _fusable(y: torch.Tensor) -> bool:
+        return (_kernels is not None and y.is_cuda and y.dtype in _FUSED_DTYPES and 3 <= y.dim() <= 5
+                and y.numel() < 2 ** 31 and not torch.compiler.is_compiling())
+
+
+def _activation_of(node: fx.Node, modules: dict[str, nn.Module]) -> Optional[str]:
+    """The activation a graph node applies to its one input, or None."""
+    if node.op == "call_module":
+        return _ACTIVATION_MODULES.get(type(modules.get(node.target)))
+    if node.op in ("call_function", "call_method") and len(node.args) == 1:
+        if node.kwargs and set(node.kwargs) != {"inplace"}:
+            return None
+        try:
+            return _ACTIVATION_CALLS.get(node.target)
+        except TypeError:  # an unhashable target
+            return None
+    return None
+
+
+class _Tracer(fx.Tracer):
+    """torch.fx's tracer with every convolution a leaf (convdsl's modules and torch.nn subclasses that live outside
+    torch.nn, such as torchvision's video convolutions, would otherwise be traced through)."""
+
+    def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
+        return isinstance(m, _TORCH_BASES) or super().is_leaf_module(m, qualified_name)
+
+
+def fuse(model: nn.Module) -> fx.GraphModule:
+    """`model` traced by torch.fx, its convolutions converted (convert()) and every convolution whose only use is a
+    BatchNorm (whose only use may be an activation) replaced by a ConvBNAct holding the same modules: returns the
+    GraphModule (parameters shared with `model`).  A fused convolution's parameters move under its ConvBNAct
+    (`layer1.0.conv1.weight` -> `layer1.0.conv1.conv.weight`, `layer1.0.bn1.*` -> `layer1.0.conv1.bn.*`), as
+    torch.ao.quantization.fuse_modules renames them.  A model torch.fx cannot trace gets a ValueError."""
+    convert(model)
+    try:
+        gm = fx.GraphModule(model, _Tracer().trace(model), type(model).__name__)
+    except Exception as e:  # torch.fx raises many types; the message names the construct it could not trace
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"fuse(): torch.fx cannot trace {type(model).__name__} ({first}); convert(model) runs its "
+                         f"convolutions on convdsl unfused, or build ConvBNAct modules by hand") from e
+    modules = dict(gm.named_modules())
+    calls: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+    for bn_node in list(gm.graph.nodes):
+        bn = modules.get(bn_node.target) if bn_node.op == "call_module" else None
+        if type(bn) not in _BATCH_NORMS.values() or len(bn_node.args) != 1 or bn_node.kwargs:
+            continue
+        conv_node = bn_node.args[0]
+        if not isinstance(conv_node, fx.Node) or conv_node.op != "call_module" or len(conv_node.users) != 1:
+            continue
+        conv = modules.get(conv_node.target)
+        if (not isinstance(conv, (_ConvMixin, _ConvTransposeMixin)) or calls[conv_node.target] != 1
+                or calls[bn_node.target] != 1 or len(conv_node.args) != 1 or conv_node.kwargs
+                or type(bn) is not _BATCH_NORMS[len(conv.kernel_size)] or bn.num_features != conv.out_channels):
+            continue
+        act_node = next(iter(bn_node.users)) if len(bn_node.users) == 1 else None
+        activation = _activation_of(act_node, modules) if act_node is not None else None
+        gm.add_submodule(conv_node.target, ConvBNAct(conv, bn, activation))
+        tail = act_node if activation is not None else bn_node
+        tail.replace_all_uses_with(conv_node)
+        if activation is not None:
+            gm.graph.erase_node(act_node)
+        gm.graph.erase_node(bn_node)
+    gm.graph.lint()
+    gm.delete_all_unused_submodules()
+    gm.recompile()
+    return gm

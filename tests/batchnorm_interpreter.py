@@ -1,0 +1,76 @@
+"""Run the fused BatchNorm + activation kernels (convdsl/kernels/batchnorm.py, through convdsl/torch/fused.py) in
+Triton's interpreter on the CPU against torch.nn's BatchNorm and activation in float64; print the relative errors.
+
+Used by tests/test_torch_fused.py in a subprocess: TRITON_INTERPRET must be set before triton is imported.
+stdin: a JSON list of {"shape", "channels_last", "activation", "dtype", "momentum"}; stdout: a JSON list of
+{"case", "errors": {name: relative error}, "layout_kept"}.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from convdsl.torch import fused  # noqa: E402
+
+fused.ConvBNAct._fusable = staticmethod(lambda y: True)  # the kernels on CPU tensors, in the interpreter
+
+DTYPES = {"f32": torch.float32, "f16": torch.float16}
+FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+BATCH_NORMS = {3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def _layout(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    return t.movedim(1, -1).contiguous().movedim(-1, 1) if channels_last else t.contiguous()
+
+
+def run(job: dict) -> dict:
+    """Three training steps of BatchNorm + activation on the module's input y (the convolution's output), through
+    ConvBNAct's fused path and torch.nn's, with momentum and num_batches_tracked; then the third step's gradients."""
+    torch.manual_seed(len(json.dumps(job)))
+    shape, dtype, act = job["shape"], DTYPES[job["dtype"]], job["activation"]
+    channels = shape[1]
+    ref = BATCH_NORMS[len(shape)](channels, momentum=job["momentum"]).double()
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        ref.bias.uniform_(-0.5, 0.5)
+    bn = BATCH_NORMS[len(shape)](channels, momentum=job["momentum"])
+    bn.load_state_dict(ref.state_dict())
+    module = fused.ConvBNAct.__new__(fused.ConvBNAct)  # the fused path alone: y given, no convolution
+    nn.Module.__init__(module)
+    module.bn, module.activation = bn, act
+    errors = {}
+    for step in range(3):
+        # inputs rounded to the dtype first: the reference then sees the kernels' inputs, and the error is the
+        # kernels' own (BatchNorm's backward cancels: with few rows, input roundings alone would dominate)
+        y = _layout(torch.randn(shape, dtype=torch.float64) * 2 + 0.7 * step, job["channels_last"])
+        y = y.to(dtype).double()
+        yr = y.clone().requires_grad_()
+        out_ref = ref(yr)
+        out_ref = fused.ACTIVATION_FUNCTIONS[act](out_ref) if act else out_ref
+        yk = y.to(dtype).requires_grad_()
+        out = module.batch_norm_activation(yk)
+        grad = torch.randn(shape, dtype=torch.float64).to(dtype).double()
+        out_ref.backward(grad)
+        out.backward(grad.to(dtype))
+    errors["out"] = _rel(out, out_ref)
+    errors["grad_y"] = _rel(yk.grad, yr.grad)
+    errors["grad_weight"] = _rel(bn.weight.grad, ref.weight.grad)
+    errors["grad_bias"] = _rel(bn.bias.grad, ref.bias.grad)
+    errors["running_mean"] = _rel(bn.running_mean, ref.running_mean)
+    errors["running_var"] = _rel(bn.running_var, ref.running_var)
+    errors["batches"] = float(int(bn.num_batches_tracked) != int(ref.num_batches_tracked))
+    return {"case": job, "errors": errors, "layout_kept": out.stride() == yk.stride()}
+
+
+if __name__ == "__main__":
+    print(json.dumps([run(job) for job in json.load(sys.stdin)]))

@@ -1,0 +1,169 @@
+"""Fused Conv -> BatchNorm -> activation (convdsl/torch/fused.py): the kernels (in Triton's interpreter, a
+subprocess: tests/batchnorm_interpreter.py) against torch.nn in float64 for every activation, rank and layout;
+fuse() on the patterns torchvision's models use, a training step against torch.nn in float64."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+import convdsl.torch as ct  # noqa: E402
+from convdsl.torch.fused import ACTIVATION_FUNCTIONS  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+# relative error against float64 per storage dtype: f32 sums of a few thousand terms; f16 rounds y, out, dout, dy
+TOLERANCE = {"f32": 2e-6, "f16": 2e-3}
+
+
+def _jobs() -> list[dict]:
+    jobs = []
+    for act in [None, *ACTIVATION_FUNCTIONS]:
+        for channels_last in (True, False):
+            # 2x8x33x33: several row blocks per program and several programs per channel (partials merged)
+            jobs.append({"shape": [2, 8, 33, 33], "channels_last": channels_last, "activation": act,
+                         "dtype": "f32", "momentum": 0.1})
+    jobs += [
+        {"shape": [3, 6, 17, 17], "channels_last": False, "activation": "silu", "dtype": "f16", "momentum": None},
+        {"shape": [2, 80, 9, 7], "channels_last": True, "activation": "relu", "dtype": "f16", "momentum": 0.1},
+        {"shape": [2, 6, 3, 5, 7], "channels_last": True, "activation": "hardswish", "dtype": "f32",
+         "momentum": 0.3},
+        {"shape": [2, 6, 3, 5, 7], "channels_last": False, "activation": "relu6", "dtype": "f32", "momentum": 0.1},
+        {"shape": [2, 70, 300], "channels_last": False, "activation": None, "dtype": "f32", "momentum": None},
+        {"shape": [4, 5, 31], "channels_last": True, "activation": "relu", "dtype": "f32", "momentum": 0.1},
+    ]
+    return jobs
+
+
+def test_the_fused_kernels_match_torch_nn_batch_norm_and_activation_in_float64():
+    jobs = _jobs()
+    done = subprocess.run([sys.executable, str(HERE / "batchnorm_interpreter.py")], input=json.dumps(jobs),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout)
+    assert len(results) == len(jobs)
+    for r in results:
+        case = r["case"]
+        assert r["layout_kept"], case
+        assert r["errors"]["batches"] == 0.0, case
+        for name, error in r["errors"].items():
+            assert error <= TOLERANCE[case["dtype"]], (case, name, error)
+
+
+# --- fuse() -----------------------------------------------------------------------------------------------------
+
+class _Bottleneck(nn.Module):
+    """ResNet's block: one ReLU module shared by three uses (one after the residual add), attributes not a
+    Sequential; a functional activation; a BatchNorm without an activation."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, channels, 1, bias=False), nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.conv3, self.bn3 = nn.Conv2d(channels, channels, 1, bias=False), nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = nn.functional.silu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        out += x
+        return self.relu(out)
+
+
+class _FuseNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8),
+                                  nn.Hardswish(inplace=True))
+        self.block = _Bottleneck(8)
+        # a convolution whose output is used twice: not fused (the BatchNorm would see only one use)
+        self.side, self.side_bn = nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.up_bn, self.up_act = nn.BatchNorm2d(4, momentum=None), nn.ReLU6()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.block(self.stem(x))
+        side = self.side(s)
+        s = self.side_bn(side) + side
+        return self.up_act(self.up_bn(self.up(s)))
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_fuse_forms_conv_bn_activation_modules_and_trains_as_torch_nn(channels_last):
+    torch.manual_seed(3)
+    ref = _FuseNet().double()
+    model = ct.fuse(copy.deepcopy(ref).float())
+    fused = {name: m.activation for name, m in model.named_modules() if isinstance(m, ct.ConvBNAct)}
+    assert fused == {"stem.0": "hardswish", "block.conv1": "relu", "block.conv2": "silu", "block.conv3": None,
+                     "up": "relu6"}
+    assert not any(type(m) in (nn.Conv2d, nn.ConvTranspose2d) for m in model.modules())
+    assert "block.conv1.bn.running_mean" in model.state_dict() and "side_bn.running_mean" in model.state_dict()
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model, ref = model.to(memory_format=fmt), ref.to(memory_format=fmt)
+    for step in range(2):  # two steps: the running averages, momentum None's cumulative one included
+        x = torch.randn(4, 3, 12, 12).to(memory_format=fmt)
+        out, out_ref = model(x), ref(x.double())
+        target = torch.randn(out_ref.shape, dtype=torch.float64)
+        nn.functional.mse_loss(out, target.float()).backward()
+        nn.functional.mse_loss(out_ref, target).backward()
+        assert _rel(out, out_ref) <= 1e-4
+    fused_state, ref_state = model.state_dict(), ref.state_dict()
+    renamed = {"stem.0.": "stem.0.conv.", "stem.1.": "stem.0.bn.", "up.": "up.conv.", "up_bn.": "up.bn."}
+    for i in (1, 2, 3):
+        renamed[f"block.conv{i}."] = f"block.conv{i}.conv."
+        renamed[f"block.bn{i}."] = f"block.conv{i}.bn."
+    for name, value in ref_state.items():
+        new = next((new + name[len(old):] for old, new in renamed.items() if name.startswith(old)), name)
+        if value.is_floating_point():
+            assert _rel(fused_state[new], value) <= 1e-4, name
+        else:
+            assert torch.equal(fused_state[new], value), name
+    grads = dict(model.named_parameters())
+    # a convolution's bias before a BatchNorm has a gradient of ~0: errors relative to the step's largest gradient
+    floor = 1e-3 * max(p.grad.norm() for p in ref.parameters())
+    for name, p in ref.named_parameters():
+        new = next((new + name[len(old):] for old, new in renamed.items() if name.startswith(old)), name)
+        error = (grads[new].grad.double() - p.grad).norm() / max(p.grad.norm(), floor)
+        assert error <= 1e-4, name
+    model.eval(), ref.eval()
+    x = torch.randn(2, 3, 12, 12)
+    assert _rel(model(x), ref(x.double())) <= 1e-4
+
+
+def test_conv_bn_act_rejects_what_torch_nn_would_not_compute():
+    with pytest.raises(TypeError, match="BatchNorm2d"):
+        ct.ConvBNAct(nn.Conv2d(3, 4, 1), nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match="bn has 5 features, the convolution 4 output channels"):
+        ct.ConvBNAct(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(5))
+    with pytest.raises(ValueError, match="activation 'gelu' is not one of"):
+        ct.ConvBNAct(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), "gelu")
+    with pytest.raises(TypeError, match="conv must be a torch.nn convolution"):
+        ct.ConvBNAct(nn.Linear(3, 4), nn.BatchNorm2d(4))
+    module = ct.ConvBNAct(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.ReLU())
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        module(torch.randn(1, 3, 1, 1))
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x) if x.sum() > 0 else x
+
+
+def test_fuse_names_the_model_torch_fx_cannot_trace():
+    with pytest.raises(ValueError, match=r"fuse\(\): torch.fx cannot trace _DataDependent"):
+        ct.fuse(_DataDependent())
