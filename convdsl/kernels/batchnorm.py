@@ -10,19 +10,20 @@ Tensors are viewed as y[n, c, s] (s the flattened spatial position) in one of tw
               positions] of one image (blocks never cross an image, so the positions stay contiguous).
 Row blocks are numbered b = 0 .. BLOCKS - 1 (CL: BLOCKS = ceil(N * HW / BLOCK_R); else N * ceil(HW / BLOCK_R)).
 
-  stats_partials:  program (p, cb) walks row blocks [p * PER, (p + 1) * PER) of channels cb and keeps, per channel,
+  batch_stats:     program (p, cb) walks row blocks [p * PER, (p + 1) * PER) of channels cb and keeps, per channel,
                    the count, mean and M2 (sum of squared deviations from the mean) of what it read, merging each
                    block's own (two-pass, in registers) with Chan et al.'s rule:
                        n = na + nb, mean = ma + (mb - ma) * nb / n, M2 = M2a + M2b + (mb - ma)^2 * na * nb / n
-                   (no E[x^2] - E[x]^2 cancellation); stores them at [p, c].
-  stats_finalize:  merges the P partials of each channel in order p = 0 .. P - 1 (a fixed order: the same bits
-                   every call), var = M2 / R (R = N * HW), invstd = 1 / sqrt(var + eps); with UPDATE, torch.nn's
-                   running averages: running = (1 - f) * running + f * stat, the variance's unbiased (R / (R - 1)).
+                   (no E[x^2] - E[x]^2 cancellation); stores them at [p, c].  The last of the P programs of a
+                   channel block to finish (an atomic ticket) merges the P partials in order p = 0 .. P - 1 (a
+                   fixed order: the same bits every call): var = M2 / R (R = N * HW), invstd = 1 / sqrt(var +
+                   eps); with UPDATE, torch.nn's running averages: running = (1 - f) * running + f * stat, the
+                   variance's unbiased (R / (R - 1)).  One launch: no finalising launch of a few programs.
   apply_act:       out = act(z), z = (y - mean) * invstd * w + b, computed in f32 and rounded once.
-  grad_partials:   with xhat = (y - mean) * invstd, z = xhat * w + b and dz = dout * act'(z) (the activation's
+  grad_stats:      with xhat = (y - mean) * invstd, z = xhat * w + b and dz = dout * act'(z) (the activation's
                    derivative from the recomputed z: nothing but y is kept from the forward), per-program sums of
-                   dz and dz * xhat per channel, stored at [p, c].
-  grad_finalize:   dbeta = sum_p of the first, dgamma = sum_p of the second, in order.
+                   dz and dz * xhat per channel at [p, c]; the last program of a channel block sums them in order:
+                   dbeta = sum of dz, dgamma = sum of dz * xhat.
   grad_apply:      dy = w * invstd * (dz - dbeta / R - xhat * dgamma / R): BatchNorm's input gradient in
                    training mode (the batch's mean and variance depend on y).
 
@@ -101,8 +102,22 @@ def _activation_grad(dout, z, ACT: tl.constexpr):
 
 
 @triton.jit
-def stats_partials(y, count, mean, m2, C, HW, ROWS, BLOCKS, PER,
-                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr):
+def _last_program(counter, cb, P):
+    """True in the last of the P programs of channel block cb to get here (the others' partials are then
+    visible: the atomic is acq_rel at GPU scope, after a barrier that orders this program's own stores); the
+    counter is reset for the next call."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter + cb, 1)
+    last = ticket == P - 1
+    if last:
+        tl.atomic_xchg(counter + cb, 0)
+    return last
+
+
+@triton.jit
+def batch_stats(y, count, mean, m2, counter, mean_out, invstd_out, running_mean, running_var, C, HW, ROWS, BLOCKS,
+                PER, P, eps, factor, UPDATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                BLOCK_P: tl.constexpr, CL: tl.constexpr):
     p = tl.program_id(0)
     cb = tl.program_id(1)
     n_acc = 0.0
@@ -130,36 +145,38 @@ def stats_partials(y, count, mean, m2, C, HW, ROWS, BLOCKS, PER,
     tl.store(mean + p * C + c, mean_acc, mask=c_ok)
     tl.store(m2 + p * C + c, m2_acc, mask=c_ok)
     tl.store(count + p * C + c, tl.zeros((BLOCK_C,), dtype=tl.float32) + n_acc, mask=c_ok)
-
-
-@triton.jit
-def stats_finalize(count, mean, m2, mean_out, invstd_out, running_mean, running_var, P, C, ROWS, eps, factor,
-                   UPDATE: tl.constexpr, BLOCK_C: tl.constexpr):
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = c < C
-    n_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    mean_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    m2_acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for p in range(0, P):
-        nb = tl.load(count + p * C + c, mask=c_ok, other=0.0)
-        mb = tl.load(mean + p * C + c, mask=c_ok, other=0.0)
-        m2b = tl.load(m2 + p * C + c, mask=c_ok, other=0.0)
-        total = n_acc + nb
-        share = tl.where(total > 0.0, nb / tl.where(total > 0.0, total, 1.0), 0.0)
-        delta = mb - mean_acc
-        mean_acc = mean_acc + delta * share
-        m2_acc = m2_acc + m2b + delta * delta * n_acc * share
-        n_acc = total
-    var = m2_acc / ROWS
-    tl.store(mean_out + c, mean_acc, mask=c_ok)
-    tl.store(invstd_out + c, 1.0 / tl.sqrt(var + eps), mask=c_ok)
-    if UPDATE:
-        rm = tl.load(running_mean + c, mask=c_ok, other=0.0).to(tl.float32)
-        rv = tl.load(running_var + c, mask=c_ok, other=0.0).to(tl.float32)
-        rm = (1.0 - factor) * rm + factor * mean_acc
-        rv = (1.0 - factor) * rv + factor * (m2_acc / (ROWS - 1))
-        tl.store(running_mean + c, rm.to(running_mean.dtype.element_ty), mask=c_ok)
-        tl.store(running_var + c, rv.to(running_var.dtype.element_ty), mask=c_ok)
+    if _last_program(counter, cb, P):
+        # the P partials merged in order, BLOCK_P at a time: each chunk's count, mean and M2 about its mean
+        # (M2 = sum of M2_p + n_p * (mean_p - mean)^2), then merged into the total as above
+        n_all = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        mean_all = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        m2_all = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            rows = p0 + tl.arange(0, BLOCK_P)
+            at = rows[:, None] * C + c[None, :]
+            ok = (rows < P)[:, None] & c_ok[None, :]
+            nb = tl.load(count + at, mask=ok, other=0.0)
+            mb = tl.load(mean + at, mask=ok, other=0.0)
+            n_chunk = tl.sum(nb, 0)
+            mean_chunk = tl.sum(nb * mb, 0) / tl.maximum(n_chunk, 1.0)
+            d = mb - mean_chunk[None, :]
+            m2_chunk = tl.sum(tl.load(m2 + at, mask=ok, other=0.0) + nb * d * d, 0)
+            total = n_all + n_chunk
+            share = n_chunk / tl.maximum(total, 1.0)
+            delta = mean_chunk - mean_all
+            mean_all = mean_all + delta * share
+            m2_all = m2_all + m2_chunk + delta * delta * n_all * share
+            n_all = total
+        var = m2_all / ROWS
+        tl.store(mean_out + c, mean_all, mask=c_ok)
+        tl.store(invstd_out + c, 1.0 / tl.sqrt(var + eps), mask=c_ok)
+        if UPDATE:
+            rm = tl.load(running_mean + c, mask=c_ok, other=0.0).to(tl.float32)
+            rv = tl.load(running_var + c, mask=c_ok, other=0.0).to(tl.float32)
+            rm = (1.0 - factor) * rm + factor * mean_all
+            rv = (1.0 - factor) * rv + factor * (m2_all / (ROWS - 1))
+            tl.store(running_mean + c, rm.to(running_mean.dtype.element_ty), mask=c_ok)
+            tl.store(running_var + c, rv.to(running_var.dtype.element_ty), mask=c_ok)
 
 
 @triton.jit
@@ -175,8 +192,9 @@ def apply_act(y, out, mean, invstd, w, bias, C, HW, ROWS,
 
 
 @triton.jit
-def grad_partials(dout, y, mean, invstd, w, bias, sum_dz, sum_dzx, C, HW, ROWS, BLOCKS, PER,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr, ACT: tl.constexpr):
+def grad_stats(dout, y, mean, invstd, w, bias, sum_dz, sum_dzx, counter, dbeta, dgamma, C, HW, ROWS, BLOCKS, PER,
+               P, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, CL: tl.constexpr,
+               ACT: tl.constexpr):
     p = tl.program_id(0)
     cb = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -196,19 +214,17 @@ def grad_partials(dout, y, mean, invstd, w, bias, sum_dz, sum_dzx, C, HW, ROWS, 
         acc_dzx += _channel_sum(dz * xhat, CL)
     tl.store(sum_dz + p * C + c, acc_dz, mask=c_ok)
     tl.store(sum_dzx + p * C + c, acc_dzx, mask=c_ok)
-
-
-@triton.jit
-def grad_finalize(sum_dz, sum_dzx, dbeta, dgamma, P, C, BLOCK_C: tl.constexpr):
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = c < C
-    acc_dz = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    acc_dzx = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for p in range(0, P):
-        acc_dz += tl.load(sum_dz + p * C + c, mask=c_ok, other=0.0)
-        acc_dzx += tl.load(sum_dzx + p * C + c, mask=c_ok, other=0.0)
-    tl.store(dbeta + c, acc_dz, mask=c_ok)
-    tl.store(dgamma + c, acc_dzx, mask=c_ok)
+    if _last_program(counter, cb, P):  # the partials summed in order, BLOCK_P at a time
+        total_dz = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        total_dzx = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            rows = p0 + tl.arange(0, BLOCK_P)
+            at = rows[:, None] * C + c[None, :]
+            ok = (rows < P)[:, None] & c_ok[None, :]
+            total_dz += tl.sum(tl.load(sum_dz + at, mask=ok, other=0.0), 0)
+            total_dzx += tl.sum(tl.load(sum_dzx + at, mask=ok, other=0.0), 0)
+        tl.store(dbeta + c, total_dz, mask=c_ok)
+        tl.store(dgamma + c, total_dzx, mask=c_ok)
 
 
 @triton.jit

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .stream import _raw_stream
 from .modules import _TORCH_BASES, _ConvMixin, _ConvTransposeMixin, convert
 
 try:
@@ -82,6 +83,7 @@ class _Geometry:
             self.block_c = _pow2_at_most(self.c, max(1, _BLOCK_ELEMENTS // self.block_r))
             self.blocks = self.n * -(-self.hw // self.block_r)
         self.channel_blocks = -(-self.c // self.block_c)
+        self.block_p = max(1, _BLOCK_ELEMENTS // 2 // self.block_c)  # partials merged per step
 
     def same_layout(self, t: torch.Tensor) -> torch.Tensor:
         if self.cl:
@@ -108,6 +110,20 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[index]
 
 
+# per (device, stream): the statistics kernels' tickets (kernels/batchnorm._last_program), zero between calls (the
+# last program resets its own), so one buffer serves every call queued on that stream
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _counter(device: torch.device, blocks: int) -> torch.Tensor:
+    index = device.index if device.index is not None else 0
+    stream = _raw_stream(index) if device.type == "cuda" else 0
+    counter = _COUNTERS.get((index, stream))
+    if counter is None or counter.numel() < blocks:
+        counter = _COUNTERS[(index, stream)] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
+    return counter
+
+
 class BatchNormActivation(torch.autograd.Function):
     """out = act(batch_norm(y)) in training mode (batch statistics), the running statistics updated in place."""
 
@@ -118,15 +134,13 @@ class BatchNormActivation(torch.autograd.Function):
         f32 = dict(device=y.device, dtype=torch.float32)
         p, per = geo.programs(y.device)
         count, mean_p, m2_p = (torch.empty((p, geo.c), **f32) for _ in range(3))
-        grid_rows = (p, geo.channel_blocks)
-        _kernels.stats_partials[grid_rows](y, count, mean_p, m2_p, geo.c, geo.hw, geo.rows, geo.blocks, per,
-                                           BLOCK_R=geo.block_r, BLOCK_C=geo.block_c, CL=geo.cl)
         mean, invstd = torch.empty(geo.c, **f32), torch.empty(geo.c, **f32)
         update = running_mean is not None
-        block = _pow2_at_most(geo.c, 256)
-        _kernels.stats_finalize[(-(-geo.c // block),)](
-            count, mean_p, m2_p, mean, invstd, running_mean if update else mean,
-            running_var if update else invstd, p, geo.c, geo.rows, eps, factor, UPDATE=update, BLOCK_C=block)
+        _kernels.batch_stats[(p, geo.channel_blocks)](
+            y, count, mean_p, m2_p, _counter(y.device, geo.channel_blocks), mean, invstd,
+            running_mean if update else mean, running_var if update else invstd, geo.c, geo.hw, geo.rows,
+            geo.blocks, per, p, eps, factor, UPDATE=update, BLOCK_R=geo.block_r, BLOCK_C=geo.block_c,
+            BLOCK_P=geo.block_p, CL=geo.cl)
         out = torch.empty_like(y)
         _kernels.apply_act[(geo.blocks, geo.channel_blocks)](
             y, out, mean, invstd, weight, bias, geo.c, geo.hw, geo.rows,
@@ -143,12 +157,11 @@ class BatchNormActivation(torch.autograd.Function):
         f32 = dict(device=y.device, dtype=torch.float32)
         p, per = geo.programs(y.device)
         sum_dz, sum_dzx = torch.empty((p, geo.c), **f32), torch.empty((p, geo.c), **f32)
-        _kernels.grad_partials[(p, geo.channel_blocks)](
-            dout, y, mean, invstd, weight, bias, sum_dz, sum_dzx, geo.c, geo.hw, geo.rows, geo.blocks, per,
-            BLOCK_R=geo.block_r, BLOCK_C=geo.block_c, CL=geo.cl, ACT=ctx.act)
         dbeta, dgamma = torch.empty(geo.c, **f32), torch.empty(geo.c, **f32)
-        block = _pow2_at_most(geo.c, 256)
-        _kernels.grad_finalize[(-(-geo.c // block),)](sum_dz, sum_dzx, dbeta, dgamma, p, geo.c, BLOCK_C=block)
+        _kernels.grad_stats[(p, geo.channel_blocks)](
+            dout, y, mean, invstd, weight, bias, sum_dz, sum_dzx, _counter(y.device, geo.channel_blocks), dbeta,
+            dgamma, geo.c, geo.hw, geo.rows, geo.blocks, per, p, BLOCK_R=geo.block_r, BLOCK_C=geo.block_c,
+            BLOCK_P=geo.block_p, CL=geo.cl, ACT=ctx.act)
         dy = torch.empty_like(y)
         _kernels.grad_apply[(geo.blocks, geo.channel_blocks)](
             dout, y, mean, invstd, weight, bias, dbeta, dgamma, dy, geo.c, geo.hw, geo.rows,
