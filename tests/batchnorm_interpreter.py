@@ -18,7 +18,21 @@ from torch import nn  # noqa: E402
 
 from convdsl.torch import fused  # noqa: E402
 
-fused.ConvBNAct._fusable = staticmethod(lambda y: True)  # the kernels on CPU tensors, in the interpreter
+from convdsl.kernels import batchnorm  # noqa: E402
+
+
+def _interpreted(launch, device):
+    """A launch run by Triton's interpreter on CPU tensors, with the launch's constants and grid."""
+    fn, constants = getattr(batchnorm, launch.kernel), dict(launch.constants)
+
+    def run(_stream, *tensors):
+        fn[launch.grid](*tensors, **constants)
+    return run
+
+
+# the kernels on CPU tensors, in the interpreter
+fused.ConvBNAct._fusable = staticmethod(lambda y: True)
+fused.launcher_for = _interpreted
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16}
 FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}

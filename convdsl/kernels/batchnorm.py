@@ -35,9 +35,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-ACTIVATIONS = {None: 0, "relu": 1, "relu6": 2, "silu": 3, "hardswish": 4}
-
-
 @triton.jit
 def _block(b, cb, C, HW, ROWS, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr):
     """Offsets and mask of row block b, channel block cb, and the block's channels (see the module docstring)."""
@@ -102,7 +99,7 @@ def _activation_grad(dout, z, ACT: tl.constexpr):
 
 
 @triton.jit
-def _last_program(counter, cb, P):
+def _last_program(counter, cb, P: tl.constexpr):
     """True in the last of the P programs of channel block cb to get here (the others' partials are then
     visible: the atomic is acq_rel at GPU scope, after a barrier that orders this program's own stores); the
     counter is reset for the next call."""
@@ -115,9 +112,15 @@ def _last_program(counter, cb, P):
 
 
 @triton.jit
-def batch_stats(y, count, mean, m2, counter, mean_out, invstd_out, running_mean, running_var, C, HW, ROWS, BLOCKS,
-                PER, P, eps, factor, UPDATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                BLOCK_P: tl.constexpr, CL: tl.constexpr):
+def batch_stats(y, work, counter, stats, running_mean, running_var, batches,
+                C: tl.constexpr, HW: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr, PER: tl.constexpr,
+                P: tl.constexpr, EPS: tl.constexpr, MOMENTUM: tl.constexpr, UPDATE: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, CL: tl.constexpr):
+    # work: the partials count, mean, M2 [3, P, C]; stats: mean, invstd [2, C]; batches: BatchNorm's
+    # num_batches_tracked (read only with MOMENTUM < 0: momentum None, the cumulative average f = 1 / batches)
+    count = work
+    mean = work + P * C
+    m2 = work + 2 * P * C
     p = tl.program_id(0)
     cb = tl.program_id(1)
     n_acc = 0.0
@@ -168,9 +171,13 @@ def batch_stats(y, count, mean, m2, counter, mean_out, invstd_out, running_mean,
             m2_all = m2_all + m2_chunk + delta * delta * n_all * share
             n_all = total
         var = m2_all / ROWS
-        tl.store(mean_out + c, mean_all, mask=c_ok)
-        tl.store(invstd_out + c, 1.0 / tl.sqrt(var + eps), mask=c_ok)
+        tl.store(stats + c, mean_all, mask=c_ok)
+        tl.store(stats + C + c, 1.0 / tl.sqrt(var + EPS), mask=c_ok)
         if UPDATE:
+            if MOMENTUM < 0:
+                factor = 1.0 / tl.load(batches).to(tl.float32)
+            else:
+                factor = MOMENTUM
             rm = tl.load(running_mean + c, mask=c_ok, other=0.0).to(tl.float32)
             rv = tl.load(running_var + c, mask=c_ok, other=0.0).to(tl.float32)
             rm = (1.0 - factor) * rm + factor * mean_all
@@ -180,8 +187,10 @@ def batch_stats(y, count, mean, m2, counter, mean_out, invstd_out, running_mean,
 
 
 @triton.jit
-def apply_act(y, out, mean, invstd, w, bias, C, HW, ROWS,
+def apply_act(y, stats, w, bias, out, C: tl.constexpr, HW: tl.constexpr, ROWS: tl.constexpr,
               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr, ACT: tl.constexpr):
+    mean = stats
+    invstd = stats + C
     offsets, mask, c = _block(tl.program_id(0), tl.program_id(1), C, HW, ROWS, BLOCK_R, BLOCK_C, CL)
     c_ok = c < C
     scale = tl.load(invstd + c, mask=c_ok, other=0.0) * tl.load(w + c, mask=c_ok, other=0.0).to(tl.float32)
@@ -192,9 +201,17 @@ def apply_act(y, out, mean, invstd, w, bias, C, HW, ROWS,
 
 
 @triton.jit
-def grad_stats(dout, y, mean, invstd, w, bias, sum_dz, sum_dzx, counter, dbeta, dgamma, C, HW, ROWS, BLOCKS, PER,
-               P, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, CL: tl.constexpr,
+def grad_stats(dout, y, stats, w, bias, work, counter, grads, C: tl.constexpr, HW: tl.constexpr,
+               ROWS: tl.constexpr, BLOCKS: tl.constexpr, PER: tl.constexpr, P: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, CL: tl.constexpr,
                ACT: tl.constexpr):
+    # work: the partial sums of dz and dz * xhat [2, P, C]; grads: dbeta, dgamma [2, C]
+    mean = stats
+    invstd = stats + C
+    sum_dz = work
+    sum_dzx = work + P * C
+    dbeta = grads
+    dgamma = grads + C
     p = tl.program_id(0)
     cb = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -228,8 +245,12 @@ def grad_stats(dout, y, mean, invstd, w, bias, sum_dz, sum_dzx, counter, dbeta, 
 
 
 @triton.jit
-def grad_apply(dout, y, mean, invstd, w, bias, dbeta, dgamma, dy, C, HW, ROWS,
+def grad_apply(dout, y, stats, w, bias, grads, dy, C: tl.constexpr, HW: tl.constexpr, ROWS: tl.constexpr,
                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr, ACT: tl.constexpr):
+    mean = stats
+    invstd = stats + C
+    dbeta = grads
+    dgamma = grads + C
     offsets, mask, c = _block(tl.program_id(0), tl.program_id(1), C, HW, ROWS, BLOCK_R, BLOCK_C, CL)
     c_ok = c < C
     mu = tl.load(mean + c, mask=c_ok, other=0.0)

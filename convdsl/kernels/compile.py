@@ -15,6 +15,8 @@ from .launch import POINTER_ALIGNMENT, TRITON_TRAILING_PARAMS, Binary, Launch, T
 ELEMENTWISE_KERNELS = ("sum_partials", "round_fp8", "transpose_planes", "pad_planes", "space_to_depth",
                        "split_bf16")
 HALO_KERNELS = ("forward_halo",)
+# the fused BatchNorm + activation (kernels/batchnorm.py)
+BATCHNORM_KERNELS = ("batch_stats", "apply_act", "grad_stats", "grad_apply")
 
 @functools.lru_cache(maxsize=None)
 def gluon_tma_im2col() -> bool:
@@ -99,9 +101,11 @@ def compile_launch(launch: Launch, arch: str) -> Binary:
     import triton  # an optional dependency: planned only where it is installed (policy.unsupported_reason)
     from triton.backends.compiler import GPUTarget
 
-    from . import elementwise, igemm  # import triton: only where a launch is compiled
+    from . import batchnorm, elementwise, igemm  # import triton: only where a launch is compiled
 
-    fn = getattr(elementwise if launch.kernel in ELEMENTWISE_KERNELS else igemm, launch.kernel)
+    module = (elementwise if launch.kernel in ELEMENTWISE_KERNELS
+              else batchnorm if launch.kernel in BATCHNORM_KERNELS else igemm)
+    fn = getattr(module, launch.kernel)
     arg_names = fn.arg_names
     pointers = arg_names[: len(launch.pointer_types)]
     signature = {name: "*" + t for name, t in zip(pointers, launch.pointer_types)}

@@ -15,19 +15,24 @@ activation on the convolution's output instead, with the same results.
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .stream import _raw_stream
+from ..backends.cuda_driver import load_function
+from ..kernels.batchnorm_launches import BatchNormLaunches, batch_norm_launches
+from ..kernels.launch import Launch
+from . import runtime
 from .modules import _TORCH_BASES, _ConvMixin, _ConvTransposeMixin, convert
+from .stream import ALIGNMENT, _raw_stream, dtype_name
 
 try:
-    from ..kernels import batchnorm as _kernels
+    from ..kernels.compile import compile_launch
+    import triton  # noqa: F401  (compile_launch needs it where a launch is compiled)
 except ImportError:  # no Triton: the fused module runs torch.nn's steps
-    _kernels = None
+    compile_launch = None
 
 # activations by name: torch.nn's modules and functions that fuse(), and what the unfused path computes
 ACTIVATION_FUNCTIONS = {"relu": F.relu, "relu6": F.relu6, "silu": F.silu, "hardswish": F.hardswish}
@@ -36,10 +41,10 @@ _ACTIVATION_CALLS = {F.relu: "relu", torch.relu: "relu", F.relu6: "relu6", F.sil
                      F.hardswish: "hardswish", "relu": "relu", "relu_": "relu"}
 _BATCH_NORMS = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# programs of a statistics pass per streaming multiprocessor (enough rows in flight to cover memory latency)
-_PROGRAMS_PER_SM = 4
-# elements per block of the elementwise passes
-_BLOCK_ELEMENTS = 4096
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
 
 
 def activation_name(activation: Union[None, str, nn.Module]) -> Optional[str]:
@@ -59,55 +64,64 @@ def activation_name(activation: Union[None, str, nn.Module]) -> Optional[str]:
 
 
 def _channels_last(t: torch.Tensor) -> bool:
-    return t.movedim(1, -1).is_contiguous()
+    return t.movedim(1, -1).is_contiguous() and not t.is_contiguous()
 
 
-def _pow2_at_most(n: int, cap: int) -> int:
-    return min(cap, 1 << max(0, (n - 1).bit_length()))
+def _same_layout(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """t stored as the kernels read it (channels-last or contiguous, 16-byte aligned)."""
+    if channels_last:
+        t = t if t.movedim(1, -1).is_contiguous() else t.movedim(1, -1).contiguous().movedim(-1, 1)
+    else:
+        t = t.contiguous()
+    return t if t.data_ptr() % ALIGNMENT == 0 else t.clone()
 
 
-class _Geometry:
-    """A tensor's view as y[n, c, s] for the kernels: its layout and blocks (kernels/batchnorm.py)."""
-
-    def __init__(self, y: torch.Tensor) -> None:
-        self.n, self.c = y.shape[0], y.shape[1]
-        self.hw = math.prod(y.shape[2:])
-        self.rows = self.n * self.hw
-        self.cl = _channels_last(y) and not y.is_contiguous()
-        if self.cl:
-            self.block_c = _pow2_at_most(self.c, 64)
-            self.block_r = max(1, _BLOCK_ELEMENTS // self.block_c)
-            self.blocks = -(-self.rows // self.block_r)
-        else:
-            self.block_r = _pow2_at_most(self.hw, 256)
-            self.block_c = _pow2_at_most(self.c, max(1, _BLOCK_ELEMENTS // self.block_r))
-            self.blocks = self.n * -(-self.hw // self.block_r)
-        self.channel_blocks = -(-self.c // self.block_c)
-        self.block_p = max(1, _BLOCK_ELEMENTS // 2 // self.block_c)  # partials merged per step
-
-    def same_layout(self, t: torch.Tensor) -> torch.Tensor:
-        if self.cl:
-            return t if _channels_last(t) else t.movedim(1, -1).contiguous().movedim(-1, 1)
-        return t.contiguous()
-
-    def programs(self, device: torch.device) -> tuple[int, int]:
-        """(P, PER): P programs along the rows per channel block, each PER row blocks."""
-        sms = _sm_count(device)
-        wanted = max(1, _PROGRAMS_PER_SM * sms // self.channel_blocks)
-        per = max(1, -(-self.blocks // wanted))
-        return -(-self.blocks // per), per
+Launcher = Callable[..., None]  # (stream handle, tensors in the launch's order) -> None
 
 
-_SMS: dict[int, int] = {}
+def _driver_launcher(launch: Launch, device: torch.device) -> Launcher:
+    """The launch compiled by the installed Triton for the device's arch and loaded through the CUDA driver."""
+    binary = compile_launch(launch, runtime.cuda_target(device).arch)
+    function = load_function(binary.data, binary.kind, binary.name, binary.threads, binary.shared_bytes,
+                             binary.params, device.index)
+    bound = function.bind(launch.grid)
+
+    def run(stream: int, *tensors: torch.Tensor) -> None:
+        bound(stream, [t.data_ptr() for t in tensors])
+    return run
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter (tests): a few programs, so that partials get merged
-        return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+# how a launch runs: replaced by tests with Triton's interpreter
+launcher_for: Callable[[Launch, torch.device], Launcher] = _driver_launcher
+
+
+class _Planned:
+    """One tensor signature's launches, loaded."""
+
+    def __init__(self, launches: BatchNormLaunches, device: torch.device) -> None:
+        self.launches = launches
+        self.stats, self.apply, self.grad_stats, self.grad_apply = (
+            launcher_for(la, device) for la in (launches.stats, launches.apply, launches.grad_stats,
+                                                launches.grad_apply))
+
+
+_PLANNED: dict[tuple, _Planned] = {}
+
+
+def _planned(y: torch.Tensor, weight: torch.Tensor, running: Optional[torch.Tensor], act: Optional[str],
+             momentum: Optional[float], eps: float) -> _Planned:
+    cl = _channels_last(y)
+    key = (tuple(y.shape), cl, y.dtype, weight.dtype, None if running is None else running.dtype, act, momentum,
+           eps, y.device)
+    planned = _PLANNED.get(key)
+    if planned is None:
+        sms = runtime.cuda_target(y.device).gpu.sm_count if y.is_cuda else 1  # the interpreter: a few programs
+        launches = batch_norm_launches(
+            tuple(y.shape), cl, dtype_name(y.dtype), dtype_name(weight.dtype),
+            dtype_name(running.dtype if running is not None else torch.float32), act, running is not None,
+            momentum, eps, sms)
+        planned = _PLANNED[key] = _Planned(launches, y.device)
+    return planned
 
 
 # per (device, stream): the statistics kernels' tickets (kernels/batchnorm._last_program), zero between calls (the
@@ -115,60 +129,57 @@ def _sm_count(device: torch.device) -> int:
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def _counter(device: torch.device, blocks: int) -> torch.Tensor:
-    index = device.index if device.index is not None else 0
-    stream = _raw_stream(index) if device.type == "cuda" else 0
-    counter = _COUNTERS.get((index, stream))
+def _counter(device: torch.device, stream: int, blocks: int) -> torch.Tensor:
+    key = (device.index or 0, stream)
+    counter = _COUNTERS.get(key)
     if counter is None or counter.numel() < blocks:
-        counter = _COUNTERS[(index, stream)] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
+        counter = _COUNTERS[key] = torch.zeros(max(blocks, 1024), dtype=torch.int32, device=device)
     return counter
 
 
+def _stream(device: torch.device) -> int:
+    return _raw_stream(device.index) if device.type == "cuda" else 0
+
+
 class BatchNormActivation(torch.autograd.Function):
-    """out = act(batch_norm(y)) in training mode (batch statistics), the running statistics updated in place."""
+    """out = act(batch_norm(y)) in training mode (batch statistics), the running statistics updated in place
+    (running_mean None: not tracked); batches: num_batches_tracked, read where momentum is None."""
 
     @staticmethod
-    def forward(ctx, y, weight, bias, running_mean, running_var, factor: float, eps: float, act: int):
-        geo = _Geometry(y)
-        y = geo.same_layout(y)
+    def forward(ctx, y, weight, bias, running_mean, running_var, batches, momentum, eps, act):
+        planned = _planned(y, weight, running_mean, act, momentum, eps)
+        la = planned.launches
+        y = _same_layout(y, la.channels_last)
         f32 = dict(device=y.device, dtype=torch.float32)
-        p, per = geo.programs(y.device)
-        count, mean_p, m2_p = (torch.empty((p, geo.c), **f32) for _ in range(3))
-        mean, invstd = torch.empty(geo.c, **f32), torch.empty(geo.c, **f32)
+        work, stats = torch.empty(la.work_elements, **f32), torch.empty(2 * la.channels, **f32)
+        stream = _stream(y.device)
         update = running_mean is not None
-        _kernels.batch_stats[(p, geo.channel_blocks)](
-            y, count, mean_p, m2_p, _counter(y.device, geo.channel_blocks), mean, invstd,
-            running_mean if update else mean, running_var if update else invstd, geo.c, geo.hw, geo.rows,
-            geo.blocks, per, p, eps, factor, UPDATE=update, BLOCK_R=geo.block_r, BLOCK_C=geo.block_c,
-            BLOCK_P=geo.block_p, CL=geo.cl)
+        planned.stats(stream, y, work, _counter(y.device, stream, la.channel_blocks), stats,
+                      running_mean if update else stats, running_var if update else stats,
+                      batches if batches is not None else stats)
         out = torch.empty_like(y)
-        _kernels.apply_act[(geo.blocks, geo.channel_blocks)](
-            y, out, mean, invstd, weight, bias, geo.c, geo.hw, geo.rows,
-            BLOCK_R=geo.block_r, BLOCK_C=geo.block_c, CL=geo.cl, ACT=act)
-        ctx.save_for_backward(y, mean, invstd, weight, bias)
-        ctx.act = act
+        planned.apply(stream, y, stats, weight, bias, out)
+        ctx.save_for_backward(y, stats, weight, bias)
+        ctx.planned = planned
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        y, mean, invstd, weight, bias = ctx.saved_tensors
-        geo = _Geometry(y)
-        dout = geo.same_layout(dout)
+        y, stats, weight, bias = ctx.saved_tensors
+        planned = ctx.planned
+        la = planned.launches
+        dout = _same_layout(dout, la.channels_last)
         f32 = dict(device=y.device, dtype=torch.float32)
-        p, per = geo.programs(y.device)
-        sum_dz, sum_dzx = torch.empty((p, geo.c), **f32), torch.empty((p, geo.c), **f32)
-        dbeta, dgamma = torch.empty(geo.c, **f32), torch.empty(geo.c, **f32)
-        _kernels.grad_stats[(p, geo.channel_blocks)](
-            dout, y, mean, invstd, weight, bias, sum_dz, sum_dzx, _counter(y.device, geo.channel_blocks), dbeta,
-            dgamma, geo.c, geo.hw, geo.rows, geo.blocks, per, p, BLOCK_R=geo.block_r, BLOCK_C=geo.block_c,
-            BLOCK_P=geo.block_p, CL=geo.cl, ACT=ctx.act)
+        work, grads = torch.empty(la.work_elements, **f32), torch.empty(2 * la.channels, **f32)
+        stream = _stream(y.device)
+        planned.grad_stats(stream, dout, y, stats, weight, bias, work, _counter(y.device, stream, la.channel_blocks),
+                           grads)
         dy = torch.empty_like(y)
-        _kernels.grad_apply[(geo.blocks, geo.channel_blocks)](
-            dout, y, mean, invstd, weight, bias, dbeta, dgamma, dy, geo.c, geo.hw, geo.rows,
-            BLOCK_R=geo.block_r, BLOCK_C=geo.block_c, CL=geo.cl, ACT=ctx.act)
+        planned.grad_apply(stream, dout, y, stats, weight, bias, grads, dy)
         needs = ctx.needs_input_grad
+        dbeta, dgamma = grads[:la.channels], grads[la.channels:]
         return (dy, dgamma.to(weight.dtype) if needs[1] else None, dbeta.to(bias.dtype) if needs[2] else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 class ConvBNAct(nn.Module):
@@ -207,21 +218,22 @@ class ConvBNAct(nn.Module):
         bn._check_input_dim(y)
         if y.shape[0] * math.prod(y.shape[2:]) <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {y.size()}")
-        factor = 0.0
         update = bn.training and bn.track_running_stats and bn.running_mean is not None
-        if update:
-            if bn.num_batches_tracked is not None:
-                bn.num_batches_tracked.add_(1)
-            factor = (1.0 / float(bn.num_batches_tracked)) if bn.momentum is None else bn.momentum
+        batches = bn.num_batches_tracked if update else None
+        if batches is not None:
+            batches.add_(1)
         weight = bn.weight if bn.weight is not None else torch.ones(bn.num_features, device=y.device)
         bias = bn.bias if bn.bias is not None else torch.zeros(bn.num_features, device=y.device)
+        if not _aligned(weight, bias, *((bn.running_mean, bn.running_var) if update else ())):
+            y = bn(y)
+            return y if self.activation is None else ACTIVATION_FUNCTIONS[self.activation](y)
         return BatchNormActivation.apply(y, weight, bias, bn.running_mean if update else None,
-                                         bn.running_var if update else None, factor, bn.eps,
-                                         _kernels.ACTIVATIONS[self.activation])
+                                         bn.running_var if update else None, batches,
+                                         bn.momentum if update else 0.0, bn.eps, self.activation)
 
     @staticmethod
     def _fusable(y: torch.Tensor) -> bool:
-        return (_kernels is not None and y.is_cuda and y.dtype in _FUSED_DTYPES and 3 <= y.dim() <= 5
+        return (compile_launch is not None and y.is_cuda and y.dtype in _FUSED_DTYPES and 3 <= y.dim() <= 5
                 and y.numel() < 2 ** 31 and not torch.compiler.is_compiling())
 
 

@@ -158,7 +158,7 @@ def note(op: str, a: torch.Tensor, b: torch.Tensor, counted: bool = True, **conv
             _recording_calls[p] = _recording_calls.get(p, 0) + 1
 
 
-def _cuda_target(device: torch.device) -> Target:
+def cuda_target(device: torch.device) -> Target:
     index = device.index if device.index is not None else torch.cuda.current_device()
     target = _targets.get(index)
     if target is None:
@@ -174,7 +174,7 @@ def _stream_runner(p: ConvProblem, device: torch.device) -> Optional[StreamRunne
     if key in _runners:
         return _runners[key]
     register_bundles()
-    target = _cuda_target(device)
+    target = cuda_target(device)
     reason = stream.unsupported_reason(p, target)
     runner = None
     if reason is None:
@@ -191,7 +191,7 @@ def _iree_kernel(p: ConvProblem, device: torch.device):
     # convdsl.torch without it
     from ..api import get_kernel
 
-    return get_kernel(p, _cuda_target(device) if device.type == "cuda" else Target("cpu", "host"))
+    return get_kernel(p, cuda_target(device) if device.type == "cuda" else Target("cpu", "host"))
 
 
 def _as_laid_out(op: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

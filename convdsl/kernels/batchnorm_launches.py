@@ -1,0 +1,79 @@
+"""The launches of the fused BatchNorm + activation (kernels/batchnorm.py) for one tensor: its view as
+y[n, c, s], its blocks and how many programs share a channel block's rows, as data.  Every size is a
+constant of the kernels, so a launch passes only pointers (the stream runner's calling convention)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .launch import Launch
+
+# activations by name, as the kernels number them
+ACTIVATIONS = {None: 0, "relu": 1, "relu6": 2, "silu": 3, "hardswish": 4}
+# Triton's element type names of torch's dtypes (by their names)
+ELEMENTS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64"}
+# programs of a statistics pass per streaming multiprocessor: enough rows in flight to cover memory latency
+PROGRAMS_PER_SM = 4
+# elements per block of the elementwise passes (and per merge step of the partials, half of it)
+BLOCK_ELEMENTS = 4096
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+    return min(cap, 1 << max(0, (n - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class BatchNormLaunches:
+    """The four launches of one tensor's BatchNorm + activation and the f32 workspaces they take."""
+
+    stats: Launch       # (y, work, counter, stats, running_mean, running_var, batches)
+    apply: Launch       # (y, stats, weight, bias, out)
+    grad_stats: Launch  # (dout, y, stats, weight, bias, work, counter, grads)
+    grad_apply: Launch  # (dout, y, stats, weight, bias, grads, dy)
+    channels: int
+    channels_last: bool
+    channel_blocks: int  # the counters the statistics passes take
+    programs: int       # P: programs along the rows per channel block
+    work_elements: int  # f32 partials of the statistics pass (3 P C; the gradient pass uses 2 P C of them)
+
+
+def batch_norm_launches(shape: tuple[int, ...], channels_last: bool, dtype: str, weight_dtype: str,
+                        running_dtype: str, activation: str | None, update: bool, momentum: float | None,
+                        eps: float, sm_count: int) -> BatchNormLaunches:
+    """shape (N, C, *spatial) of the convolution's output, stored channels-last or contiguous; dtype names
+    torch's ("bfloat16"); momentum None: the cumulative average (num_batches_tracked read by the kernel)."""
+    n, c = shape[0], shape[1]
+    hw = math.prod(shape[2:])
+    rows = n * hw
+    if channels_last:  # [rows, channels] blocks, the channels contiguous
+        block_c = _pow2_at_most(c, 64)
+        block_r = max(1, BLOCK_ELEMENTS // block_c)
+        blocks = -(-rows // block_r)
+    else:  # [channels, positions] blocks of one image, the positions contiguous
+        block_r = _pow2_at_most(hw, 256)
+        block_c = _pow2_at_most(c, max(1, BLOCK_ELEMENTS // block_r))
+        blocks = n * -(-hw // block_r)
+    channel_blocks = -(-c // block_c)
+    wanted = max(1, PROGRAMS_PER_SM * sm_count // channel_blocks)
+    per = max(1, -(-blocks // wanted))
+    programs = -(-blocks // per)
+    block_p = max(1, BLOCK_ELEMENTS // 2 // block_c)
+    act = ACTIVATIONS[activation]
+    y, w, r = ELEMENTS[dtype], ELEMENTS[weight_dtype], ELEMENTS[running_dtype]
+    shape_name = "x".join(str(d) for d in shape) + ("_cl" if channels_last else "")
+    sizes = dict(C=c, HW=hw, ROWS=rows)
+    tiles = dict(BLOCK_R=block_r, BLOCK_C=block_c, CL=channels_last)
+    reduce = dict(BLOCKS=blocks, PER=per, P=programs)
+    grid_rows, grid_all = (programs, channel_blocks, 1), (blocks, channel_blocks, 1)
+
+    def launch(kernel: str, types: tuple[str, ...], consts: dict, grid: tuple[int, int, int]) -> Launch:
+        return Launch(kernel, f"bn_{kernel}_{shape_name}_{y}_a{act}", types, tuple(consts.items()), grid, 4, 1)
+
+    stats = launch("batch_stats", (y, "fp32", "i32", "fp32", r, r, "i64"),
+                   dict(sizes, **reduce, EPS=float(eps), MOMENTUM=-1.0 if momentum is None else float(momentum),
+                        UPDATE=update, **tiles, BLOCK_P=block_p), grid_rows)
+    apply = launch("apply_act", (y, "fp32", w, w, y), dict(sizes, **tiles, ACT=act), grid_all)
+    grad_stats = launch("grad_stats", (y, y, "fp32", w, w, "fp32", "i32", "fp32"),
+                        dict(sizes, **reduce, **tiles, BLOCK_P=block_p, ACT=act), grid_rows)
+    grad_apply = launch("grad_apply", (y, y, "fp32", w, w, "fp32", y), dict(sizes, **tiles, ACT=act), grid_all)
+    return BatchNormLaunches(stats, apply, grad_stats, grad_apply, c, channels_last, channel_blocks, programs, 3 * programs * c)
