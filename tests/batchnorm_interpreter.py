@@ -53,15 +53,17 @@ def run(job: dict) -> dict:
     torch.manual_seed(len(json.dumps(job)))
     shape, dtype, act = job["shape"], DTYPES[job["dtype"]], job["activation"]
     channels = shape[1]
-    ref = BATCH_NORMS[len(shape)](channels, momentum=job["momentum"]).double()
-    with torch.no_grad():
-        ref.weight.uniform_(0.5, 1.5)
-        ref.bias.uniform_(-0.5, 0.5)
-    bn = BATCH_NORMS[len(shape)](channels, momentum=job["momentum"])
+    affine = job.get("affine", True)
+    ref = BATCH_NORMS[len(shape)](channels, momentum=job["momentum"], affine=affine).double()
+    if affine:
+        with torch.no_grad():
+            ref.weight.uniform_(0.5, 1.5)
+            ref.bias.uniform_(-0.5, 0.5)
+    bn = BATCH_NORMS[len(shape)](channels, momentum=job["momentum"], affine=affine)
     bn.load_state_dict(ref.state_dict())
     module = fused.ConvBNAct.__new__(fused.ConvBNAct)  # the fused path alone: y given, no convolution
     nn.Module.__init__(module)
-    module.bn, module.activation = bn, act
+    module.bn, module.activation, module._dims = bn, act, len(shape) - 2
     errors = {}
     for step in range(3):
         # inputs rounded to the dtype first: the reference then sees the kernels' inputs, and the error is the
@@ -71,19 +73,25 @@ def run(job: dict) -> dict:
         yr = y.clone().requires_grad_()
         out_ref = ref(yr)
         out_ref = fused.ACTIVATION_FUNCTIONS[act](out_ref) if act else out_ref
-        yk = y.to(dtype).requires_grad_()
+        yk = y.to(dtype)
+        if job.get("strided"):  # neither layout: a transposed view (the kernels read a contiguous copy)
+            yk = yk.transpose(2, 3).contiguous().transpose(2, 3)
+            assert not yk.is_contiguous() and not yk.movedim(1, -1).is_contiguous()
+        yk = yk.requires_grad_()
         out = module.batch_norm_activation(yk)
         grad = torch.randn(shape, dtype=torch.float64).to(dtype).double()
         out_ref.backward(grad)
         out.backward(grad.to(dtype))
     errors["out"] = _rel(out, out_ref)
     errors["grad_y"] = _rel(yk.grad, yr.grad)
-    errors["grad_weight"] = _rel(bn.weight.grad, ref.weight.grad)
-    errors["grad_bias"] = _rel(bn.bias.grad, ref.bias.grad)
+    if affine:
+        errors["grad_weight"] = _rel(bn.weight.grad, ref.weight.grad)
+        errors["grad_bias"] = _rel(bn.bias.grad, ref.bias.grad)
     errors["running_mean"] = _rel(bn.running_mean, ref.running_mean)
     errors["running_var"] = _rel(bn.running_var, ref.running_var)
     errors["batches"] = float(int(bn.num_batches_tracked) != int(ref.num_batches_tracked))
-    return {"case": job, "errors": errors, "layout_kept": out.stride() == yk.stride()}
+    kept = out.stride() == (yk.contiguous().stride() if job.get("strided") else yk.stride())
+    return {"case": job, "errors": errors, "layout_kept": kept}
 
 
 if __name__ == "__main__":

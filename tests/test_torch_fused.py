@@ -37,6 +37,10 @@ def _jobs() -> list[dict]:
         {"shape": [2, 6, 3, 5, 7], "channels_last": False, "activation": "relu6", "dtype": "f32", "momentum": 0.1},
         {"shape": [2, 70, 300], "channels_last": False, "activation": None, "dtype": "f32", "momentum": None},
         {"shape": [4, 5, 31], "channels_last": True, "activation": "relu", "dtype": "f32", "momentum": 0.1},
+        {"shape": [2, 8, 9, 11], "channels_last": True, "activation": "silu", "dtype": "f32", "momentum": 0.1,
+         "affine": False},
+        {"shape": [2, 8, 9, 11], "channels_last": False, "activation": "relu", "dtype": "f32", "momentum": 0.1,
+         "strided": True},
     ]
     return jobs
 

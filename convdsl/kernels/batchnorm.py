@@ -112,15 +112,17 @@ def _last_program(counter, cb, P: tl.constexpr):
 
 
 @triton.jit
-def batch_stats(y, work, counter, stats, running_mean, running_var, batches,
+def batch_stats(y, work, counter, running_mean, running_var, batches,
                 C: tl.constexpr, HW: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr, PER: tl.constexpr,
                 P: tl.constexpr, EPS: tl.constexpr, MOMENTUM: tl.constexpr, UPDATE: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, CL: tl.constexpr):
-    # work: the partials count, mean, M2 [3, P, C]; stats: mean, invstd [2, C]; batches: BatchNorm's
-    # num_batches_tracked (read only with MOMENTUM < 0: momentum None, the cumulative average f = 1 / batches)
-    count = work
-    mean = work + P * C
-    m2 = work + 2 * P * C
+    # work: the result mean, invstd [2, C] (what the other kernels read as stats), then the partials count,
+    # mean, M2 [3, P, C]; batches: BatchNorm's num_batches_tracked (read only with MOMENTUM < 0: momentum None,
+    # the cumulative average f = 1 / batches)
+    stats = work
+    count = work + 2 * C
+    mean = count + P * C
+    m2 = count + 2 * P * C
     p = tl.program_id(0)
     cb = tl.program_id(1)
     n_acc = 0.0

@@ -26,7 +26,7 @@ def _pow2_at_most(n: int, cap: int) -> int:
 class BatchNormLaunches:
     """The four launches of one tensor's BatchNorm + activation and the f32 workspaces they take."""
 
-    stats: Launch       # (y, work, counter, stats, running_mean, running_var, batches)
+    stats: Launch       # (y, work, counter, running_mean, running_var, batches); work starts with the stats
     apply: Launch       # (y, stats, weight, bias, out)
     grad_stats: Launch  # (dout, y, stats, weight, bias, work, counter, grads)
     grad_apply: Launch  # (dout, y, stats, weight, bias, grads, dy)
@@ -34,7 +34,7 @@ class BatchNormLaunches:
     channels_last: bool
     channel_blocks: int  # the counters the statistics passes take
     programs: int       # P: programs along the rows per channel block
-    work_elements: int  # f32 partials of the statistics pass (3 P C; the gradient pass uses 2 P C of them)
+    work_elements: int  # f32 stats and partials of the statistics pass (2 C + 3 P C; the gradient pass takes 2 P C)
 
 
 def batch_norm_launches(shape: tuple[int, ...], channels_last: bool, dtype: str, weight_dtype: str,
@@ -69,11 +69,12 @@ def batch_norm_launches(shape: tuple[int, ...], channels_last: bool, dtype: str,
     def launch(kernel: str, types: tuple[str, ...], consts: dict, grid: tuple[int, int, int]) -> Launch:
         return Launch(kernel, f"bn_{kernel}_{shape_name}_{y}_a{act}", types, tuple(consts.items()), grid, 4, 1)
 
-    stats = launch("batch_stats", (y, "fp32", "i32", "fp32", r, r, "i64"),
+    stats = launch("batch_stats", (y, "fp32", "i32", r, r, "i64"),
                    dict(sizes, **reduce, EPS=float(eps), MOMENTUM=-1.0 if momentum is None else float(momentum),
                         UPDATE=update, **tiles, BLOCK_P=block_p), grid_rows)
     apply = launch("apply_act", (y, "fp32", w, w, y), dict(sizes, **tiles, ACT=act), grid_all)
     grad_stats = launch("grad_stats", (y, y, "fp32", w, w, "fp32", "i32", "fp32"),
                         dict(sizes, **reduce, **tiles, BLOCK_P=block_p, ACT=act), grid_rows)
     grad_apply = launch("grad_apply", (y, y, "fp32", w, w, "fp32", y), dict(sizes, **tiles, ACT=act), grid_all)
-    return BatchNormLaunches(stats, apply, grad_stats, grad_apply, c, channels_last, channel_blocks, programs, 3 * programs * c)
+    return BatchNormLaunches(stats, apply, grad_stats, grad_apply, c, channels_last, channel_blocks, programs,
+                             2 * c + 3 * programs * c)

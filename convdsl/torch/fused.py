@@ -43,10 +43,6 @@ _BATCH_NORMS = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 _FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _aligned(*tensors: torch.Tensor) -> bool:
-    return all(t.data_ptr() % ALIGNMENT == 0 for t in tensors)
-
-
 def activation_name(activation: Union[None, str, nn.Module]) -> Optional[str]:
     """The fused kernels' name of an activation given as a name, a torch.nn module or None."""
     if activation is None or isinstance(activation, nn.Identity):
@@ -100,6 +96,9 @@ class _Planned:
 
     def __init__(self, launches: BatchNormLaunches, device: torch.device) -> None:
         self.launches = launches
+        self.channels = launches.channels
+        self.channels_last = launches.channels_last
+        self.counters = launches.channel_blocks
         self.stats, self.apply, self.grad_stats, self.grad_apply = (
             launcher_for(la, device) for la in (launches.stats, launches.apply, launches.grad_stats,
                                                 launches.grad_apply))
@@ -109,12 +108,17 @@ _PLANNED: dict[tuple, _Planned] = {}
 
 
 def _planned(y: torch.Tensor, weight: torch.Tensor, running: Optional[torch.Tensor], act: Optional[str],
-             momentum: Optional[float], eps: float) -> _Planned:
-    cl = _channels_last(y)
-    key = (tuple(y.shape), cl, y.dtype, weight.dtype, None if running is None else running.dtype, act, momentum,
-           eps, y.device)
+             momentum: Optional[float], eps: float) -> Optional[_Planned]:
+    """The launches for y (None: y is neither channels-last nor contiguous, or has one value per channel)."""
+    key = (y.shape, y.stride(), y.dtype, weight.dtype, None if running is None else running.dtype, act, momentum,
+           eps, y.get_device())
     planned = _PLANNED.get(key)
     if planned is None:
+        cl = _channels_last(y)
+        if not (cl or y.is_contiguous()):
+            return None
+        if y.shape[0] * math.prod(y.shape[2:]) <= 1:  # torch.nn's check, once per signature
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size {y.size()}")
         sms = runtime.cuda_target(y.device).gpu.sm_count if y.is_cuda else 1  # the interpreter: a few programs
         launches = batch_norm_launches(
             tuple(y.shape), cl, dtype_name(y.dtype), dtype_name(weight.dtype),
@@ -141,25 +145,26 @@ def _stream(device: torch.device) -> int:
     return _raw_stream(device.index) if device.type == "cuda" else 0
 
 
+_F32 = torch.float32
+
+
 class BatchNormActivation(torch.autograd.Function):
     """out = act(batch_norm(y)) in training mode (batch statistics), the running statistics updated in place
-    (running_mean None: not tracked); batches: num_batches_tracked, read where momentum is None."""
+    (running_mean None: not tracked); batches: num_batches_tracked, read where momentum is None.  y comes as
+    `planned` was made for (its strides, 16-byte aligned)."""
 
     @staticmethod
-    def forward(ctx, y, weight, bias, running_mean, running_var, batches, momentum, eps, act):
-        planned = _planned(y, weight, running_mean, act, momentum, eps)
-        la = planned.launches
-        y = _same_layout(y, la.channels_last)
-        f32 = dict(device=y.device, dtype=torch.float32)
-        work, stats = torch.empty(la.work_elements, **f32), torch.empty(2 * la.channels, **f32)
-        stream = _stream(y.device)
+    def forward(ctx, y, weight, bias, running_mean, running_var, batches, planned):
+        device = y.device
+        work = torch.empty(planned.launches.work_elements, dtype=_F32, device=device)  # the stats, then partials
+        stream = _stream(device)
         update = running_mean is not None
-        planned.stats(stream, y, work, _counter(y.device, stream, la.channel_blocks), stats,
-                      running_mean if update else stats, running_var if update else stats,
-                      batches if batches is not None else stats)
+        planned.stats(stream, y, work, _counter(device, stream, planned.counters),
+                      running_mean if update else work, running_var if update else work,
+                      batches if batches is not None else work)
         out = torch.empty_like(y)
-        planned.apply(stream, y, stats, weight, bias, out)
-        ctx.save_for_backward(y, stats, weight, bias)
+        planned.apply(stream, y, work, weight, bias, out)
+        ctx.save_for_backward(y, work, weight, bias)
         ctx.planned = planned
         return out
 
@@ -167,19 +172,25 @@ class BatchNormActivation(torch.autograd.Function):
     def backward(ctx, dout):
         y, stats, weight, bias = ctx.saved_tensors
         planned = ctx.planned
-        la = planned.launches
-        dout = _same_layout(dout, la.channels_last)
-        f32 = dict(device=y.device, dtype=torch.float32)
-        work, grads = torch.empty(la.work_elements, **f32), torch.empty(2 * la.channels, **f32)
-        stream = _stream(y.device)
-        planned.grad_stats(stream, dout, y, stats, weight, bias, work, _counter(y.device, stream, la.channel_blocks),
+        if dout.stride() != y.stride() or dout.data_ptr() % ALIGNMENT:
+            dout = _same_layout(dout, planned.channels_last)
+        device = y.device
+        c = planned.channels
+        work = torch.empty(planned.launches.work_elements, dtype=_F32, device=device)
+        grads = torch.empty(2 * c, dtype=_F32, device=device)  # dbeta, dgamma
+        stream = _stream(device)
+        planned.grad_stats(stream, dout, y, stats, weight, bias, work, _counter(device, stream, planned.counters),
                            grads)
         dy = torch.empty_like(y)
         planned.grad_apply(stream, dout, y, stats, weight, bias, grads, dy)
         needs = ctx.needs_input_grad
-        dbeta, dgamma = grads[:la.channels], grads[la.channels:]
-        return (dy, dgamma.to(weight.dtype) if needs[1] else None, dbeta.to(bias.dtype) if needs[2] else None,
-                None, None, None, None, None, None)
+        dgamma = grads[c:] if needs[1] else None
+        dbeta = grads[:c] if needs[2] else None
+        if dgamma is not None and weight.dtype != _F32:
+            dgamma = dgamma.to(weight.dtype)
+        if dbeta is not None and bias.dtype != _F32:
+            dbeta = dbeta.to(bias.dtype)
+        return dy, dgamma, dbeta, None, None, None, None
 
 
 class ConvBNAct(nn.Module):
@@ -200,6 +211,7 @@ class ConvBNAct(nn.Module):
                              f"{conv.out_channels} output channels")
         self.conv, self.bn = conv, bn
         self.activation = activation_name(activation)
+        self._dims = dims
 
     def extra_repr(self) -> str:
         return f"activation={self.activation}"
@@ -211,25 +223,39 @@ class ConvBNAct(nn.Module):
         """The BatchNorm and the activation of the convolution's output y: fused where the kernels run (training
         mode on CUDA), else torch.nn's modules."""
         bn = self.bn
-        batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
-        if not (batch_stats and self._fusable(y)):
+        params, buffers = bn._parameters, bn._buffers  # direct: nn.Module's __getattr__ costs a call each
+        running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
+        training = bn.training
+        planned = None
+        if (training or (running_mean is None and running_var is None)) and self._fusable(y):
+            if y.dim() != self._dims + 2:
+                bn._check_input_dim(y)  # torch.nn's error
+            update = training and bn.track_running_stats and running_mean is not None
+            weight, bias = params.get("weight"), params.get("bias")
+            if weight is None:
+                weight, bias = self._identity(bn, y.device)
+            planned = _planned(y, weight, running_mean if update else None, self.activation,
+                               bn.momentum if update else 0.0, bn.eps)
+            if planned is None:  # neither channels-last nor contiguous: the kernels read the contiguous copy
+                y = y.contiguous()
+                planned = _planned(y, weight, running_mean if update else None, self.activation,
+                                   bn.momentum if update else 0.0, bn.eps)
+            aligned = [weight, bias, y] + ([running_mean, running_var] if update else [])
+            if any(t.data_ptr() % ALIGNMENT for t in aligned):
+                planned = None
+        if planned is None:
             y = bn(y)
             return y if self.activation is None else ACTIVATION_FUNCTIONS[self.activation](y)
-        bn._check_input_dim(y)
-        if y.shape[0] * math.prod(y.shape[2:]) <= 1:
-            raise ValueError(f"Expected more than 1 value per channel when training, got input size {y.size()}")
-        update = bn.training and bn.track_running_stats and bn.running_mean is not None
-        batches = bn.num_batches_tracked if update else None
+        batches = buffers.get("num_batches_tracked") if update else None
         if batches is not None:
             batches.add_(1)
-        weight = bn.weight if bn.weight is not None else torch.ones(bn.num_features, device=y.device)
-        bias = bn.bias if bn.bias is not None else torch.zeros(bn.num_features, device=y.device)
-        if not _aligned(weight, bias, *((bn.running_mean, bn.running_var) if update else ())):
-            y = bn(y)
-            return y if self.activation is None else ACTIVATION_FUNCTIONS[self.activation](y)
-        return BatchNormActivation.apply(y, weight, bias, bn.running_mean if update else None,
-                                         bn.running_var if update else None, batches,
-                                         bn.momentum if update else 0.0, bn.eps, self.activation)
+        return BatchNormActivation.apply(y, weight, bias, running_mean if update else None,
+                                         running_var if update else None, batches, planned)
+
+    @staticmethod
+    def _identity(bn: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """affine=False: weight 1 and bias 0."""
+        return torch.ones(bn.num_features, device=device), torch.zeros(bn.num_features, device=device)
 
     @staticmethod
     def _fusable(y: torch.Tensor) -> bool:
