@@ -49,7 +49,8 @@ def _layout(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
 
 def run(job: dict) -> dict:
     """Three training steps of BatchNorm + activation on the module's input y (the convolution's output), through
-    ConvBNAct's fused path and torch.nn's, with momentum and num_batches_tracked; then the third step's gradients."""
+    ConvBNAct's fused path and torch.nn's, with momentum and num_batches_tracked; then the third step's gradients;
+    then an eval-mode step under no_grad (the running statistics)."""
     torch.manual_seed(len(json.dumps(job)))
     shape, dtype, act = job["shape"], DTYPES[job["dtype"]], job["activation"]
     channels = shape[1]
@@ -90,6 +91,15 @@ def run(job: dict) -> dict:
     errors["running_mean"] = _rel(bn.running_mean, ref.running_mean)
     errors["running_var"] = _rel(bn.running_var, ref.running_var)
     errors["batches"] = float(int(bn.num_batches_tracked) != int(ref.num_batches_tracked))
+    # eval mode without gradients (inference): the running statistics in one pass
+    ref.eval(), bn.eval()
+    with torch.no_grad():
+        y = _layout(torch.randn(shape, dtype=torch.float64), job["channels_last"]).to(dtype).double()
+        out_ref = ref(y)
+        out_ref = fused.ACTIVATION_FUNCTIONS[act](out_ref) if act else out_ref
+        out_eval = module.batch_norm_activation(y.to(dtype))
+    errors["eval_out"] = _rel(out_eval, out_ref)
+    errors["eval_layout"] = float(out_eval.stride() != y.stride())
     kept = out.stride() == (yk.contiguous().stride() if job.get("strided") else yk.stride())
     return {"case": job, "errors": errors, "layout_kept": kept}
 

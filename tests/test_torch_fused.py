@@ -171,3 +171,23 @@ class _DataDependent(nn.Module):
 def test_fuse_names_the_model_torch_fx_cannot_trace():
     with pytest.raises(ValueError, match=r"fuse\(\): torch.fx cannot trace _DataDependent"):
         ct.fuse(_DataDependent())
+
+
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_every_fused_launch_compiles_for_hopper_with_pointers_only(channels_last):
+    """The launches pass only pointers (every size a constant): compile_launch checks the binary's parameter count
+    against the launch's pointers, for both layouts, with momentum None (num_batches_tracked read on the GPU)."""
+    pytest.importorskip("triton")
+    from convdsl.kernels.batchnorm_launches import batch_norm_launches
+    from convdsl.kernels.compile import compile_launch
+    launches = batch_norm_launches((8, 96, 14, 14), channels_last, "bfloat16", "float32", "float32", "hardswish",
+                                   True, None, 1e-5, 132)
+    for launch in (launches.stats, launches.apply, launches.apply_running, launches.grad_stats,
+                   launches.grad_apply):
+        binary = compile_launch(launch, "sm_90")
+        assert binary.params == len(launch.pointer_types) + 2, launch.kernel
+        assert launch.grid[0] * launch.grid[1] >= 1
+    # the statistics' programs: about four per SM over the channel blocks, every row block taken once
+    blocks = dict(launches.stats.constants)["BLOCKS"]
+    per, programs = dict(launches.stats.constants)["PER"], launches.programs
+    assert (programs - 1) * per < blocks <= programs * per

@@ -790,6 +790,14 @@ def test_fused_batch_norm_activation_against_torch_nn_and_float64(activation, ch
         out_e.backward(grad.double().cpu())
     tol = PRECISIONS[(dtype_name, False)]
     assert out.stride() == y.stride() and out.dtype == dtype
+    # eval mode without gradients: the running statistics in one pass
+    fused.eval(), torch_bn.eval(), exact_bn.eval()
+    with torch.no_grad():
+        inferred = fused.batch_norm_activation(y)
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            inferred_t = act(torch_bn(y))
+        inferred_e = act(exact_bn(y.double().cpu())).to("cuda")
+    assert _rel(inferred, inferred_e) <= max(tol, 2 * _rel(inferred_t, inferred_e))
     pairs = [("out", out, out_t, out_e), ("grad_y", y_f.grad, y_t.grad, y_e.grad),
              ("grad_weight", fused.bn.weight.grad, torch_bn.weight.grad, exact_bn.weight.grad),
              ("grad_bias", fused.bn.bias.grad, torch_bn.bias.grad, exact_bn.bias.grad),

@@ -20,6 +20,7 @@ Row blocks are numbered b = 0 .. BLOCKS - 1 (CL: BLOCKS = ceil(N * HW / BLOCK_R)
                    eps); with UPDATE, torch.nn's running averages: running = (1 - f) * running + f * stat, the
                    variance's unbiased (R / (R - 1)).  One launch: no finalising launch of a few programs.
   apply_act:       out = act(z), z = (y - mean) * invstd * w + b, computed in f32 and rounded once.
+  apply_running:   the same with the running statistics (eval mode, inference): invstd = 1 / sqrt(var + eps).
   grad_stats:      with xhat = (y - mean) * invstd, z = xhat * w + b and dz = dout * act'(z) (the activation's
                    derivative from the recomputed z: nothing but y is kept from the forward), per-program sums of
                    dz and dz * xhat per channel at [p, c]; the last program of a channel block sums them in order:
@@ -197,6 +198,21 @@ def apply_act(y, stats, w, bias, out, C: tl.constexpr, HW: tl.constexpr, ROWS: t
     c_ok = c < C
     scale = tl.load(invstd + c, mask=c_ok, other=0.0) * tl.load(w + c, mask=c_ok, other=0.0).to(tl.float32)
     shift = tl.load(bias + c, mask=c_ok, other=0.0).to(tl.float32) - tl.load(mean + c, mask=c_ok, other=0.0) * scale
+    x = tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32)
+    z = x * _per_channel(scale, CL) + _per_channel(shift, CL)
+    tl.store(out + offsets, _activation(z, ACT).to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def apply_running(y, running_mean, running_var, w, bias, out, C: tl.constexpr, HW: tl.constexpr,
+                  ROWS: tl.constexpr, EPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                  CL: tl.constexpr, ACT: tl.constexpr):
+    offsets, mask, c = _block(tl.program_id(0), tl.program_id(1), C, HW, ROWS, BLOCK_R, BLOCK_C, CL)
+    c_ok = c < C
+    rv = tl.load(running_var + c, mask=c_ok, other=1.0).to(tl.float32)
+    scale = tl.load(w + c, mask=c_ok, other=0.0).to(tl.float32) / tl.sqrt(rv + EPS)
+    shift = (tl.load(bias + c, mask=c_ok, other=0.0).to(tl.float32)
+             - tl.load(running_mean + c, mask=c_ok, other=0.0).to(tl.float32) * scale)
     x = tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32)
     z = x * _per_channel(scale, CL) + _per_channel(shift, CL)
     tl.store(out + offsets, _activation(z, ACT).to(out.dtype.element_ty), mask=mask)

@@ -28,6 +28,7 @@ class BatchNormLaunches:
 
     stats: Launch       # (y, work, counter, running_mean, running_var, batches); work starts with the stats
     apply: Launch       # (y, stats, weight, bias, out)
+    apply_running: Launch  # (y, running_mean, running_var, weight, bias, out): eval mode
     grad_stats: Launch  # (dout, y, stats, weight, bias, work, counter, grads)
     grad_apply: Launch  # (dout, y, stats, weight, bias, grads, dy)
     channels: int
@@ -73,8 +74,11 @@ def batch_norm_launches(shape: tuple[int, ...], channels_last: bool, dtype: str,
                    dict(sizes, **reduce, EPS=float(eps), MOMENTUM=-1.0 if momentum is None else float(momentum),
                         UPDATE=update, **tiles, BLOCK_P=block_p), grid_rows)
     apply = launch("apply_act", (y, "fp32", w, w, y), dict(sizes, **tiles, ACT=act), grid_all)
+    apply_running = launch("apply_running", (y, r, r, w, w, y), dict(sizes, EPS=float(eps), **tiles, ACT=act),
+                           grid_all)
     grad_stats = launch("grad_stats", (y, y, "fp32", w, w, "fp32", "i32", "fp32"),
                         dict(sizes, **reduce, **tiles, BLOCK_P=block_p, ACT=act), grid_rows)
     grad_apply = launch("grad_apply", (y, y, "fp32", w, w, "fp32", y), dict(sizes, **tiles, ACT=act), grid_all)
-    return BatchNormLaunches(stats, apply, grad_stats, grad_apply, c, channels_last, channel_blocks, programs,
+    return BatchNormLaunches(stats, apply, apply_running, grad_stats, grad_apply, c, channels_last, channel_blocks,
+                             programs,
                              2 * c + 3 * programs * c)

@@ -16,7 +16,7 @@ ELEMENTWISE_KERNELS = ("sum_partials", "round_fp8", "transpose_planes", "pad_pla
                        "split_bf16")
 HALO_KERNELS = ("forward_halo",)
 # the fused BatchNorm + activation (kernels/batchnorm.py)
-BATCHNORM_KERNELS = ("batch_stats", "apply_act", "grad_stats", "grad_apply")
+BATCHNORM_KERNELS = ("batch_stats", "apply_act", "apply_running", "grad_stats", "grad_apply")
 
 @functools.lru_cache(maxsize=None)
 def gluon_tma_im2col() -> bool:

@@ -92,38 +92,44 @@ launcher_for: Callable[[Launch, torch.device], Launcher] = _driver_launcher
 
 
 class _Planned:
-    """One tensor signature's launches, loaded."""
+    """One tensor signature's launches, each compiled and loaded at its first use (eval mode needs only one)."""
+
+    _LAUNCHES = ("stats", "apply", "apply_running", "grad_stats", "grad_apply")
 
     def __init__(self, launches: BatchNormLaunches, device: torch.device) -> None:
-        self.launches = launches
+        self.launches, self.device = launches, device
         self.channels = launches.channels
         self.channels_last = launches.channels_last
         self.counters = launches.channel_blocks
-        self.stats, self.apply, self.grad_stats, self.grad_apply = (
-            launcher_for(la, device) for la in (launches.stats, launches.apply, launches.grad_stats,
-                                                launches.grad_apply))
+
+    def __getattr__(self, name: str) -> Launcher:  # only for a launcher not loaded yet
+        if name not in self._LAUNCHES:
+            raise AttributeError(name)
+        launcher = launcher_for(getattr(self.launches, name), self.device)
+        setattr(self, name, launcher)
+        return launcher
 
 
 _PLANNED: dict[tuple, _Planned] = {}
 
 
-def _planned(y: torch.Tensor, weight: torch.Tensor, running: Optional[torch.Tensor], act: Optional[str],
-             momentum: Optional[float], eps: float) -> Optional[_Planned]:
-    """The launches for y (None: y is neither channels-last nor contiguous, or has one value per channel)."""
-    key = (y.shape, y.stride(), y.dtype, weight.dtype, None if running is None else running.dtype, act, momentum,
-           eps, y.get_device())
+def _planned(y: torch.Tensor, weight: torch.Tensor, running: Optional[torch.Tensor], update: bool,
+             act: Optional[str], momentum: Optional[float], eps: float) -> Optional[_Planned]:
+    """The launches for y (None: y is neither channels-last nor contiguous).  running: the running mean (its dtype),
+    None where not tracked; update: training updates it."""
+    key = (y.shape, y.stride(), y.dtype, weight.dtype, None if running is None else running.dtype, update, act,
+           momentum, eps, y.get_device())
     planned = _PLANNED.get(key)
     if planned is None:
         cl = _channels_last(y)
         if not (cl or y.is_contiguous()):
             return None
-        if y.shape[0] * math.prod(y.shape[2:]) <= 1:  # torch.nn's check, once per signature
+        if update and y.shape[0] * math.prod(y.shape[2:]) <= 1:  # torch.nn's check, once per signature
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {y.size()}")
         sms = runtime.cuda_target(y.device).gpu.sm_count if y.is_cuda else 1  # the interpreter: a few programs
         launches = batch_norm_launches(
             tuple(y.shape), cl, dtype_name(y.dtype), dtype_name(weight.dtype),
-            dtype_name(running.dtype if running is not None else torch.float32), act, running is not None,
-            momentum, eps, sms)
+            dtype_name(running.dtype if running is not None else torch.float32), act, update, momentum, eps, sms)
         planned = _PLANNED[key] = _Planned(launches, y.device)
     return planned
 
@@ -226,31 +232,57 @@ class ConvBNAct(nn.Module):
         params, buffers = bn._parameters, bn._buffers  # direct: nn.Module's __getattr__ costs a call each
         running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
         training = bn.training
+        weight, bias = params.get("weight"), params.get("bias")
         planned = None
+        if not training and running_mean is not None and running_var is not None:
+            # eval mode: the running statistics; fused where nothing needs a gradient (inference, validation)
+            if (torch.is_grad_enabled() and (y.requires_grad or (weight is not None and weight.requires_grad))
+                    or not self._fusable(y)):
+                return self._unfused(y)
+            return self._inference(y, weight, bias, running_mean, running_var)
         if (training or (running_mean is None and running_var is None)) and self._fusable(y):
             if y.dim() != self._dims + 2:
                 bn._check_input_dim(y)  # torch.nn's error
             update = training and bn.track_running_stats and running_mean is not None
-            weight, bias = params.get("weight"), params.get("bias")
             if weight is None:
                 weight, bias = self._identity(bn, y.device)
-            planned = _planned(y, weight, running_mean if update else None, self.activation,
-                               bn.momentum if update else 0.0, bn.eps)
+            running = running_mean if update else None
+            momentum = bn.momentum if update else 0.0
+            planned = _planned(y, weight, running, update, self.activation, momentum, bn.eps)
             if planned is None:  # neither channels-last nor contiguous: the kernels read the contiguous copy
                 y = y.contiguous()
-                planned = _planned(y, weight, running_mean if update else None, self.activation,
-                                   bn.momentum if update else 0.0, bn.eps)
+                planned = _planned(y, weight, running, update, self.activation, momentum, bn.eps)
             aligned = [weight, bias, y] + ([running_mean, running_var] if update else [])
             if any(t.data_ptr() % ALIGNMENT for t in aligned):
                 planned = None
         if planned is None:
-            y = bn(y)
-            return y if self.activation is None else ACTIVATION_FUNCTIONS[self.activation](y)
+            return self._unfused(y)
         batches = buffers.get("num_batches_tracked") if update else None
         if batches is not None:
             batches.add_(1)
         return BatchNormActivation.apply(y, weight, bias, running_mean if update else None,
                                          running_var if update else None, batches, planned)
+
+    def _unfused(self, y: torch.Tensor) -> torch.Tensor:
+        y = self.bn(y)
+        return y if self.activation is None else ACTIVATION_FUNCTIONS[self.activation](y)
+
+    def _inference(self, y: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                   running_mean: torch.Tensor, running_var: torch.Tensor) -> torch.Tensor:
+        """act(BatchNorm(y)) with the running statistics in one pass over y."""
+        bn = self.bn
+        if y.dim() != self._dims + 2:
+            bn._check_input_dim(y)
+        if weight is None:
+            weight, bias = self._identity(bn, y.device)
+        if not (_channels_last(y) or y.is_contiguous()):
+            y = y.contiguous()
+        if any(t.data_ptr() % ALIGNMENT for t in (y, weight, bias, running_mean, running_var)):
+            return self._unfused(y)
+        planned = _planned(y, weight, running_mean, False, self.activation, None, bn.eps)
+        out = torch.empty_like(y)
+        planned.apply_running(_stream(y.device), y, running_mean, running_var, weight, bias, out)
+        return out
 
     @staticmethod
     def _identity(bn: nn.Module, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
