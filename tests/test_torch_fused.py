@@ -191,3 +191,37 @@ def test_every_fused_launch_compiles_for_hopper_with_pointers_only(channels_last
     blocks = dict(launches.stats.constants)["BLOCKS"]
     per, programs = dict(launches.stats.constants)["PER"], launches.programs
     assert (programs - 1) * per < blocks <= programs * per
+
+
+class _DropPath(nn.Module):
+    """torchvision's StochasticDepth: a branch on self.training, no BatchNorm (a leaf for fuse())."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5 if self.training else x
+
+
+class _DropPathNet(nn.Module):
+    def __init__(self, branch_here: bool = False) -> None:
+        super().__init__()
+        self.conv, self.bn, self.drop = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), _DropPath()
+        self.branch_here = branch_here
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.drop(torch.relu(self.bn(self.conv(x))))
+        if self.branch_here and self.training:  # a branch fx would freeze, beside a fusable pattern
+            y = y * 2
+        return y
+
+
+@pytest.mark.filterwarnings("ignore::convdsl.torch.KernelFallbackWarning")  # float64: torch.nn's convolution
+def test_fuse_keeps_train_and_eval_branches_and_refuses_a_model_whose_trace_depends_on_the_mode():
+    torch.manual_seed(4)
+    ref = _DropPathNet().double()
+    model = ct.fuse(copy.deepcopy(ref))
+    assert [m.activation for m in model.modules() if isinstance(m, ct.ConvBNAct)] == ["relu"]
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    for mode in (True, False, True):
+        model.train(mode), ref.train(mode)
+        assert _rel(model(x), ref(x)) <= 1e-12, mode
+    with pytest.raises(ValueError, match="traces differently in train and eval mode"):
+        ct.fuse(_DropPathNet(branch_here=True))

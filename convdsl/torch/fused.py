@@ -311,10 +311,27 @@ def _activation_of(node: fx.Node, modules: dict[str, nn.Module]) -> Optional[str
 
 class _Tracer(fx.Tracer):
     """torch.fx's tracer with every convolution a leaf (convdsl's modules and torch.nn subclasses that live outside
-    torch.nn, such as torchvision's video convolutions, would otherwise be traced through)."""
+    torch.nn, such as torchvision's video convolutions, would otherwise be traced through), and every module without
+    a BatchNorm inside a leaf: no pattern can be inside it, and its forward stays its own Python (a trace would
+    freeze branches on `self.training`, as torchvision's StochasticDepth takes)."""
 
     def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
-        return isinstance(m, _TORCH_BASES) or super().is_leaf_module(m, qualified_name)
+        if isinstance(m, _TORCH_BASES) or super().is_leaf_module(m, qualified_name):
+            return True
+        return not any(isinstance(d, nn.modules.batchnorm._BatchNorm) for d in m.modules())
+
+
+def _traces(model: nn.Module) -> tuple[fx.Graph, fx.Graph]:
+    """model's graphs traced in train and in eval mode (its mode restored)."""
+    training = model.training
+    try:
+        graphs = []
+        for mode in (True, False):
+            model.train(mode)
+            graphs.append(_Tracer().trace(model))
+    finally:
+        model.train(training)
+    return graphs[0], graphs[1]
 
 
 def fuse(model: nn.Module) -> fx.GraphModule:
@@ -325,11 +342,16 @@ def fuse(model: nn.Module) -> fx.GraphModule:
     torch.ao.quantization.fuse_modules renames them.  A model torch.fx cannot trace gets a ValueError."""
     convert(model)
     try:
-        gm = fx.GraphModule(model, _Tracer().trace(model), type(model).__name__)
+        train_graph, eval_graph = _traces(model)
     except Exception as e:  # torch.fx raises many types; the message names the construct it could not trace
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"fuse(): torch.fx cannot trace {type(model).__name__} ({first}); convert(model) runs its "
                          f"convolutions on convdsl unfused, or build ConvBNAct modules by hand") from e
+    if str(train_graph) != str(eval_graph):  # the graph would keep one mode's branches
+        raise ValueError(f"fuse(): {type(model).__name__}'s forward traces differently in train and eval mode "
+                         f"(a branch on self.training in a module that holds a BatchNorm); convert(model) runs "
+                         f"its convolutions on convdsl unfused, or build ConvBNAct modules by hand")
+    gm = fx.GraphModule(model, train_graph if model.training else eval_graph, type(model).__name__)
     modules = dict(gm.named_modules())
     calls: dict[str, int] = {}
     for node in gm.graph.nodes:
