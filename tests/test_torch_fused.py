@@ -225,3 +225,32 @@ def test_fuse_keeps_train_and_eval_branches_and_refuses_a_model_whose_trace_depe
         assert _rel(model(x), ref(x)) <= 1e-12, mode
     with pytest.raises(ValueError, match="traces differently in train and eval mode"):
         ct.fuse(_DropPathNet(branch_here=True))
+
+
+def test_a_fused_kernel_that_cannot_be_had_runs_torch_nn_with_one_warning_or_raises_in_strict_mode(monkeypatch):
+    from convdsl.torch import fallback, fused
+
+    def broken(launch, device):
+        raise RuntimeError(f"ptxas failed for {launch.kernel}")
+    monkeypatch.setattr(fused, "launcher_for", broken)
+    monkeypatch.setattr(fused.ConvBNAct, "_fusable", staticmethod(lambda y: True))
+    monkeypatch.setattr(fused, "_PLANNED", {})
+    torch.manual_seed(8)
+    module, ref = ct.ConvBNAct(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), "silu"), nn.BatchNorm2d(4)
+    y = torch.randn(2, 4, 5, 5)
+    with pytest.warns(ct.KernelFallbackWarning, match=r"fused BatchNorm \+ silu of \(2, 4, 5, 5\).*ptxas failed"
+                                                      r".*torch.nn's BatchNorm and activation"):
+        out = module.batch_norm_activation(y)
+    assert torch.allclose(out, nn.functional.silu(ref(y)))
+    assert torch.equal(module.bn.running_mean, ref.running_mean)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # announced once per signature: the next call is quiet
+        module.batch_norm_activation(y)
+    fallback.set_strict(True)
+    try:
+        monkeypatch.setattr(fused, "_PLANNED", {})
+        with pytest.raises(ct.KernelUnavailableError, match="ptxas failed"):
+            module.batch_norm_activation(y)
+    finally:
+        fallback.set_strict(False)

@@ -54,14 +54,14 @@ def _first_line(err: BaseException) -> str:
     return line
 
 
-def unavailable(what: str, reason: str | BaseException) -> None:
-    """Announce (once per distinct message) that `what` runs PyTorch's convolution, or raise in strict mode."""
+def unavailable(what: str, reason: str | BaseException, instead: str = "it runs PyTorch's convolution") -> None:
+    """Announce (once per distinct message) that `what` runs PyTorch's kernels (`instead` says which), or raise in
+    strict mode."""
     why = _first_line(reason) if isinstance(reason, BaseException) else reason
     if strict():
         raise KernelUnavailableError(f"convdsl: no kernel for {what}: {why}") from (
             reason if isinstance(reason, BaseException) else None)
-    warnings.warn(f"convdsl: no kernel for {what} ({why}); it runs PyTorch's convolution",
-                  KernelFallbackWarning, stacklevel=2)
+    warnings.warn(f"convdsl: no kernel for {what} ({why}); {instead}", KernelFallbackWarning, stacklevel=2)
 
 
 def compute(op: str, a: torch.Tensor, b: torch.Tensor, *, spatial: Sequence[int], filt: Sequence[int],

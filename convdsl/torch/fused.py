@@ -24,7 +24,7 @@ from torch import fx, nn
 from ..backends.cuda_driver import load_function
 from ..kernels.batchnorm_launches import BatchNormLaunches, batch_norm_launches
 from ..kernels.launch import Launch
-from . import runtime
+from . import fallback, runtime
 from .modules import _TORCH_BASES, _ConvMixin, _ConvTransposeMixin, convert
 from .stream import ALIGNMENT, _raw_stream, dtype_name
 
@@ -113,12 +113,19 @@ class _Planned:
 _PLANNED: dict[tuple, _Planned] = {}
 
 
+# _planned's answer where no kernel can be had (announced once; the module runs torch.nn's steps)
+_UNAVAILABLE = object()
+_TRAINING = ("stats", "apply", "grad_stats", "grad_apply")
+_INFERENCE = ("apply_running",)
+
+
 def _planned(y: torch.Tensor, weight: torch.Tensor, running: Optional[torch.Tensor], update: bool,
-             act: Optional[str], momentum: Optional[float], eps: float) -> Optional[_Planned]:
-    """The launches for y (None: y is neither channels-last nor contiguous).  running: the running mean (its dtype),
-    None where not tracked; update: training updates it."""
+             act: Optional[str], momentum: Optional[float], eps: float, needs: tuple[str, ...] = _TRAINING):
+    """The loaded launches for y: a _Planned, None where y is neither channels-last nor contiguous, _UNAVAILABLE
+    where they cannot be compiled or loaded here.  running: the running mean (its dtype), None where not tracked;
+    update: training updates it; needs: the launches loaded now (a failure then, not in the middle of a step)."""
     key = (y.shape, y.stride(), y.dtype, weight.dtype, None if running is None else running.dtype, update, act,
-           momentum, eps, y.get_device())
+           momentum, eps, y.get_device(), needs)
     planned = _PLANNED.get(key)
     if planned is None:
         cl = _channels_last(y)
@@ -126,11 +133,22 @@ def _planned(y: torch.Tensor, weight: torch.Tensor, running: Optional[torch.Tens
             return None
         if update and y.shape[0] * math.prod(y.shape[2:]) <= 1:  # torch.nn's check, once per signature
             raise ValueError(f"Expected more than 1 value per channel when training, got input size {y.size()}")
-        sms = runtime.cuda_target(y.device).gpu.sm_count if y.is_cuda else 1  # the interpreter: a few programs
-        launches = batch_norm_launches(
-            tuple(y.shape), cl, dtype_name(y.dtype), dtype_name(weight.dtype),
-            dtype_name(running.dtype if running is not None else torch.float32), act, update, momentum, eps, sms)
-        planned = _PLANNED[key] = _Planned(launches, y.device)
+        try:
+            if compile_launch is None and launcher_for is _driver_launcher:
+                raise RuntimeError("Triton is not installed")
+            sms = runtime.cuda_target(y.device).gpu.sm_count if y.is_cuda else 1  # the interpreter: a few
+            launches = batch_norm_launches(
+                tuple(y.shape), cl, dtype_name(y.dtype), dtype_name(weight.dtype),
+                dtype_name(running.dtype if running is not None else torch.float32), act, update, momentum, eps,
+                sms)
+            planned = _Planned(launches, y.device)
+            for name in needs:
+                getattr(planned, name)
+        except Exception as e:  # a compiler's or driver's error: the layer runs torch.nn's steps
+            fallback.unavailable(f"the fused BatchNorm + {act or 'no activation'} of {tuple(y.shape)} {y.dtype}",
+                                 e, instead="it runs torch.nn's BatchNorm and activation")
+            planned = _UNAVAILABLE
+        _PLANNED[key] = planned
     return planned
 
 
@@ -253,7 +271,7 @@ class ConvBNAct(nn.Module):
                 y = y.contiguous()
                 planned = _planned(y, weight, running, update, self.activation, momentum, bn.eps)
             aligned = [weight, bias, y] + ([running_mean, running_var] if update else [])
-            if any(t.data_ptr() % ALIGNMENT for t in aligned):
+            if planned is _UNAVAILABLE or any(t.data_ptr() % ALIGNMENT for t in aligned):
                 planned = None
         if planned is None:
             return self._unfused(y)
@@ -279,7 +297,9 @@ class ConvBNAct(nn.Module):
             y = y.contiguous()
         if any(t.data_ptr() % ALIGNMENT for t in (y, weight, bias, running_mean, running_var)):
             return self._unfused(y)
-        planned = _planned(y, weight, running_mean, False, self.activation, None, bn.eps)
+        planned = _planned(y, weight, running_mean, False, self.activation, None, bn.eps, _INFERENCE)
+        if planned is _UNAVAILABLE:
+            return self._unfused(y)
         out = torch.empty_like(y)
         planned.apply_running(_stream(y.device), y, running_mean, running_var, weight, bias, out)
         return out
@@ -291,7 +311,7 @@ class ConvBNAct(nn.Module):
 
     @staticmethod
     def _fusable(y: torch.Tensor) -> bool:
-        return (compile_launch is not None and y.is_cuda and y.dtype in _FUSED_DTYPES and 3 <= y.dim() <= 5
+        return (y.is_cuda and y.dtype in _FUSED_DTYPES and 3 <= y.dim() <= 5
                 and y.numel() < 2 ** 31 and not torch.compiler.is_compiling())
 
 
