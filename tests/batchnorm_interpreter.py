@@ -64,7 +64,8 @@ def run(job: dict) -> dict:
     bn.load_state_dict(ref.state_dict())
     module = fused.ConvBNAct.__new__(fused.ConvBNAct)  # the fused path alone: y given, no convolution
     nn.Module.__init__(module)
-    module.bn, module.activation, module._dims = bn, act, len(shape) - 2
+    module.bn, module.activation, module._dims, module.residual_inplace = bn, act, len(shape) - 2, False
+    with_residual = job.get("residual", False)
     errors = {}
     for step in range(3):
         # inputs rounded to the dtype first: the reference then sees the kernels' inputs, and the error is the
@@ -72,19 +73,24 @@ def run(job: dict) -> dict:
         y = _layout(torch.randn(shape, dtype=torch.float64) * 2 + 0.7 * step, job["channels_last"])
         y = y.to(dtype).double()
         yr = y.clone().requires_grad_()
-        out_ref = ref(yr)
+        res = _layout(torch.randn(shape, dtype=torch.float64), job["channels_last"]).to(dtype).double()
+        res_r = res.clone().requires_grad_()
+        out_ref = ref(yr) + res_r if with_residual else ref(yr)
         out_ref = fused.ACTIVATION_FUNCTIONS[act](out_ref) if act else out_ref
         yk = y.to(dtype)
         if job.get("strided"):  # neither layout: a transposed view (the kernels read a contiguous copy)
             yk = yk.transpose(2, 3).contiguous().transpose(2, 3)
             assert not yk.is_contiguous() and not yk.movedim(1, -1).is_contiguous()
         yk = yk.requires_grad_()
-        out = module.batch_norm_activation(yk)
+        res_k = res.to(dtype).requires_grad_()
+        out = module.batch_norm_activation(yk, res_k if with_residual else None)
         grad = torch.randn(shape, dtype=torch.float64).to(dtype).double()
         out_ref.backward(grad)
         out.backward(grad.to(dtype))
     errors["out"] = _rel(out, out_ref)
     errors["grad_y"] = _rel(yk.grad, yr.grad)
+    if with_residual:
+        errors["grad_residual"] = _rel(res_k.grad, res_r.grad)
     if affine:
         errors["grad_weight"] = _rel(bn.weight.grad, ref.weight.grad)
         errors["grad_bias"] = _rel(bn.bias.grad, ref.bias.grad)
@@ -95,9 +101,9 @@ def run(job: dict) -> dict:
     ref.eval(), bn.eval()
     with torch.no_grad():
         y = _layout(torch.randn(shape, dtype=torch.float64), job["channels_last"]).to(dtype).double()
-        out_ref = ref(y)
+        out_ref = ref(y) + res if with_residual else ref(y)
         out_ref = fused.ACTIVATION_FUNCTIONS[act](out_ref) if act else out_ref
-        out_eval = module.batch_norm_activation(y.to(dtype))
+        out_eval = module.batch_norm_activation(y.to(dtype), res.to(dtype) if with_residual else None)
     errors["eval_out"] = _rel(out_eval, out_ref)
     errors["eval_layout"] = float(out_eval.stride() != y.stride())
     kept = out.stride() == (yk.contiguous().stride() if job.get("strided") else yk.stride())

@@ -39,6 +39,13 @@ def _jobs() -> list[dict]:
         {"shape": [4, 5, 31], "channels_last": True, "activation": "relu", "dtype": "f32", "momentum": 0.1},
         {"shape": [2, 8, 9, 11], "channels_last": True, "activation": "silu", "dtype": "f32", "momentum": 0.1,
          "affine": False},
+        # ResNet's block end: act(BatchNorm(y) + residual), the mask from the output
+        {"shape": [2, 8, 33, 33], "channels_last": True, "activation": "relu", "dtype": "f32", "momentum": 0.1,
+         "residual": True},
+        {"shape": [3, 6, 17, 17], "channels_last": False, "activation": "relu6", "dtype": "f16", "momentum": 0.1,
+         "residual": True},
+        {"shape": [2, 6, 3, 5, 7], "channels_last": True, "activation": None, "dtype": "f32", "momentum": None,
+         "residual": True},
         {"shape": [2, 8, 9, 11], "channels_last": False, "activation": "relu", "dtype": "f32", "momentum": 0.1,
          "strided": True},
     ]
@@ -109,8 +116,11 @@ def test_fuse_forms_conv_bn_activation_modules_and_trains_as_torch_nn(channels_l
     ref = _FuseNet().double()
     model = ct.fuse(copy.deepcopy(ref).float())
     fused = {name: m.activation for name, m in model.named_modules() if isinstance(m, ct.ConvBNAct)}
-    assert fused == {"stem.0": "hardswish", "block.conv1": "relu", "block.conv2": "silu", "block.conv3": None,
+    assert fused == {"stem.0": "hardswish", "block.conv1": "relu", "block.conv2": "silu", "block.conv3": "relu",
                      "up": "relu6"}
+    # the block's end, bn3 + x and the shared ReLU, is one call with the residual (computed before it here)
+    calls = {n.target: n.args for n in model.graph.nodes if n.op == "call_module"}
+    assert len(calls["block.conv3"]) == 2 and len(calls["block.conv1"]) == 1
     assert not any(type(m) in (nn.Conv2d, nn.ConvTranspose2d) for m in model.modules())
     assert "block.conv1.bn.running_mean" in model.state_dict() and "side_bn.running_mean" in model.state_dict()
     fmt = torch.channels_last if channels_last else torch.contiguous_format

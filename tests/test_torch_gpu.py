@@ -809,6 +809,34 @@ def test_fused_batch_norm_activation_against_torch_nn_and_float64(activation, ch
         assert error <= max(tol, 2 * torch_error), (name, error, torch_error)
 
 
+@pytest.mark.parametrize("channels_last", [True, False], ids=["cl", "contiguous"])
+def test_a_fused_residual_block_end_against_float64(channels_last):
+    """act(BatchNorm(y) + residual) (ResNet's block end) on CUDA in bf16: output and the gradients of y and of the
+    residual against float64, no further from it than torch.nn's BatchNorm, add and ReLU."""
+    torch.manual_seed(13)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    fused = ct.ConvBNAct(nn.Conv2d(8, 64, 1), nn.BatchNorm2d(64), "relu", residual_inplace=True).cuda()
+    torch_bn, exact_bn = copy.deepcopy(fused.bn), copy.deepcopy(fused.bn).double().cpu()
+    y = torch.randn(16, 64, 14, 14, device="cuda").to(torch.bfloat16).to(memory_format=fmt)
+    r = torch.randn_like(y)
+    grad = torch.randn_like(y)
+    results = []
+    for run in ("fused", "torch", "exact"):
+        yy = (y.double().cpu() if run == "exact" else y.clone()).requires_grad_()
+        rr = (r.double().cpu() if run == "exact" else r.clone()).requires_grad_()
+        if run == "fused":
+            out = fused.batch_norm_activation(yy, rr)
+        else:
+            bn = torch_bn if run == "torch" else exact_bn
+            out = bn(yy)
+            out += rr
+            out = out.relu()
+        out.backward(grad.double().cpu() if run == "exact" else grad)
+        results.append([t.detach().double().cpu() for t in (out, yy.grad, rr.grad)])
+    for name, got, theirs, exact in zip(("out", "grad_y", "grad_residual"), *results):
+        assert _rel(got, exact) <= max(1e-2, 2 * _rel(theirs, exact)), name
+
+
 def test_a_fused_model_trains_as_torch_nn_and_replays_in_a_cuda_graph():
     """fuse() on a small ResNet-style model: 20 bf16-autocast SGD steps against the unfused torch.nn model on cuDNN
     (loss curves within 2%), then one step captured in a CUDA graph and replayed equals the same step eager."""

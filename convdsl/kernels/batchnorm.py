@@ -30,6 +30,9 @@ Row blocks are numbered b = 0 .. BLOCKS - 1 (CL: BLOCKS = ceil(N * HW / BLOCK_R)
 
 Activations (ACT): 0 none, 1 relu, 2 relu6, 3 silu, 4 hardswish, with torch's derivatives at the kinks
 (relu: 0 at z <= 0; relu6: 1 on 0 < z < 6; hardswish: 0 below -3, z / 3 + 1/2 on [-3, 3], 1 above).
+RESIDUAL (ResNet's block end, act(BatchNorm(y) + r); none, relu or relu6): the apply passes add r before the
+activation; the backward passes take the activation's mask from the saved output (out > 0, as torch's threshold
+backward does; z is not recomputed: r is not kept) and grad_apply also stores the residual's gradient, dz.
 """
 from __future__ import annotations
 
@@ -113,6 +116,18 @@ def _last_program(counter, cb, P: tl.constexpr):
 
 
 @triton.jit
+def _output_grad(dout, out, ACT: tl.constexpr):
+    """dout * act'(z) from the output out = act(z) (ReLU and ReLU6 only: their derivative is a mask of out, as
+    torch's threshold backward reads it), where z itself is not recomputed (a residual was added into it)."""
+    if ACT == 1:
+        return tl.where(out > 0.0, dout, 0.0)
+    elif ACT == 2:
+        return tl.where((out > 0.0) & (out < 6.0), dout, 0.0)
+    else:
+        return dout
+
+
+@triton.jit
 def batch_stats(y, work, counter, running_mean, running_var, batches,
                 C: tl.constexpr, HW: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr, PER: tl.constexpr,
                 P: tl.constexpr, EPS: tl.constexpr, MOMENTUM: tl.constexpr, UPDATE: tl.constexpr,
@@ -190,8 +205,9 @@ def batch_stats(y, work, counter, running_mean, running_var, batches,
 
 
 @triton.jit
-def apply_act(y, stats, w, bias, out, C: tl.constexpr, HW: tl.constexpr, ROWS: tl.constexpr,
-              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr, ACT: tl.constexpr):
+def apply_act(y, stats, w, bias, res, out, C: tl.constexpr, HW: tl.constexpr, ROWS: tl.constexpr,
+              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr, ACT: tl.constexpr,
+              RESIDUAL: tl.constexpr):
     mean = stats
     invstd = stats + C
     offsets, mask, c = _block(tl.program_id(0), tl.program_id(1), C, HW, ROWS, BLOCK_R, BLOCK_C, CL)
@@ -200,13 +216,15 @@ def apply_act(y, stats, w, bias, out, C: tl.constexpr, HW: tl.constexpr, ROWS: t
     shift = tl.load(bias + c, mask=c_ok, other=0.0).to(tl.float32) - tl.load(mean + c, mask=c_ok, other=0.0) * scale
     x = tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32)
     z = x * _per_channel(scale, CL) + _per_channel(shift, CL)
+    if RESIDUAL:
+        z += tl.load(res + offsets, mask=mask, other=0.0).to(tl.float32)
     tl.store(out + offsets, _activation(z, ACT).to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def apply_running(y, running_mean, running_var, w, bias, out, C: tl.constexpr, HW: tl.constexpr,
+def apply_running(y, running_mean, running_var, w, bias, res, out, C: tl.constexpr, HW: tl.constexpr,
                   ROWS: tl.constexpr, EPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                  CL: tl.constexpr, ACT: tl.constexpr):
+                  CL: tl.constexpr, ACT: tl.constexpr, RESIDUAL: tl.constexpr):
     offsets, mask, c = _block(tl.program_id(0), tl.program_id(1), C, HW, ROWS, BLOCK_R, BLOCK_C, CL)
     c_ok = c < C
     rv = tl.load(running_var + c, mask=c_ok, other=1.0).to(tl.float32)
@@ -215,14 +233,16 @@ def apply_running(y, running_mean, running_var, w, bias, out, C: tl.constexpr, H
              - tl.load(running_mean + c, mask=c_ok, other=0.0).to(tl.float32) * scale)
     x = tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32)
     z = x * _per_channel(scale, CL) + _per_channel(shift, CL)
+    if RESIDUAL:
+        z += tl.load(res + offsets, mask=mask, other=0.0).to(tl.float32)
     tl.store(out + offsets, _activation(z, ACT).to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def grad_stats(dout, y, stats, w, bias, work, counter, grads, C: tl.constexpr, HW: tl.constexpr,
+def grad_stats(dout, y, stats, w, bias, out, work, counter, grads, C: tl.constexpr, HW: tl.constexpr,
                ROWS: tl.constexpr, BLOCKS: tl.constexpr, PER: tl.constexpr, P: tl.constexpr,
                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, CL: tl.constexpr,
-               ACT: tl.constexpr):
+               ACT: tl.constexpr, RESIDUAL: tl.constexpr):
     # work: the partial sums of dz and dz * xhat [2, P, C]; grads: dbeta, dgamma [2, C]
     mean = stats
     invstd = stats + C
@@ -244,7 +264,11 @@ def grad_stats(dout, y, stats, w, bias, work, counter, grads, C: tl.constexpr, H
         offsets, mask, _c = _block(b, cb, C, HW, ROWS, BLOCK_R, BLOCK_C, CL)
         xhat = (tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32) - mu) * inv
         g = tl.load(dout + offsets, mask=mask, other=0.0).to(tl.float32)
-        dz = tl.where(mask, _activation_grad(g, xhat * gamma + beta, ACT), 0.0)
+        if RESIDUAL:
+            dz = _output_grad(g, tl.load(out + offsets, mask=mask, other=0.0).to(tl.float32), ACT)
+        else:
+            dz = _activation_grad(g, xhat * gamma + beta, ACT)
+        dz = tl.where(mask, dz, 0.0)
         acc_dz += _channel_sum(dz, CL)
         acc_dzx += _channel_sum(dz * xhat, CL)
     tl.store(sum_dz + p * C + c, acc_dz, mask=c_ok)
@@ -263,8 +287,9 @@ def grad_stats(dout, y, stats, w, bias, work, counter, grads, C: tl.constexpr, H
 
 
 @triton.jit
-def grad_apply(dout, y, stats, w, bias, grads, dy, C: tl.constexpr, HW: tl.constexpr, ROWS: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr, ACT: tl.constexpr):
+def grad_apply(dout, y, stats, w, bias, out, grads, dy, dres, C: tl.constexpr, HW: tl.constexpr,
+               ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr,
+               ACT: tl.constexpr, RESIDUAL: tl.constexpr):
     mean = stats
     invstd = stats + C
     dbeta = grads
@@ -279,6 +304,10 @@ def grad_apply(dout, y, stats, w, bias, grads, dy, C: tl.constexpr, HW: tl.const
     mean_dzx = tl.load(dgamma + c, mask=c_ok, other=0.0) / ROWS
     xhat = (tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32) - _per_channel(mu, CL)) * _per_channel(inv, CL)
     g = tl.load(dout + offsets, mask=mask, other=0.0).to(tl.float32)
-    dz = _activation_grad(g, xhat * _per_channel(gamma, CL) + _per_channel(beta, CL), ACT)
+    if RESIDUAL:  # the residual's gradient is dz itself
+        dz = _output_grad(g, tl.load(out + offsets, mask=mask, other=0.0).to(tl.float32), ACT)
+        tl.store(dres + offsets, dz.to(dres.dtype.element_ty), mask=mask)
+    else:
+        dz = _activation_grad(g, xhat * _per_channel(gamma, CL) + _per_channel(beta, CL), ACT)
     grad = (dz - _per_channel(mean_dz, CL) - xhat * _per_channel(mean_dzx, CL)) * _per_channel(gamma * inv, CL)
     tl.store(dy + offsets, grad.to(dy.dtype.element_ty), mask=mask)

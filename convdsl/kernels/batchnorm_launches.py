@@ -10,6 +10,8 @@ from .launch import Launch
 
 # activations by name, as the kernels number them
 ACTIVATIONS = {None: 0, "relu": 1, "relu6": 2, "silu": 3, "hardswish": 4}
+# the activations a residual block end takes (their derivative is a mask of the output: the sum is not kept)
+RESIDUAL_ACTIVATIONS = (None, "relu", "relu6")
 # Triton's element type names of torch's dtypes (by their names)
 ELEMENTS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int64": "i64"}
 # programs of a statistics pass per streaming multiprocessor: enough rows in flight to cover memory latency
@@ -27,10 +29,11 @@ class BatchNormLaunches:
     """The four launches of one tensor's BatchNorm + activation and the f32 workspaces they take."""
 
     stats: Launch       # (y, work, counter, running_mean, running_var, batches); work starts with the stats
-    apply: Launch       # (y, stats, weight, bias, out)
-    apply_running: Launch  # (y, running_mean, running_var, weight, bias, out): eval mode
-    grad_stats: Launch  # (dout, y, stats, weight, bias, work, counter, grads)
-    grad_apply: Launch  # (dout, y, stats, weight, bias, grads, dy)
+    apply: Launch       # (y, stats, weight, bias, residual, out)
+    apply_running: Launch  # (y, running_mean, running_var, weight, bias, residual, out): eval mode
+    grad_stats: Launch  # (dout, y, stats, weight, bias, out, work, counter, grads)
+    grad_apply: Launch  # (dout, y, stats, weight, bias, out, grads, dy, grad_residual)
+    # without a residual, its pointers (residual, out in the backward, grad_residual) are never read: pass y
     channels: int
     channels_last: bool
     channel_blocks: int  # the counters the statistics passes take
@@ -40,9 +43,12 @@ class BatchNormLaunches:
 
 def batch_norm_launches(shape: tuple[int, ...], channels_last: bool, dtype: str, weight_dtype: str,
                         running_dtype: str, activation: str | None, update: bool, momentum: float | None,
-                        eps: float, sm_count: int) -> BatchNormLaunches:
+                        eps: float, sm_count: int, residual: bool = False) -> BatchNormLaunches:
     """shape (N, C, *spatial) of the convolution's output, stored channels-last or contiguous; dtype names
-    torch's ("bfloat16"); momentum None: the cumulative average (num_batches_tracked read by the kernel)."""
+    torch's ("bfloat16"); momentum None: the cumulative average (num_batches_tracked read by the kernel);
+    residual: act(BatchNorm(y) + r), the activation none, relu or relu6."""
+    if residual and activation not in RESIDUAL_ACTIVATIONS:
+        raise ValueError(f"a residual takes {RESIDUAL_ACTIVATIONS} as its activation, not {activation!r}")
     n, c = shape[0], shape[1]
     hw = math.prod(shape[2:])
     rows = n * hw
@@ -68,17 +74,20 @@ def batch_norm_launches(shape: tuple[int, ...], channels_last: bool, dtype: str,
     grid_rows, grid_all = (programs, channel_blocks, 1), (blocks, channel_blocks, 1)
 
     def launch(kernel: str, types: tuple[str, ...], consts: dict, grid: tuple[int, int, int]) -> Launch:
-        return Launch(kernel, f"bn_{kernel}_{shape_name}_{y}_a{act}", types, tuple(consts.items()), grid, 4, 1)
+        name = f"bn_{kernel}_{shape_name}_{y}_a{act}{'r' if residual else ''}"
+        return Launch(kernel, name, types, tuple(consts.items()), grid, 4, 1)
 
     stats = launch("batch_stats", (y, "fp32", "i32", r, r, "i64"),
                    dict(sizes, **reduce, EPS=float(eps), MOMENTUM=-1.0 if momentum is None else float(momentum),
                         UPDATE=update, **tiles, BLOCK_P=block_p), grid_rows)
-    apply = launch("apply_act", (y, "fp32", w, w, y), dict(sizes, **tiles, ACT=act), grid_all)
-    apply_running = launch("apply_running", (y, r, r, w, w, y), dict(sizes, EPS=float(eps), **tiles, ACT=act),
+    fused = dict(ACT=act, RESIDUAL=residual)
+    apply = launch("apply_act", (y, "fp32", w, w, y, y), dict(sizes, **tiles, **fused), grid_all)
+    apply_running = launch("apply_running", (y, r, r, w, w, y, y), dict(sizes, EPS=float(eps), **tiles, **fused),
                            grid_all)
-    grad_stats = launch("grad_stats", (y, y, "fp32", w, w, "fp32", "i32", "fp32"),
-                        dict(sizes, **reduce, **tiles, BLOCK_P=block_p, ACT=act), grid_rows)
-    grad_apply = launch("grad_apply", (y, y, "fp32", w, w, "fp32", y), dict(sizes, **tiles, ACT=act), grid_all)
+    grad_stats = launch("grad_stats", (y, y, "fp32", w, w, y, "fp32", "i32", "fp32"),
+                        dict(sizes, **reduce, **tiles, BLOCK_P=block_p, **fused), grid_rows)
+    grad_apply = launch("grad_apply", (y, y, "fp32", w, w, y, "fp32", y, y), dict(sizes, **tiles, **fused),
+                        grid_all)
     return BatchNormLaunches(stats, apply, apply_running, grad_stats, grad_apply, c, channels_last, channel_blocks,
                              programs,
                              2 * c + 3 * programs * c)

@@ -15,6 +15,7 @@ activation on the convolution's output instead, with the same results.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Callable, Optional, Union
 
 import torch
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..backends.cuda_driver import load_function
-from ..kernels.batchnorm_launches import BatchNormLaunches, batch_norm_launches
+from ..kernels.batchnorm_launches import RESIDUAL_ACTIVATIONS, BatchNormLaunches, batch_norm_launches
 from ..kernels.launch import Launch
 from . import fallback, runtime
 from .modules import _TORCH_BASES, _ConvMixin, _ConvTransposeMixin, convert
@@ -120,12 +121,13 @@ _INFERENCE = ("apply_running",)
 
 
 def _planned(y: torch.Tensor, weight: torch.Tensor, running: Optional[torch.Tensor], update: bool,
-             act: Optional[str], momentum: Optional[float], eps: float, needs: tuple[str, ...] = _TRAINING):
+             act: Optional[str], momentum: Optional[float], eps: float, needs: tuple[str, ...] = _TRAINING,
+             residual: bool = False):
     """The loaded launches for y: a _Planned, None where y is neither channels-last nor contiguous, _UNAVAILABLE
     where they cannot be compiled or loaded here.  running: the running mean (its dtype), None where not tracked;
     update: training updates it; needs: the launches loaded now (a failure then, not in the middle of a step)."""
     key = (y.shape, y.stride(), y.dtype, weight.dtype, None if running is None else running.dtype, update, act,
-           momentum, eps, y.get_device(), needs)
+           momentum, eps, y.get_device(), needs, residual)
     planned = _PLANNED.get(key)
     if planned is None:
         cl = _channels_last(y)
@@ -140,7 +142,7 @@ def _planned(y: torch.Tensor, weight: torch.Tensor, running: Optional[torch.Tens
             launches = batch_norm_launches(
                 tuple(y.shape), cl, dtype_name(y.dtype), dtype_name(weight.dtype),
                 dtype_name(running.dtype if running is not None else torch.float32), act, update, momentum, eps,
-                sms)
+                sms, residual)
             planned = _Planned(launches, y.device)
             for name in needs:
                 getattr(planned, name)
@@ -178,7 +180,7 @@ class BatchNormActivation(torch.autograd.Function):
     `planned` was made for (its strides, 16-byte aligned)."""
 
     @staticmethod
-    def forward(ctx, y, weight, bias, running_mean, running_var, batches, planned):
+    def forward(ctx, y, weight, bias, residual, running_mean, running_var, batches, planned):
         device = y.device
         work = torch.empty(planned.launches.work_elements, dtype=_F32, device=device)  # the stats, then partials
         stream = _stream(device)
@@ -187,14 +189,16 @@ class BatchNormActivation(torch.autograd.Function):
                       running_mean if update else work, running_var if update else work,
                       batches if batches is not None else work)
         out = torch.empty_like(y)
-        planned.apply(stream, y, work, weight, bias, out)
-        ctx.save_for_backward(y, work, weight, bias)
+        planned.apply(stream, y, work, weight, bias, y if residual is None else residual, out)
+        # with a residual the backward takes the activation's mask from out (the sum itself is not kept)
+        ctx.save_for_backward(y, work, weight, bias, *(() if residual is None else (out,)))
         ctx.planned = planned
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        y, stats, weight, bias = ctx.saved_tensors
+        y, stats, weight, bias, *kept = ctx.saved_tensors
+        out = kept[0] if kept else y
         planned = ctx.planned
         if dout.stride() != y.stride() or dout.data_ptr() % ALIGNMENT:
             dout = _same_layout(dout, planned.channels_last)
@@ -203,10 +207,11 @@ class BatchNormActivation(torch.autograd.Function):
         work = torch.empty(planned.launches.work_elements, dtype=_F32, device=device)
         grads = torch.empty(2 * c, dtype=_F32, device=device)  # dbeta, dgamma
         stream = _stream(device)
-        planned.grad_stats(stream, dout, y, stats, weight, bias, work, _counter(device, stream, planned.counters),
-                           grads)
+        planned.grad_stats(stream, dout, y, stats, weight, bias, out, work,
+                           _counter(device, stream, planned.counters), grads)
         dy = torch.empty_like(y)
-        planned.grad_apply(stream, dout, y, stats, weight, bias, grads, dy)
+        dres = torch.empty_like(y) if kept else None
+        planned.grad_apply(stream, dout, y, stats, weight, bias, out, grads, dy, y if dres is None else dres)
         needs = ctx.needs_input_grad
         dgamma = grads[c:] if needs[1] else None
         dbeta = grads[:c] if needs[2] else None
@@ -214,15 +219,18 @@ class BatchNormActivation(torch.autograd.Function):
             dgamma = dgamma.to(weight.dtype)
         if dbeta is not None and bias.dtype != _F32:
             dbeta = dbeta.to(bias.dtype)
-        return dy, dgamma, dbeta, None, None, None, None
+        return dy, dgamma, dbeta, dres if needs[3] else None, None, None, None, None
 
 
 class ConvBNAct(nn.Module):
     """A convolution, the BatchNorm of its output and an optional activation ("relu", "relu6", "silu",
     "hardswish", or the torch.nn module), as one module: `conv` and `bn` are the given modules (the convolution
-    converted to convdsl's), so their parameters, buffers and train/eval modes are theirs."""
+    converted to convdsl's), so their parameters, buffers and train/eval modes are theirs.  `forward(x, residual)`
+    adds a residual before the activation (ResNet's block end: act(bn(conv(x)) + residual)); residual_inplace: as
+    `out += residual` (the sum keeps the BatchNorm output's dtype), else as `out + residual` (type promotion)."""
 
-    def __init__(self, conv: nn.Module, bn: nn.Module, activation: Union[None, str, nn.Module] = None) -> None:
+    def __init__(self, conv: nn.Module, bn: nn.Module, activation: Union[None, str, nn.Module] = None,
+                 residual_inplace: bool = False) -> None:
         super().__init__()
         dims = len(getattr(conv, "kernel_size", ()))
         if not isinstance(convert(conv), (_ConvMixin, _ConvTransposeMixin)):
@@ -235,29 +243,37 @@ class ConvBNAct(nn.Module):
                              f"{conv.out_channels} output channels")
         self.conv, self.bn = conv, bn
         self.activation = activation_name(activation)
+        self.residual_inplace = residual_inplace
         self._dims = dims
 
     def extra_repr(self) -> str:
         return f"activation={self.activation}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.batch_norm_activation(self.conv(x))
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.batch_norm_activation(self.conv(x), residual)
 
-    def batch_norm_activation(self, y: torch.Tensor) -> torch.Tensor:
-        """The BatchNorm and the activation of the convolution's output y: fused where the kernels run (training
-        mode on CUDA), else torch.nn's modules."""
+    def batch_norm_activation(self, y: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The BatchNorm, the residual and the activation of the convolution's output y: fused where the kernels
+        run (CUDA; training, or eval mode without gradients), else torch.nn's modules."""
         bn = self.bn
         params, buffers = bn._parameters, bn._buffers  # direct: nn.Module's __getattr__ costs a call each
         running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
         training = bn.training
         weight, bias = params.get("weight"), params.get("bias")
-        planned = None
+        if residual is not None:
+            if (residual.dtype != y.dtype or residual.shape != y.shape
+                    or self.activation not in RESIDUAL_ACTIVATIONS):
+                return self._unfused(y, residual)
+            if residual.stride() != y.stride() or residual.data_ptr() % ALIGNMENT:
+                residual = _same_layout(residual, _channels_last(y))
         if not training and running_mean is not None and running_var is not None:
             # eval mode: the running statistics; fused where nothing needs a gradient (inference, validation)
-            if (torch.is_grad_enabled() and (y.requires_grad or (weight is not None and weight.requires_grad))
+            if (torch.is_grad_enabled() and (y.requires_grad or (weight is not None and weight.requires_grad)
+                                             or (residual is not None and residual.requires_grad))
                     or not self._fusable(y)):
-                return self._unfused(y)
-            return self._inference(y, weight, bias, running_mean, running_var)
+                return self._unfused(y, residual)
+            return self._inference(y, weight, bias, running_mean, running_var, residual)
+        planned = None
         if (training or (running_mean is None and running_var is None)) and self._fusable(y):
             if y.dim() != self._dims + 2:
                 bn._check_input_dim(y)  # torch.nn's error
@@ -266,28 +282,36 @@ class ConvBNAct(nn.Module):
                 weight, bias = self._identity(bn, y.device)
             running = running_mean if update else None
             momentum = bn.momentum if update else 0.0
-            planned = _planned(y, weight, running, update, self.activation, momentum, bn.eps)
+            with_residual = residual is not None
+            planned = _planned(y, weight, running, update, self.activation, momentum, bn.eps,
+                               residual=with_residual)
             if planned is None:  # neither channels-last nor contiguous: the kernels read the contiguous copy
                 y = y.contiguous()
-                planned = _planned(y, weight, running, update, self.activation, momentum, bn.eps)
+                if with_residual:
+                    residual = residual.contiguous()
+                planned = _planned(y, weight, running, update, self.activation, momentum, bn.eps,
+                                   residual=with_residual)
             aligned = [weight, bias, y] + ([running_mean, running_var] if update else [])
             if planned is _UNAVAILABLE or any(t.data_ptr() % ALIGNMENT for t in aligned):
                 planned = None
         if planned is None:
-            return self._unfused(y)
+            return self._unfused(y, residual)
         batches = buffers.get("num_batches_tracked") if update else None
         if batches is not None:
             batches.add_(1)
-        return BatchNormActivation.apply(y, weight, bias, running_mean if update else None,
+        return BatchNormActivation.apply(y, weight, bias, residual, running_mean if update else None,
                                          running_var if update else None, batches, planned)
 
-    def _unfused(self, y: torch.Tensor) -> torch.Tensor:
+    def _unfused(self, y: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         y = self.bn(y)
+        if residual is not None:
+            y = y.add_(residual) if self.residual_inplace else y + residual
         return y if self.activation is None else ACTIVATION_FUNCTIONS[self.activation](y)
 
     def _inference(self, y: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                   running_mean: torch.Tensor, running_var: torch.Tensor) -> torch.Tensor:
-        """act(BatchNorm(y)) with the running statistics in one pass over y."""
+                   running_mean: torch.Tensor, running_var: torch.Tensor,
+                   residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """act(BatchNorm(y) (+ residual)) with the running statistics in one pass over y."""
         bn = self.bn
         if y.dim() != self._dims + 2:
             bn._check_input_dim(y)
@@ -295,13 +319,17 @@ class ConvBNAct(nn.Module):
             weight, bias = self._identity(bn, y.device)
         if not (_channels_last(y) or y.is_contiguous()):
             y = y.contiguous()
-        if any(t.data_ptr() % ALIGNMENT for t in (y, weight, bias, running_mean, running_var)):
-            return self._unfused(y)
-        planned = _planned(y, weight, running_mean, False, self.activation, None, bn.eps, _INFERENCE)
+            residual = None if residual is None else residual.contiguous()
+        operands = (y, weight, bias, running_mean, running_var) + (() if residual is None else (residual,))
+        if any(t.data_ptr() % ALIGNMENT for t in operands):
+            return self._unfused(y, residual)
+        planned = _planned(y, weight, running_mean, False, self.activation, None, bn.eps, _INFERENCE,
+                           residual is not None)
         if planned is _UNAVAILABLE:
-            return self._unfused(y)
+            return self._unfused(y, residual)
         out = torch.empty_like(y)
-        planned.apply_running(_stream(y.device), y, running_mean, running_var, weight, bias, out)
+        planned.apply_running(_stream(y.device), y, running_mean, running_var, weight, bias,
+                              y if residual is None else residual, out)
         return out
 
     @staticmethod
@@ -313,6 +341,26 @@ class ConvBNAct(nn.Module):
     def _fusable(y: torch.Tensor) -> bool:
         return (y.is_cuda and y.dtype in _FUSED_DTYPES and 3 <= y.dim() <= 5
                 and y.numel() < 2 ** 31 and not torch.compiler.is_compiling())
+
+
+def _only_user(node: fx.Node) -> Optional[fx.Node]:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _residual_add(node: Optional[fx.Node], operand: fx.Node) -> tuple[Optional[fx.Node], Optional[fx.Node], bool]:
+    """(node, the other operand, in place) where node adds another tensor to `operand` (`out + r`, `out += r`,
+    torch.add), else (None, None, False)."""
+    if (node is None or node.op != "call_function" or node.kwargs or len(node.args) != 2
+            or node.target not in (operator.add, operator.iadd, torch.add)):
+        return None, None, False
+    a, b = node.args
+    other = b if a is operand else a if b is operand else None
+    if not isinstance(other, fx.Node) or other is operand:
+        return None, None, False
+    # out += r changes out in place (the BatchNorm's output, which only the add uses); r += out would change r
+    if node.target is operator.iadd and a is not operand:
+        return None, None, False
+    return node, other, node.target is operator.iadd
 
 
 def _activation_of(node: fx.Node, modules: dict[str, nn.Module]) -> Optional[str]:
@@ -389,14 +437,26 @@ def fuse(model: nn.Module) -> fx.GraphModule:
                 or calls[bn_node.target] != 1 or len(conv_node.args) != 1 or conv_node.kwargs
                 or type(bn) is not _BATCH_NORMS[len(conv.kernel_size)] or bn.num_features != conv.out_channels):
             continue
-        act_node = next(iter(bn_node.users)) if len(bn_node.users) == 1 else None
-        activation = _activation_of(act_node, modules) if act_node is not None else None
-        gm.add_submodule(conv_node.target, ConvBNAct(conv, bn, activation))
-        tail = act_node if activation is not None else bn_node
-        tail.replace_all_uses_with(conv_node)
-        if activation is not None:
-            gm.graph.erase_node(act_node)
-        gm.graph.erase_node(bn_node)
+        after = _only_user(bn_node)
+        add_node, residual, inplace = _residual_add(after, bn_node)
+        if add_node is not None:
+            act_node = _only_user(add_node)
+            activation = _activation_of(act_node, modules) if act_node is not None else None
+            if activation not in RESIDUAL_ACTIVATIONS:  # its derivative would need the sum: the add stays out
+                add_node = residual = None
+        if add_node is None:
+            act_node = after
+            activation = _activation_of(act_node, modules) if act_node is not None else None
+        gm.add_submodule(conv_node.target, ConvBNAct(conv, bn, activation, residual_inplace=inplace))
+        dropped = [n for n in (act_node if activation is not None else None, add_node, bn_node, conv_node) if n]
+        # the fused call where the last of the nodes it replaces was: the residual may be computed after the
+        # convolution (torchvision's downsample)
+        with gm.graph.inserting_before(dropped[0]):
+            fused_node = gm.graph.call_module(conv_node.target, (conv_node.args[0],)
+                                              + (() if residual is None else (residual,)))
+        dropped[0].replace_all_uses_with(fused_node)
+        for node in dropped:
+            gm.graph.erase_node(node)
     gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
