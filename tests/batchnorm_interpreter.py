@@ -106,6 +106,15 @@ def run(job: dict) -> dict:
         out_eval = module.batch_norm_activation(y.to(dtype), res.to(dtype) if with_residual else None)
     errors["eval_out"] = _rel(out_eval, out_ref)
     errors["eval_layout"] = float(out_eval.stride() != y.stride())
+    # a double backward (a gradient penalty) raises instead of returning a gradient without its second-order part
+    bn.train()  # last: its step moves the running statistics
+    yk2 = y.to(dtype).requires_grad_()
+    first = torch.autograd.grad(module.batch_norm_activation(yk2).square().sum(), yk2, create_graph=True)[0]
+    try:
+        first.sum().backward()
+        errors["double_backward_raises"] = 1.0
+    except RuntimeError as e:
+        errors["double_backward_raises"] = 0.0 if "once_differentiable" in str(e) else 1.0
     kept = out.stride() == (yk.contiguous().stride() if job.get("strided") else yk.stride())
     return {"case": job, "errors": errors, "layout_kept": kept}
 

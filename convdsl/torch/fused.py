@@ -21,6 +21,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.autograd.function import once_differentiable
 
 from ..backends.cuda_driver import load_function
 from ..kernels.batchnorm_launches import RESIDUAL_ACTIVATIONS, BatchNormLaunches, batch_norm_launches
@@ -196,6 +197,7 @@ class BatchNormActivation(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # its kernels are not differentiable: a double backward raises, never a wrong gradient
     def backward(ctx, dout):
         y, stats, weight, bias, *kept = ctx.saved_tensors
         out = kept[0] if kept else y
