@@ -137,6 +137,9 @@ def test_fuse_forms_conv_bn_activation_modules_and_trains_as_torch_nn(channels_l
     for i in (1, 2, 3):
         renamed[f"block.conv{i}."] = f"block.conv{i}.conv."
         renamed[f"block.bn{i}."] = f"block.conv{i}.bn."
+    expected = {next((new + name[len(old):] for old, new in renamed.items() if name.startswith(old)), name): name
+                for name in ref_state}
+    assert ct.original_names(model) == expected
     for name, value in ref_state.items():
         new = next((new + name[len(old):] for old, new in renamed.items() if name.startswith(old)), name)
         if value.is_floating_point():
@@ -153,6 +156,13 @@ def test_fuse_forms_conv_bn_activation_modules_and_trains_as_torch_nn(channels_l
     model.eval(), ref.eval()
     x = torch.randn(2, 3, 12, 12)
     assert _rel(model(x), ref(x.double())) <= 1e-4
+    # a checkpoint of the unfused model loads into the fused one
+    fresh = ct.fuse(_FuseNet())
+    ct.load_unfused_state_dict(fresh, {k: v.float() if v.is_floating_point() else v for k, v in ref_state.items()})
+    fresh.eval()
+    assert _rel(fresh(x), ref(x.double())) <= 1e-4
+    with pytest.raises(KeyError, match="no place for"):
+        ct.load_unfused_state_dict(fresh, {**ref_state, "extra.weight": torch.zeros(1)})
 
 
 def test_conv_bn_act_rejects_what_torch_nn_would_not_compute():

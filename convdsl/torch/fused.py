@@ -449,7 +449,9 @@ def fuse(model: nn.Module) -> fx.GraphModule:
         if add_node is None:
             act_node = after
             activation = _activation_of(act_node, modules) if act_node is not None else None
-        gm.add_submodule(conv_node.target, ConvBNAct(conv, bn, activation, residual_inplace=inplace))
+        fused = ConvBNAct(conv, bn, activation, residual_inplace=inplace)
+        fused.unfused_names = (conv_node.target, bn_node.target)  # where the model kept them (original_names)
+        gm.add_submodule(conv_node.target, fused)
         dropped = [n for n in (act_node if activation is not None else None, add_node, bn_node, conv_node) if n]
         # the fused call where the last of the nodes it replaces was: the residual may be computed after the
         # convolution (torchvision's downsample)
@@ -459,7 +461,36 @@ def fuse(model: nn.Module) -> fx.GraphModule:
         dropped[0].replace_all_uses_with(fused_node)
         for node in dropped:
             gm.graph.erase_node(node)
+        # the BatchNorm now lives in the ConvBNAct only (delete_all_unused_submodules would not see its old path:
+        # named_modules lists a module once)
+        gm.delete_submodule(bn_node.target)
     gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
     return gm
+
+
+def original_names(model: nn.Module) -> dict[str, str]:
+    """For a model from fuse(): each state_dict key -> the key the unfused model had (`conv1.conv.weight` ->
+    `conv1.weight`, `conv1.bn.running_mean` -> `bn1.running_mean`); keys fuse() did not move map to themselves."""
+    moved: dict[str, str] = {}
+    for path, m in model.named_modules():
+        names = getattr(m, "unfused_names", None) if isinstance(m, ConvBNAct) else None
+        if names is not None:
+            moved[f"{path}.conv."] = f"{names[0]}."
+            moved[f"{path}.bn."] = f"{names[1]}."
+    result = {}
+    for key in model.state_dict():
+        prefix = next((p for p in moved if key.startswith(p)), None)
+        result[key] = key if prefix is None else moved[prefix] + key[len(prefix):]
+    return result
+
+
+def load_unfused_state_dict(model: nn.Module, state_dict: dict, strict: bool = True):
+    """Load a state_dict saved from the unfused model (a checkpoint from before fuse()) into the fused one."""
+    renamed = {new: state_dict[old] for new, old in original_names(model).items() if old in state_dict}
+    if strict:
+        unexpected = set(state_dict) - set(original_names(model).values())
+        if unexpected:
+            raise KeyError(f"load_unfused_state_dict: keys the fused model has no place for: {sorted(unexpected)[:5]}")
+    return model.load_state_dict(renamed, strict=strict)
