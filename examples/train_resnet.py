@@ -131,7 +131,7 @@ def _training_step(args: argparse.Namespace, backend: str, device: torch.device,
     groups, width = (32, 4) if args.resnext else (1, 64)
     model = ResNet(groups=groups, width_per_group=width, classes=args.classes)
     if backend == "convdsl":
-        ct.convert(model)
+        model = ct.fuse(model) if args.fuse else ct.convert(model)
     cuda = device.type == "cuda"
     fmt = torch.channels_last if cuda else torch.contiguous_format
     model = model.to(device).to(memory_format=fmt)
@@ -192,7 +192,7 @@ def train(args: argparse.Namespace) -> dict:
                 torch.cuda.synchronize()
             times[b].append((time.perf_counter() - start) / (last - first))
             if rank == 0:
-                print(f"{b:8s} step {last:5d} loss {float(loss):.4f} {args.batch / times[b][-1]:8.1f} images/s",
+                print(f"{b:8s} step {last:5d} loss {float(loss.detach()):.4f} {args.batch / times[b][-1]:8.1f} images/s",
                       flush=True)
     results = {b: _result(args, b, losses[b], times[b], world, cuda) for b in backends}
     if args.out and rank == 0:
@@ -262,13 +262,14 @@ def check_gradients(args: argparse.Namespace) -> int:
                                   ("convdsl", torch.float32, True)):
         model = copy.deepcopy(base)
         if name == "convdsl":
-            ct.convert(model)
+            model = ct.fuse(model) if args.fuse else ct.convert(model)
         model = model.to(device).to(dtype).to(memory_format=torch.channels_last)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = nn.CrossEntropyLoss()(model(images.to(dtype).contiguous(memory_format=torch.channels_last)),
                                          labels)
         loss.backward()
-        grads[name] = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+        names = ct.original_names(model) if name == "convdsl" and args.fuse else {}  # fused: the unfused names
+        grads[name] = {names.get(n, n): p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
     result = compare_gradients(grads["exact"], grads["cudnn"], grads["convdsl"])
     for n, mine, theirs in sorted(result.rows, key=lambda r: -r.candidate)[:8]:
         print(f"{n:<40} convdsl {mine:.2e}  cuDNN {theirs:.2e}")
@@ -347,6 +348,8 @@ def main(argv=None) -> int:
     ap.add_argument("--resnext", action="store_true", help="ResNeXt-50 32x4d instead of ResNet-50")
     ap.add_argument("--f32", action="store_true",
                     help="f32 without autocast (convolutions in one-pass TF32, PyTorch's default) instead of bf16")
+    ap.add_argument("--fuse", action="store_true",
+                    help="convdsl's model through ct.fuse(): Conv -> BatchNorm (-> ReLU, + residual) fused")
     ap.add_argument("--compile", action="store_true", help="torch.compile the training step")
     ap.add_argument("--compile-mode", default=None, help="torch.compile's mode, e.g. reduce-overhead")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA is present")

@@ -512,9 +512,11 @@ def test_distributed_data_parallel_over_gloo():
         assert _rel(g, w.double()) <= 1e-5  # DDP's averaged gradients equal the whole batch's
 
 
-def test_train_example_interleaves_both_backends_in_one_process(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fuse", [False, True], ids=["convert", "fuse"])
+def test_train_example_interleaves_both_backends_in_one_process(tmp_path, monkeypatch, fuse):
     """examples/train_resnet.py --backend both: the two models from the same weights on the same batches, in
-    alternating blocks, one result file per backend (a tiny model stands in for ResNet-50 on the CPU)."""
+    alternating blocks, one result file per backend (a tiny model stands in for ResNet-50 on the CPU); --fuse:
+    convdsl's model through ct.fuse()."""
     import importlib.util
     from pathlib import Path
 
@@ -524,13 +526,13 @@ def test_train_example_interleaves_both_backends_in_one_process(tmp_path, monkey
     spec.loader.exec_module(example)
 
     def tiny(groups: int, width_per_group: int, classes: int) -> nn.Module:
-        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                             nn.Linear(4, classes))
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                             nn.Flatten(), nn.Linear(4, classes))
 
     monkeypatch.setattr(example, "ResNet", tiny)
     out = tmp_path / "run.json"
     assert example.main(["--backend", "both", "--cpu", "--steps", "4", "--batch", "2", "--image-size", "8",
-                         "--classes", "3", "--log-every", "2", "--out", str(out)]) == 0
+                         "--classes", "3", "--log-every", "2", "--out", str(out)] + (["--fuse"] if fuse else [])) == 0
     runs = {b: json.loads((tmp_path / f"run-{b}.json").read_text()) for b in ("convdsl", "cudnn")}
     assert all(r["interleaved"] and len(r["losses"]) == 4 and r["images_per_s"] > 0 for r in runs.values())
     # the same weights and batches: the same losses up to f32 rounding of the convolutions
