@@ -205,6 +205,17 @@ def batch_stats(y, work, counter, running_mean, running_var, batches,
 
 
 @triton.jit
+def _scale_shift_store(y, res, out, offsets, mask, scale, shift, CL: tl.constexpr, ACT: tl.constexpr,
+                       RESIDUAL: tl.constexpr):
+    """out = act(y * scale + shift (+ res)) over one block, per-channel scale and shift, in f32."""
+    x = tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32)
+    z = x * _per_channel(scale, CL) + _per_channel(shift, CL)
+    if RESIDUAL:
+        z += tl.load(res + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + offsets, _activation(z, ACT).to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def apply_act(y, stats, w, bias, res, out, C: tl.constexpr, HW: tl.constexpr, ROWS: tl.constexpr,
               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CL: tl.constexpr, ACT: tl.constexpr,
               RESIDUAL: tl.constexpr):
@@ -214,11 +225,7 @@ def apply_act(y, stats, w, bias, res, out, C: tl.constexpr, HW: tl.constexpr, RO
     c_ok = c < C
     scale = tl.load(invstd + c, mask=c_ok, other=0.0) * tl.load(w + c, mask=c_ok, other=0.0).to(tl.float32)
     shift = tl.load(bias + c, mask=c_ok, other=0.0).to(tl.float32) - tl.load(mean + c, mask=c_ok, other=0.0) * scale
-    x = tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32)
-    z = x * _per_channel(scale, CL) + _per_channel(shift, CL)
-    if RESIDUAL:
-        z += tl.load(res + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + offsets, _activation(z, ACT).to(out.dtype.element_ty), mask=mask)
+    _scale_shift_store(y, res, out, offsets, mask, scale, shift, CL, ACT, RESIDUAL)
 
 
 @triton.jit
@@ -231,11 +238,7 @@ def apply_running(y, running_mean, running_var, w, bias, res, out, C: tl.constex
     scale = tl.load(w + c, mask=c_ok, other=0.0).to(tl.float32) / tl.sqrt(rv + EPS)
     shift = (tl.load(bias + c, mask=c_ok, other=0.0).to(tl.float32)
              - tl.load(running_mean + c, mask=c_ok, other=0.0).to(tl.float32) * scale)
-    x = tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32)
-    z = x * _per_channel(scale, CL) + _per_channel(shift, CL)
-    if RESIDUAL:
-        z += tl.load(res + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + offsets, _activation(z, ACT).to(out.dtype.element_ty), mask=mask)
+    _scale_shift_store(y, res, out, offsets, mask, scale, shift, CL, ACT, RESIDUAL)
 
 
 @triton.jit
