@@ -94,6 +94,8 @@ class _FuseNet(nn.Module):
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8),
                                   nn.Hardswish(inplace=True))
         self.block = _Bottleneck(8)
+        # DenseNet's pre-activation after a concatenation: BatchNorm -> ReLU -> convolution (a FusedBatchNorm2d)
+        self.pre_bn, self.pre_conv = nn.BatchNorm2d(16), nn.Conv2d(16, 8, 1, bias=False)
         # a convolution whose output is used twice: not fused (the BatchNorm would see only one use)
         self.side, self.side_bn = nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8)
         self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
@@ -101,6 +103,7 @@ class _FuseNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.block(self.stem(x))
+        s = self.pre_conv(torch.relu(self.pre_bn(torch.cat((s, s * 0.5), 1))))
         side = self.side(s)
         s = self.side_bn(side) + side
         return self.up_act(self.up_bn(self.up(s)))
@@ -114,10 +117,15 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 def test_fuse_forms_conv_bn_activation_modules_and_trains_as_torch_nn(channels_last):
     torch.manual_seed(3)
     ref = _FuseNet().double()
-    model = ct.fuse(copy.deepcopy(ref).float())
+    source = copy.deepcopy(ref).float()
+    model = ct.fuse(source)
     fused = {name: m.activation for name, m in model.named_modules() if isinstance(m, ct.ConvBNAct)}
     assert fused == {"stem.0": "hardswish", "block.conv1": "relu", "block.conv2": "silu", "block.conv3": "relu",
                      "up": "relu6"}
+    # the pre-activation BatchNorm: fused with its ReLU at its own path (its names kept), the model's own untouched
+    assert type(model.get_submodule("pre_bn")) is ct.FusedBatchNorm2d
+    assert model.get_submodule("pre_bn").activation == "relu"
+    assert type(source.pre_bn) is nn.BatchNorm2d and model.get_submodule("pre_bn").weight is source.pre_bn.weight
     # the block's end, bn3 + x and the shared ReLU, is one call with the residual (computed before it here)
     calls = {n.target: n.args for n in model.graph.nodes if n.op == "call_module"}
     assert len(calls["block.conv3"]) == 2 and len(calls["block.conv1"]) == 1

@@ -14,6 +14,7 @@ activation on the convolution's output instead, with the same results.
 """
 from __future__ import annotations
 
+import copy
 import math
 import operator
 from typing import Callable, Optional, Union
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..backends.cuda_driver import load_function
 from ..kernels.batchnorm_launches import RESIDUAL_ACTIVATIONS, BatchNormLaunches, batch_norm_launches
@@ -224,40 +226,17 @@ class BatchNormActivation(torch.autograd.Function):
         return dy, dgamma, dbeta, dres if needs[3] else None, None, None, None, None
 
 
-class ConvBNAct(nn.Module):
-    """A convolution, the BatchNorm of its output and an optional activation ("relu", "relu6", "silu",
-    "hardswish", or the torch.nn module), as one module: `conv` and `bn` are the given modules (the convolution
-    converted to convdsl's), so their parameters, buffers and train/eval modes are theirs.  `forward(x, residual)`
-    adds a residual before the activation (ResNet's block end: act(bn(conv(x)) + residual)); residual_inplace: as
-    `out += residual` (the sum keeps the BatchNorm output's dtype), else as `out + residual` (type promotion)."""
+class _FusedNorm:
+    """BatchNorm, an optional residual and an activation on a tensor y (a convolution's output), fused where the
+    kernels run (CUDA; training, or eval mode without gradients), else torch.nn's modules.  The module that mixes
+    it in gives `_norm` (its BatchNorm), `activation`, `_dims` (spatial dimensions) and `residual_inplace`."""
 
-    def __init__(self, conv: nn.Module, bn: nn.Module, activation: Union[None, str, nn.Module] = None,
-                 residual_inplace: bool = False) -> None:
-        super().__init__()
-        dims = len(getattr(conv, "kernel_size", ()))
-        if not isinstance(convert(conv), (_ConvMixin, _ConvTransposeMixin)):
-            raise TypeError(f"ConvBNAct: conv must be a torch.nn convolution, got {type(conv).__name__}")
-        if not isinstance(bn, _BATCH_NORMS[dims]):
-            raise TypeError(f"ConvBNAct: a {dims}D convolution needs {_BATCH_NORMS[dims].__name__}, "
-                            f"got {type(bn).__name__}")
-        if bn.num_features != conv.out_channels:
-            raise ValueError(f"ConvBNAct: bn has {bn.num_features} features, the convolution "
-                             f"{conv.out_channels} output channels")
-        self.conv, self.bn = conv, bn
-        self.activation = activation_name(activation)
-        self.residual_inplace = residual_inplace
-        self._dims = dims
-
-    def extra_repr(self) -> str:
-        return f"activation={self.activation}"
-
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.batch_norm_activation(self.conv(x), residual)
+    residual_inplace = False
 
     def batch_norm_activation(self, y: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The BatchNorm, the residual and the activation of the convolution's output y: fused where the kernels
         run (CUDA; training, or eval mode without gradients), else torch.nn's modules."""
-        bn = self.bn
+        bn = self._norm
         params, buffers = bn._parameters, bn._buffers  # direct: nn.Module's __getattr__ costs a call each
         running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
         training = bn.training
@@ -305,7 +284,9 @@ class ConvBNAct(nn.Module):
                                          running_var if update else None, batches, planned)
 
     def _unfused(self, y: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
-        y = self.bn(y)
+        bn = self._norm
+        # torch.nn's BatchNorm; a fused BatchNorm module (bn is self) through torch.nn's own forward
+        y = _BatchNorm.forward(bn, y) if bn is self else bn(y)
         if residual is not None:
             y = y.add_(residual) if self.residual_inplace else y + residual
         return y if self.activation is None else ACTIVATION_FUNCTIONS[self.activation](y)
@@ -314,7 +295,7 @@ class ConvBNAct(nn.Module):
                    running_mean: torch.Tensor, running_var: torch.Tensor,
                    residual: Optional[torch.Tensor]) -> torch.Tensor:
         """act(BatchNorm(y) (+ residual)) with the running statistics in one pass over y."""
-        bn = self.bn
+        bn = self._norm
         if y.dim() != self._dims + 2:
             bn._check_input_dim(y)
         if weight is None:
@@ -343,6 +324,79 @@ class ConvBNAct(nn.Module):
     def _fusable(y: torch.Tensor) -> bool:
         return (y.is_cuda and y.dtype in _FUSED_DTYPES and 3 <= y.dim() <= 5
                 and y.numel() < 2 ** 31 and not torch.compiler.is_compiling())
+
+
+class ConvBNAct(_FusedNorm, nn.Module):
+    """A convolution, the BatchNorm of its output and an optional activation ("relu", "relu6", "silu",
+    "hardswish", or the torch.nn module), as one module: `conv` and `bn` are the given modules (the convolution
+    converted to convdsl's), so their parameters, buffers and train/eval modes are theirs.  `forward(x, residual)`
+    adds a residual before the activation (ResNet's block end: act(bn(conv(x)) + residual)); residual_inplace: as
+    `out += residual` (the sum keeps the BatchNorm output's dtype), else as `out + residual` (type promotion)."""
+
+    def __init__(self, conv: nn.Module, bn: nn.Module, activation: Union[None, str, nn.Module] = None,
+                 residual_inplace: bool = False) -> None:
+        super().__init__()
+        dims = len(getattr(conv, "kernel_size", ()))
+        if not isinstance(convert(conv), (_ConvMixin, _ConvTransposeMixin)):
+            raise TypeError(f"ConvBNAct: conv must be a torch.nn convolution, got {type(conv).__name__}")
+        if not isinstance(bn, _BATCH_NORMS[dims]):
+            raise TypeError(f"ConvBNAct: a {dims}D convolution needs {_BATCH_NORMS[dims].__name__}, "
+                            f"got {type(bn).__name__}")
+        if bn.num_features != conv.out_channels:
+            raise ValueError(f"ConvBNAct: bn has {bn.num_features} features, the convolution "
+                             f"{conv.out_channels} output channels")
+        self.conv, self.bn = conv, bn
+        self.activation = activation_name(activation)
+        self.residual_inplace = residual_inplace
+        self._dims = dims
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}"
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.batch_norm_activation(self.conv(x), residual)
+
+    @property
+    def _norm(self) -> nn.Module:
+        return self.bn
+
+
+class _FusedBatchNormMixin(_FusedNorm):
+    """A torch.nn BatchNorm followed by its activation (fuse() swaps the class of a BatchNorm whose only use is an
+    activation, as DenseNet's pre-activation layers have, and drops the activation's node): same parameters,
+    buffers and state_dict names; `fused_activation` names the activation."""
+
+    fused_activation: Optional[str] = None
+
+    @property
+    def _norm(self) -> nn.Module:
+        return self
+
+    @property
+    def activation(self) -> Optional[str]:
+        return self.fused_activation
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return self.batch_norm_activation(y)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.fused_activation}"
+
+
+class FusedBatchNorm1d(_FusedBatchNormMixin, nn.BatchNorm1d):
+    _dims = 1
+
+
+class FusedBatchNorm2d(_FusedBatchNormMixin, nn.BatchNorm2d):
+    _dims = 2
+
+
+class FusedBatchNorm3d(_FusedBatchNormMixin, nn.BatchNorm3d):
+    _dims = 3
+
+
+_FUSED_BATCH_NORMS = {nn.BatchNorm1d: FusedBatchNorm1d, nn.BatchNorm2d: FusedBatchNorm2d,
+                      nn.BatchNorm3d: FusedBatchNorm3d}
 
 
 def _only_user(node: fx.Node) -> Optional[fx.Node]:
@@ -407,7 +461,8 @@ def _traces(model: nn.Module) -> tuple[fx.Graph, fx.Graph]:
 def fuse(model: nn.Module) -> fx.GraphModule:
     """`model` traced by torch.fx, its convolutions converted (convert()) and every convolution whose only use is a
     BatchNorm (whose only use may be an activation) replaced by a ConvBNAct holding the same modules: returns the
-    GraphModule (parameters shared with `model`).  A fused convolution's parameters move under its ConvBNAct
+    GraphModule (parameters shared with `model`); a BatchNorm followed only by an activation (not after a
+    convolution) becomes a FusedBatchNorm at its own path.  A fused convolution's parameters move under its ConvBNAct
     (`layer1.0.conv1.weight` -> `layer1.0.conv1.conv.weight`, `layer1.0.bn1.*` -> `layer1.0.conv1.bn.*`), as
     torch.ao.quantization.fuse_modules renames them.  A model torch.fx cannot trace gets a ValueError."""
     convert(model)
@@ -464,6 +519,23 @@ def fuse(model: nn.Module) -> fx.GraphModule:
         # the BatchNorm now lives in the ConvBNAct only (delete_all_unused_submodules would not see its old path:
         # named_modules lists a module once)
         gm.delete_submodule(bn_node.target)
+    # a BatchNorm whose only use is an activation (not after a convolution: DenseNet's pre-activation layers after a
+    # concatenation): a FusedBatchNorm sharing its parameters and buffers, at its path, computes both
+    for bn_node in list(gm.graph.nodes):
+        bn = modules.get(bn_node.target) if bn_node.op == "call_module" else None
+        if (type(bn) not in _FUSED_BATCH_NORMS or calls[bn_node.target] != 1 or len(bn_node.args) != 1
+                or bn_node.kwargs):
+            continue
+        act_node = _only_user(bn_node)
+        activation = _activation_of(act_node, modules) if act_node is not None else None
+        if activation is None:
+            continue
+        fused_bn = copy.copy(bn)  # the same parameter and buffer dicts; the model's own module keeps its class
+        fused_bn.__class__ = _FUSED_BATCH_NORMS[type(bn)]
+        fused_bn.fused_activation = activation
+        gm.add_submodule(bn_node.target, fused_bn)
+        act_node.replace_all_uses_with(bn_node)
+        gm.graph.erase_node(act_node)
     gm.graph.lint()
     gm.delete_all_unused_submodules()
     gm.recompile()
