@@ -320,6 +320,8 @@ def _fused(model: nn.Module, row: dict) -> nn.Module:
         row["fused"] = str(e)
         return ct.convert(model)
     row["fused"] = sum(isinstance(m, ct.ConvBNAct) for m in fused.modules())
+    row["fused_batch_norms"] = sum(isinstance(m, (ct.FusedBatchNorm1d, ct.FusedBatchNorm2d, ct.FusedBatchNorm3d))
+                                   for m in fused.modules())
     return fused
 
 
