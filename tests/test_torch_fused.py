@@ -282,3 +282,17 @@ def test_a_fused_kernel_that_cannot_be_had_runs_torch_nn_with_one_warning_or_rai
             module.batch_norm_activation(y)
     finally:
         fallback.set_strict(False)
+
+
+def test_record_step_traces_a_fused_model_as_its_converted_twin():
+    """record_step on fuse()'s model (with a momentum-None BatchNorm, whose average reads the batch count on the
+    host) records the same convolutions as on the converted model, and leaves the model's BatchNorms as they were."""
+    torch.manual_seed(9)
+    base = _FuseNet()
+    fused, converted = ct.fuse(copy.deepcopy(base)), ct.convert(copy.deepcopy(base))
+    x = torch.randn(4, 3, 12, 12)
+    steps = [ct.record_step(m, lambda m: m(x).float().square().mean(), autocast=torch.bfloat16)
+             for m in (fused, converted)]
+    assert steps[0].problems and steps[0].problems == steps[1].problems and steps[0].calls == steps[1].calls
+    assert fused.get_submodule("up.bn").momentum is None
+    assert int(fused.get_submodule("up.bn").num_batches_tracked) == 0

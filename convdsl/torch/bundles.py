@@ -68,6 +68,11 @@ def record_step(model: nn.Module, loss: Callable[[nn.Module], torch.Tensor],
     convolution of convdsl's that the step calls, as CUDA would call it (convert() the model first).  autocast:
     the dtype of CUDA autocast in training (bf16, f16), applied as CPU autocast while tracing; None: none."""
     traced = copy.deepcopy(model).cpu()
+    for m in traced.modules():
+        # momentum None averages by 1 / float(num_batches_tracked), a host read no fake tensor has; the copy's
+        # statistics are never used, so it averages with a fixed factor (the convolutions are the same)
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None:
+            m.momentum = 0.1
     calls: dict[ConvProblem, int] = {}
     with runtime.recording(as_cuda=True, calls=calls) as problems, FakeTensorMode(allow_non_fake_inputs=True):
         with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):

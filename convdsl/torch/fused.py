@@ -241,12 +241,12 @@ class _FusedNorm:
         running_mean, running_var = buffers.get("running_mean"), buffers.get("running_var")
         training = bn.training
         weight, bias = params.get("weight"), params.get("bias")
-        if residual is not None:
-            if (residual.dtype != y.dtype or residual.shape != y.shape
-                    or self.activation not in RESIDUAL_ACTIVATIONS):
-                return self._unfused(y, residual)
-            if residual.stride() != y.stride() or residual.data_ptr() % ALIGNMENT:
-                residual = _same_layout(residual, _channels_last(y))
+        if residual is not None and (residual.dtype != y.dtype or residual.shape != y.shape
+                                     or self.activation not in RESIDUAL_ACTIVATIONS):
+            return self._unfused(y, residual)
+        if residual is not None and self._fusable(y) and (residual.stride() != y.stride()
+                                                          or residual.data_ptr() % ALIGNMENT):
+            residual = _same_layout(residual, _channels_last(y))  # the kernels read it as they read y
         if not training and running_mean is not None and running_var is not None:
             # eval mode: the running statistics; fused where nothing needs a gradient (inference, validation)
             if (torch.is_grad_enabled() and (y.requires_grad or (weight is not None and weight.requires_grad)
