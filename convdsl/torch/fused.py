@@ -1,16 +1,18 @@
-"""Convolution -> BatchNorm -> activation as one module, with the BatchNorm and the activation done in two passes
-over the convolution's output forward and two backward (convdsl/kernels/batchnorm.py has the kernels and the
-algebra) instead of PyTorch's five and three.
+"""Convolution -> BatchNorm -> activation as one module, with the BatchNorm, a residual and the activation done in
+two kernels over the convolution's output forward and two backward (convdsl/kernels/batchnorm.py has the kernels
+and the algebra) instead of PyTorch's three and three (and the residual's add).
 
     fused = ct.ConvBNAct(nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), "relu")
     model = ct.fuse(torchvision.models.resnet50())    # every Conv -> BN (-> activation) of the model fused
 
-Numerics are torch.nn's: batch statistics in training (biased variance normalises, the unbiased one enters the
-running average, momentum None is the cumulative average), running statistics in eval; only the rounding differs
-(the activation is computed from the normalised value in f32 and rounded once).  The fused kernels run on CUDA in
-eager mode and in CUDA graphs, in training mode; eval mode, the CPU, float64, `torch.compile` (whose Inductor
-fuses these elementwise steps itself) and tensors of 2^31 elements or more run torch.nn's BatchNorm and
-activation on the convolution's output instead, with the same results.
+fuse() forms ConvBNAct modules (with ResNet's residual before the activation), and FusedBatchNorm modules where a
+BatchNorm followed by its activation has no convolution before it.  Numerics are torch.nn's: batch statistics in
+training (biased variance normalises, the unbiased one enters the running average, momentum None is the
+cumulative average), running statistics in eval; only the rounding differs (the activation is computed from the
+normalised value in f32 and rounded once).  The fused kernels run on CUDA in eager mode and in CUDA graphs, in
+training and in eval mode without gradients; eval mode with gradients, the CPU, float64, `torch.compile` (whose
+Inductor fuses these elementwise steps itself) and tensors of 2^31 elements or more run torch.nn's modules instead,
+with the same results.
 """
 from __future__ import annotations
 
