@@ -14,8 +14,8 @@ on the CPU they run the IREE module.  See convdsl/torch/runtime.py for the layou
 from __future__ import annotations
 
 from .bundles import RecordedStep, record_step
-from .fused import (ConvBNAct, FusedBatchNorm1d, FusedBatchNorm2d, FusedBatchNorm3d, fuse, load_unfused_state_dict,
-                    original_names)
+from .fused import ConvBNAct, FusedBatchNorm1d, FusedBatchNorm2d, FusedBatchNorm3d
+from .fusion import fuse, load_unfused_state_dict, original_names
 from .fallback import KernelFallbackWarning, KernelUnavailableError, set_strict
 from .modules import Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, convert
 from .ops import conv_transpose, convolution, convolution_grad_input, convolution_grad_weight
