@@ -3,21 +3,22 @@ ResNet-50's activation shapes (batch 64, bf16, channels-last and contiguous), on
 
     python3 benchmarks/probes/fused_bn.py OUT.json
 
-Per shape: GPU time of a forward and of a forward + backward (CUDA graph of 20 calls, replayed; median of 10
-replays), host time per call queued (forward + backward, 200 calls, the GPU never waiting), each against float64
+Per shape: GPU time of a forward and of a forward + backward (torch_bench.graph_ms: 20 calls in a CUDA graph,
+replayed), host time per call queued (forward + backward, 200 calls, the GPU never waiting), each against float64
 (relative error of the output and the input gradient); and whether a fused training step synchronises the host
 (torch.cuda.set_sync_debug_mode("error")).
 """
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.torch_bench import graph_ms  # noqa: E402  (GPU time per call, 20 calls in one CUDA graph)
 
 SHAPES = [(64, 64, 112, 112), (64, 256, 56, 56), (64, 128, 28, 28), (64, 512, 28, 28), (64, 1024, 14, 14),
           (64, 2048, 7, 7), (64, 512, 7, 7)]
@@ -32,29 +33,6 @@ def _layers(channels: int):
     fused = ct.ConvBNAct(nn.Conv2d(channels, channels, 1), bn, "relu").cuda()  # its convolution not called
     reference = nn.Sequential(nn.BatchNorm2d(channels), nn.ReLU(inplace=True)).cuda()
     return {"convdsl": fused.batch_norm_activation, "torch": reference}
-
-
-def _graph_ms(fn, calls: int = 20) -> float:
-    import torch
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def main(out: Path) -> int:
@@ -81,8 +59,8 @@ def main(out: Path) -> int:
                 def both():
                     out = layer(yg)
                     out.backward(grad)
-                row[f"{name}_forward_ms"] = round(_graph_ms(forward), 4)
-                row[f"{name}_train_ms"] = round(_graph_ms(both), 4)
+                row[f"{name}_forward_ms"] = round(graph_ms(forward), 4)
+                row[f"{name}_train_ms"] = round(graph_ms(both), 4)
                 yg.grad = None
                 result = layer(yg)
                 result.backward(grad)

@@ -103,6 +103,13 @@ def _activation_grad(dout, z, ACT: tl.constexpr):
 
 
 @triton.jit
+def _partials_chunk(p0, c, c_ok, C: tl.constexpr, P: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Offsets and mask of partials rows [p0, p0 + BLOCK_P) of a [P, C] array, channels c."""
+    rows = p0 + tl.arange(0, BLOCK_P)
+    return rows[:, None] * C + c[None, :], (rows < P)[:, None] & c_ok[None, :]
+
+
+@triton.jit
 def _last_program(counter, cb, P: tl.constexpr):
     """True in the last of the P programs of channel block cb to get here (the others' partials are then
     visible: the atomic is acq_rel at GPU scope, after a barrier that orders this program's own stores); the
@@ -173,9 +180,7 @@ def batch_stats(y, work, counter, running_mean, running_var, batches,
         mean_all = tl.zeros((BLOCK_C,), dtype=tl.float32)
         m2_all = tl.zeros((BLOCK_C,), dtype=tl.float32)
         for p0 in range(0, P, BLOCK_P):
-            rows = p0 + tl.arange(0, BLOCK_P)
-            at = rows[:, None] * C + c[None, :]
-            ok = (rows < P)[:, None] & c_ok[None, :]
+            at, ok = _partials_chunk(p0, c, c_ok, C, P, BLOCK_P)
             nb = tl.load(count + at, mask=ok, other=0.0)
             mb = tl.load(mean + at, mask=ok, other=0.0)
             n_chunk = tl.sum(nb, 0)
@@ -280,9 +285,7 @@ def grad_stats(dout, y, stats, w, bias, out, work, counter, grads, C: tl.constex
         total_dz = tl.zeros((BLOCK_C,), dtype=tl.float32)
         total_dzx = tl.zeros((BLOCK_C,), dtype=tl.float32)
         for p0 in range(0, P, BLOCK_P):
-            rows = p0 + tl.arange(0, BLOCK_P)
-            at = rows[:, None] * C + c[None, :]
-            ok = (rows < P)[:, None] & c_ok[None, :]
+            at, ok = _partials_chunk(p0, c, c_ok, C, P, BLOCK_P)
             total_dz += tl.sum(tl.load(sum_dz + at, mask=ok, other=0.0), 0)
             total_dzx += tl.sum(tl.load(sum_dzx + at, mask=ok, other=0.0), 0)
         tl.store(dbeta + c, total_dz, mask=c_ok)
