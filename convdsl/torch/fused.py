@@ -61,7 +61,9 @@ def activation_name(activation: Union[None, str, nn.Module]) -> Optional[str]:
     return name
 
 
-def _channels_last(t: torch.Tensor) -> bool:
+def _channels_innermost(t: torch.Tensor) -> bool:
+    """Channels stored innermost and t not contiguous: channels-last for any rank (Conv1d's (N, L, C) storage too,
+    which runtime's memory-format test does not count)."""
     return t.movedim(1, -1).is_contiguous() and not t.is_contiguous()
 
 
@@ -131,7 +133,7 @@ def _planned(y: torch.Tensor, weight: torch.Tensor, running: Optional[torch.Tens
            momentum, eps, y.get_device(), needs, residual)
     planned = _PLANNED.get(key)
     if planned is None:
-        cl = _channels_last(y)
+        cl = _channels_innermost(y)
         if not (cl or y.is_contiguous()):
             return None
         if update and y.shape[0] * math.prod(y.shape[2:]) <= 1:  # torch.nn's check, once per signature
@@ -244,7 +246,7 @@ class _FusedNorm:
             return self._unfused(y, residual)
         if residual is not None and self._fusable(y) and (residual.stride() != y.stride()
                                                           or residual.data_ptr() % ALIGNMENT):
-            residual = _same_layout(residual, _channels_last(y))  # the kernels read it as they read y
+            residual = _same_layout(residual, _channels_innermost(y))  # the kernels read it as they read y
         if not training and running_mean is not None and running_var is not None:
             # eval mode: the running statistics; fused where nothing needs a gradient (inference, validation)
             if (torch.is_grad_enabled() and (y.requires_grad or (weight is not None and weight.requires_grad)
@@ -298,7 +300,7 @@ class _FusedNorm:
             bn._check_input_dim(y)
         if weight is None:
             weight, bias = self._identity(bn, y.device)
-        if not (_channels_last(y) or y.is_contiguous()):
+        if not (_channels_innermost(y) or y.is_contiguous()):
             y = y.contiguous()
             residual = None if residual is None else residual.contiguous()
         operands = (y, weight, bias, running_mean, running_var) + (() if residual is None else (residual,))
