@@ -43,6 +43,11 @@ def _driver() -> ctypes.CDLL:
         return _lib
 
 
+# CUDA_ERROR_INVALID_CONTEXT: a thread with no current context; autograd's device threads have none until the
+# runtime API makes one current, which a backward whose first launch is ours has not done yet
+_INVALID_CONTEXT = 201
+
+
 def _check(lib: ctypes.CDLL, status: int, call: str) -> None:
     if status != 0:
         name = ctypes.c_char_p()
@@ -72,6 +77,7 @@ class LoadedFunction:
     threads: int
     shared_bytes: int
     params: int
+    device: int = 0
 
     def __post_init__(self) -> None:
         # one 8-byte slot per parameter, reused by every launch: the driver copies the values at launch time
@@ -88,12 +94,16 @@ class LoadedFunction:
     def bind(self, grid: tuple[int, int, int]) -> Callable[[int, Sequence[int]], None]:
         """launch with `grid` fixed: its arguments converted to C once, not at every call."""
         fixed = (self.handle, *(ctypes.c_uint(v) for v in (*grid, self.threads, 1, 1, self.shared_bytes)))
-        slots, parameters, driver_launch, name = self._slots, self._pointers, self._launch, self.name
+        slots, parameters, driver_launch, name, device = (self._slots, self._pointers, self._launch, self.name,
+                                                          self.device)
 
         def launch(stream: int, pointers: Sequence[int]) -> None:
             for slot, pointer in zip(slots, pointers):
                 slot.value = pointer
             status = driver_launch(*fixed, stream, parameters, None)
+            if status == _INVALID_CONTEXT:
+                _ensure_context(device)
+                status = driver_launch(*fixed, stream, parameters, None)
             if status != 0:
                 _check(_driver(), status, f"cuLaunchKernel({name})")
 
@@ -197,10 +207,13 @@ def bind_raw(function: "LoadedFunction", grid: tuple[int, int, int], parameters)
     """launch(stream) queueing `function` on `grid` with a prepared parameter array (pointers to each
     parameter's bytes, which the caller fills in place), its arguments converted to C once."""
     fixed = (function.handle, *(ctypes.c_uint(v) for v in (*grid, function.threads, 1, 1, function.shared_bytes)))
-    driver_launch, name = _driver().cuLaunchKernel, function.name
+    driver_launch, name, device = _driver().cuLaunchKernel, function.name, function.device
 
     def launch(stream: int) -> None:
         status = driver_launch(*fixed, stream, parameters, None)
+        if status == _INVALID_CONTEXT:
+            _ensure_context(device)
+            status = driver_launch(*fixed, stream, parameters, None)
         if status != 0:
             _check(_driver(), status, f"cuLaunchKernel({name})")
 
@@ -220,4 +233,4 @@ def load_function(image: bytes, kind: str, name: str, threads: int, shared_bytes
     if shared_bytes > _DEFAULT_SHARED_LIMIT:
         _check(lib, lib.cuFuncSetAttribute(function, _MAX_DYNAMIC_SHARED, shared_bytes),
                f"cuFuncSetAttribute({name}, max dynamic shared memory {shared_bytes})")
-    return LoadedFunction(name, function, threads, shared_bytes, params)
+    return LoadedFunction(name, function, threads, shared_bytes, params, device)

@@ -40,6 +40,9 @@ struct Driver {
   decltype(&cuTensorMapEncodeTiled) encode_tiled = nullptr;
   decltype(&cuTensorMapEncodeIm2col) encode_im2col = nullptr;
   decltype(&cuGetErrorName) error_name = nullptr;
+  decltype(&cuDeviceGet) device_get = nullptr;
+  decltype(&cuDevicePrimaryCtxRetain) primary_context = nullptr;
+  decltype(&cuCtxSetCurrent) set_context = nullptr;
 };
 
 template <typename F>
@@ -58,6 +61,9 @@ const Driver& driver() {
     d.encode_tiled = symbol<decltype(d.encode_tiled)>(library, "cuTensorMapEncodeTiled");
     d.encode_im2col = symbol<decltype(d.encode_im2col)>(library, "cuTensorMapEncodeIm2col");
     d.error_name = symbol<decltype(d.error_name)>(library, "cuGetErrorName");
+    d.device_get = symbol<decltype(d.device_get)>(library, "cuDeviceGet");
+    d.primary_context = symbol<decltype(d.primary_context)>(library, "cuDevicePrimaryCtxRetain");
+    d.set_context = symbol<decltype(d.set_context)>(library, "cuCtxSetCurrent");
     return d;
   }();
   return loaded;
@@ -69,6 +75,16 @@ void check(CUresult status, const char* call, const std::string& what) {
     driver().error_name(status, &name);
     TORCH_CHECK(false, call, "(", what, ") failed: ", name != nullptr ? name : std::to_string(status));
   }
+}
+
+// The current device's primary context (PyTorch's) made current on this thread: autograd's device threads have
+// none until the runtime API binds one, which a backward whose first launch is ours has not done yet.
+void bind_primary_context() {
+  CUdevice device;
+  CUcontext context;
+  check(driver().device_get(&device, c10::cuda::current_device()), "cuDeviceGet", "the current device");
+  check(driver().primary_context(&context, device), "cuDevicePrimaryCtxRetain", "the current device");
+  check(driver().set_context(context), "cuCtxSetCurrent", "the current device");
 }
 
 // A TMA descriptor over one buffer of the call, encoded per call (a few hundred nanoseconds): its arguments are
@@ -129,9 +145,16 @@ struct Launch {
       values[i] = kind == kPointer ? reinterpret_cast<uint64_t>(buffers[index].data_ptr()) : 0;
       args[i] = &values[i];
     }
-    check(driver().launch(function, grid[0], grid[1], grid[2], threads, 1, 1, shared_bytes, stream, args.data(),
-                          nullptr),
-          "cuLaunchKernel", name);
+    auto launch = [&] {
+      return driver().launch(function, grid[0], grid[1], grid[2], threads, 1, 1, shared_bytes, stream, args.data(),
+                             nullptr);
+    };
+    CUresult status = launch();
+    if (status == CUDA_ERROR_INVALID_CONTEXT) {
+      bind_primary_context();
+      status = launch();
+    }
+    check(status, "cuLaunchKernel", name);
   }
 };
 
