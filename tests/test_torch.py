@@ -292,51 +292,6 @@ def test_torch_compile_with_inductor_on_the_cpu():
 
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
                     reason="torch.compile's default backend (Inductor) needs a C++ compiler on the CPU")
-def test_torch_compile_gives_a_contiguous_models_convolutions_channels_last_activations(monkeypatch):
-    """Under Inductor a contiguous model's 2D and 3D convolutions receive channels-last activations (the kernels'
-    layout, so no transpose around each call), in forward and both gradients; Conv1d's keep theirs; outputs and
-    gradients stay torch.nn's."""
-    from convdsl.torch import runtime
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-                          nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2), nn.ReLU(),
-                          nn.ConvTranspose2d(8, 4, 2, stride=2), nn.Flatten(1, 2), nn.Conv1d(32, 4, 3),
-                          nn.Flatten(), nn.Linear(24, 3))
-    x = torch.randn(2, 3, 8, 8)
-    want_model = copy.deepcopy(model).double()
-    xd = x.double().requires_grad_()
-    want_model(xd).square().sum().backward()
-    seen = []
-    real_run = runtime.run
-
-    def spy(op, a, b, **kwargs):
-        seen.append((op, a.dim(), a.is_contiguous(), b.dim(), b.is_contiguous()))
-        return real_run(op, a, b, **kwargs)
-    monkeypatch.setattr(runtime, "run", spy)
-    import torch._inductor.config as inductor_config
-
-    converted = ct.convert(model)
-    compiled = torch.compile(converted)
-    xg = x.clone().requires_grad_()
-    with inductor_config.patch(force_disable_caches=True):  # a cached graph would skip the lowering
-        y = compiled(xg)
-        y.square().sum().backward()
-    activations_4d = [(op, contiguous) for op, dim, contiguous, *_ in seen if dim == 4]
-    activations_3d = [(op, contiguous) for op, dim, contiguous, *_ in seen if dim == 3]
-    # 3 forwards (the transposed one as grad_input's kernel), 3 grad_weights, 2 grad_inputs + 1 transposed forward
-    assert len(activations_4d) == 9 and not any(c for _, c in activations_4d), seen
-    # grad_weight's second activation (dY) too
-    assert not any(b_contiguous for op, _, _, b_dim, b_contiguous in seen if op == "grad_weight" and b_dim == 4)
-    assert sorted(op for op, _ in activations_3d) == ["forward", "grad_input", "grad_weight"], seen
-    assert _rel(y, want_model(xd).detach()) <= 1e-5
-    assert _rel(xg.grad, xd.grad) <= 1e-4
-    for mine, exact in zip(converted.parameters(), want_model.parameters()):
-        assert _rel(mine.grad, exact.grad) <= 1e-4
-
-
-@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
-                    reason="torch.compile's default backend (Inductor) needs a C++ compiler on the CPU")
 def test_torch_compile_backend_runs_an_unconverted_models_convolutions(monkeypatch):
     """torch.compile(model, backend="convdsl"): the model is not converted, yet every convolution of the compiled
     step, forward and both gradients (a transposed one too), is convdsl's; outputs and gradients as torch.nn's."""

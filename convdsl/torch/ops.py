@@ -19,7 +19,6 @@ IREE module through DLPack; on the CPU, the IREE module.
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 import weakref
 from typing import Optional, Sequence
@@ -173,7 +172,6 @@ conv_transpose = torch.ops.convdsl.conv_transpose.default
 
 @torch.library.register_fake(f"{LIB}::convolution", lib=_library)
 def _(x, w, bias, stride, pad_lo, pad_hi, dilation, groups):
-    _register_inductor_layouts()
     runtime.note("forward", x, w, spatial=x.shape[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
                  pad_hi=pad_hi, dilation=dilation, groups=groups)
     out = output_sizes(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, dilation)
@@ -213,7 +211,6 @@ torch.library.register_autograd(f"{LIB}::convolution", _convolution_backward, se
 
 @torch.library.register_fake(f"{LIB}::convolution_grad_input", lib=_library)
 def _(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups):
-    _register_inductor_layouts()
     runtime.note("grad_input", dy, w, spatial=input_size[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
                  pad_hi=pad_hi, dilation=dilation, groups=groups)
     return _empty_like_format(input_size, dy, runtime.result_dtype(dy), w)
@@ -221,7 +218,6 @@ def _(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups):
 
 @torch.library.register_fake(f"{LIB}::convolution_grad_weight", lib=_library)
 def _(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups):
-    _register_inductor_layouts()
     runtime.note("grad_weight", x, dy, spatial=x.shape[2:], filt=weight_size[2:], stride=stride, pad_lo=pad_lo,
                  pad_hi=pad_hi, dilation=dilation, groups=groups)
     return _empty_like_format(weight_size, x, runtime.result_dtype(x))
@@ -274,7 +270,6 @@ torch.library.register_autograd(f"{LIB}::convolution_grad_weight", _grad_weight_
 
 @torch.library.register_fake(f"{LIB}::conv_transpose", lib=_library)
 def _(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups):
-    _register_inductor_layouts()
     out = transposed_output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, output_padding, dilation)
     runtime.note("grad_input", x, w, spatial=out, filt=w.shape[2:], stride=stride, pad_lo=pad_lo, pad_hi=pad_hi,
                  dilation=dilation, groups=groups)
@@ -304,46 +299,6 @@ def _transpose_backward(ctx, dy):
 
 torch.library.register_autograd(f"{LIB}::conv_transpose", _transpose_backward, setup_context=_transpose_setup,
                                 lib=_library)
-
-
-# --- torch.compile: the activations' layout ---------------------------------------------------------------
-# Inductor lays out the tensors between its kernels.  For its own convolutions it makes the activations
-# channels-last (its layout optimisation); an extern operator gets the strides of the trace unless it asks for
-# others.  The kernels read and write channels-last, so a contiguous model would pay a transpose around every
-# call: each operator asks for its activations channels-last, which the Inductor kernel producing them then
-# writes directly (docs/decisions.md#compile-layouts).  Weights keep their layout (runtime converts them as in
-# eager mode).  Conv1d's activations have no channels-last format and are left as traced.
-_ACTIVATIONS = {convolution: (0,), convolution_grad_input: (0,), convolution_grad_weight: (0, 1),
-                conv_transpose: (0,)}
-# Inductor's stride orders (the rank of each dimension's stride, smallest 0): channels innermost, then W, H(, D), N
-_CHANNELS_LAST_ORDER = {4: [3, 0, 2, 1], 5: [4, 0, 3, 2, 1]}
-_inductor_layouts = False
-
-
-def _activations_channels_last(ir, positions: tuple[int, ...], fx_node, *args, **kwargs) -> tuple:
-    """An Inductor layout constraint: the activations at `positions` channels-last, the rest as they are."""
-    args = list(args)
-    for i in positions:
-        if i < len(args) and isinstance(args[i], ir.IRNode) and len(args[i].get_size()) in _CHANNELS_LAST_ORDER:
-            args[i] = ir.ExternKernel.require_stride_order(args[i], _CHANNELS_LAST_ORDER[len(args[i].get_size())])
-    return tuple(args), kwargs
-
-
-def _register_inductor_layouts() -> None:
-    """The operators as Inductor's fallback kernels with that constraint, once Inductor's lowering module is
-    loaded: torch.compile loads it before tracing the step's operators (their fake kernels call this), and a
-    process that never compiles never imports it."""
-    global _inductor_layouts
-    lowering = sys.modules.get("torch._inductor.lowering")
-    if _inductor_layouts or lowering is None or not hasattr(lowering, "make_fallback"):
-        return
-    _inductor_layouts = True
-    for op, positions in _ACTIVATIONS.items():
-        lowering.make_fallback(op, layout_constraint=functools.partial(_activations_channels_last, lowering.ir,
-                                                                       positions), warn=False)
-
-
-_register_inductor_layouts()
 
 
 # Under autocast the convolutions run in the autocast dtype of the region (bf16 or f16), as torch.nn's do:
