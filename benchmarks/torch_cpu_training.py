@@ -8,7 +8,9 @@ After warm-up steps (the kernels' compile and the first calls are outside the ti
 alternate, one of each per round, so a neighbour's load falls on both alike; the median step time of each is
 reported as images/s.  Then a few instrumented convdsl steps split a step into the time inside the IREE kernel
 calls (the destination-passing call itself), the rest of convdsl's calls (layout views, DLPack import, result
-allocation, Python) and everything else (BatchNorm, ReLU, autograd, SGD).
+allocation, Python) and everything else (BatchNorm, ReLU, autograd, SGD); last, one step's kernel calls are replayed
+with nothing between them, each repeated alone and all in the step's order, to tell the kernels' own time from
+what training around them adds.
 
     python3 benchmarks/torch_cpu_training.py [--batch 16] [--size 32] [--rounds 60] [--threads N] [--out DIR]
 
@@ -61,17 +63,22 @@ def step_fn(model: nn.Module, lr: float = 0.05):
 
 
 class Breakdown:
-    """Seconds inside the IREE kernel calls and inside convdsl's calls (runtime.run), while active."""
+    """Seconds inside the IREE kernel calls and inside convdsl's calls (runtime.run), while active; the kernel
+    calls of the first step kept (`calls`) for replay."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls_per_step: int = 0) -> None:
         self.kernel = self.convdsl = 0.0
         self.calls = 0
+        self.kept: list[tuple] = []
+        self._keep = calls_per_step
 
     def __enter__(self) -> "Breakdown":
         self._call, self._run = into_call.IntoCall.call, runtime.run
         outer = self
 
         def timed_call(call_self, packed):
+            if len(outer.kept) < outer._keep:
+                outer.kept.append((call_self, packed))
             t0 = time.perf_counter()
             try:
                 return outer._call(call_self, packed)
@@ -91,6 +98,26 @@ class Breakdown:
 
     def __exit__(self, *exc) -> None:
         into_call.IntoCall.call, runtime.run = self._call, self._run
+
+    def replay_ms(self, repeats: int = 20) -> dict[str, float]:
+        """The kept step's kernel calls replayed with nothing between them: each call repeated back to back (its
+        operands stay in cache), and the whole step's calls in order (each call finds the previous one's data in
+        cache, not its own, as in training)."""
+        each = 0.0
+        for call_self, packed in self.kept:
+            ts = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                self._call(call_self, packed)
+                ts.append(time.perf_counter() - t)
+            each += statistics.median(ts)
+        in_order = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for call_self, packed in self.kept:
+                self._call(call_self, packed)
+            in_order.append(time.perf_counter() - t)
+        return {"kernels_each_repeated_ms": 1e3 * each, "kernels_in_order_ms": 1e3 * statistics.median(in_order)}
 
 
 def main() -> None:
@@ -141,7 +168,7 @@ def main() -> None:
             times[name].append(time.perf_counter() - t)
 
     torch.set_num_threads(threads["convdsl"])
-    with Breakdown() as bd:
+    with Breakdown(calls_per_step=len(CHANNELS) * 3 - 1) as bd:  # the first layer needs no grad_input
         t = time.perf_counter()
         for i in range(args.profile_steps):
             steps["convdsl"](*batches[i % len(batches)])
@@ -151,7 +178,9 @@ def main() -> None:
                  "convdsl_calls_ms": 1e3 * bd.convdsl / n,
                  "convdsl_outside_kernel_ms": 1e3 * (bd.convdsl - bd.kernel) / n,
                  "rest_ms": 1e3 * (total - bd.convdsl) / n, "calls_per_step": bd.calls / n,
-                 "note": "instrumented steps (timers around each call add a little); kernel: IntoCall.call"}
+                 **bd.replay_ms(),
+                 "note": "instrumented steps (timers around each call add a little); kernel: IntoCall.call; "
+                         "kernels_each_repeated / kernels_in_order: the step's kernel calls replayed alone"}
 
     result = {}
     for name, ts in times.items():
