@@ -323,6 +323,45 @@ def test_torch_compile_backend_runs_an_unconverted_models_convolutions(monkeypat
         assert _rel(mine.grad, exact.grad) <= 1e-4
 
 
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
+                    reason="torch.compile's default backend (Inductor) needs a C++ compiler on the CPU")
+def test_torch_compile_backend_keeps_inductors_layout_optimisation(monkeypatch):
+    """backend="convdsl" lowers aten's convolutions inside Inductor, so its layout optimisation still plans the
+    graph: a contiguous model's convolutions get channels-last activations (the kernels' layout, no transpose
+    around each call), in forward and both gradients, with torch.nn's results.  (Inductor optimises the layout
+    where it judges it pays: on the CPU wherever oneDNN is available, as here.)"""
+    import torch._inductor.config as inductor_config
+    from convdsl.torch import runtime
+
+    if not inductor_config.layout_optimization or not torch.backends.mkldnn.is_available():
+        pytest.skip("Inductor's layout optimisation is off on this CPU build of PyTorch")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2, bias=True), nn.ReLU(),
+                          nn.ConvTranspose2d(8, 4, 2, stride=2), nn.Flatten(), nn.Linear(256, 3))
+    x = torch.randn(2, 3, 8, 8)
+    want_model = copy.deepcopy(model).double()
+    xd = x.double().requires_grad_()
+    want_model(xd).square().sum().backward()
+    seen = []
+    real_run = runtime.run
+
+    def spy(op, a, b, **kwargs):
+        seen.append((op, a.is_contiguous(), b.is_contiguous() if b.dim() == 4 and op == "grad_weight" else False))
+        return real_run(op, a, b, **kwargs)
+    monkeypatch.setattr(runtime, "run", spy)
+    compiled = torch.compile(model, backend="convdsl")
+    xg = x.clone().requires_grad_()
+    y = compiled(xg)
+    y.square().sum().backward()
+    assert sorted(op for op, *_ in seen) == sorted(["forward"] * 3 + ["grad_input"] * 3 + ["grad_weight"] * 3)
+    assert not any(a or b for _, a, b in seen), seen  # every activation channels-last, grad_weight's dY too
+    assert _rel(y, want_model(xd).detach()) <= 1e-5
+    assert _rel(xg.grad, xd.grad) <= 1e-4
+    for mine, exact in zip(model.parameters(), want_model.parameters()):
+        assert _rel(mine.grad, exact.grad) <= 1e-4
+
+
 def test_operator_registrations_pass_opcheck():
     """torch.library's own check of each operator: schema, fake kernel against the real one, autograd
     registration, and AOT dispatch (what torch.compile runs)."""

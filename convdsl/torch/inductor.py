@@ -3,16 +3,24 @@
     import convdsl.torch
     compiled = torch.compile(model, backend="convdsl")    # the model's torch.nn convolutions, untouched
 
-AOTAutograd traces the step (forward and backward) with Inductor's decomposition table plus two entries:
-aten.convolution becomes convdsl's forward or transposed-convolution operator, and aten.convolution_backward
-convdsl's grad_input / grad_weight operators and the bias sum, exactly the calls a `convert()`ed model's autograd
-formulas make.  Everything else is Inductor's: the graphs it generates call convdsl's operators as opaque kernels
-(on CUDA from C++ once planned, ops.py).  Layers convdsl has no kernel for (float64, integer dtypes, an empty
-batch) run PyTorch's convolution inside the operator, with the one-line warning of the eager path.
+This is Inductor with two lowerings of its own: aten.convolution becomes convdsl's forward or transposed-
+convolution operator, and aten.convolution_backward convdsl's grad_input / grad_weight operators and the bias sum,
+exactly the calls a `convert()`ed model's autograd formulas make.  Lowering (rather than decomposing before
+Inductor sees the graph) keeps aten's convolutions in the graph Inductor plans, so its layout optimisation runs as
+for cuDNN: a contiguous model's activations become channels-last once, at the graph's input, and every kernel
+around the convolutions reads and writes them so (docs/decisions.md#compile-layouts).  Everything else is
+Inductor's: the graphs it generates call convdsl's operators as opaque kernels (on CUDA from C++ once planned,
+ops.py).  Layers convdsl has no kernel for (float64, integer dtypes, an empty batch) run PyTorch's convolution
+inside the operator, with the one-line warning of the eager path.
+
+The lowerings are installed only while this backend's graphs are lowered, and Inductor's compiled-graph caches
+are off for them: a graph of aten's convolutions cached by plain torch.compile would otherwise be taken for
+this backend's, or the other way round.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -20,54 +28,106 @@ from . import ops
 
 aten = torch.ops.aten
 
-
-def _convolution(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], stride: Sequence[int],
-                 padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
-                 groups: int) -> torch.Tensor:
-    # aten's padding is symmetric: pad_lo = pad_hi
-    stride, padding, dilation = list(stride), list(padding), list(dilation)
-    if transposed:
-        y = ops.conv_transpose(x, w, None, stride, padding, padding, list(output_padding), dilation, groups)
-    else:
-        y = ops.convolution(x, w, None, stride, padding, padding, dilation, groups)
-    return ops.plus_bias(y, bias)  # Inductor's add, to fuse into what reads y next
+# Inductor's stride orders (the rank of each dimension's stride, smallest 0): channels innermost, then W, H(, D), N
+_CHANNELS_LAST_ORDER = {4: [3, 0, 2, 1], 5: [4, 0, 3, 2, 1]}
 
 
-def _convolution_backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias_sizes: Optional[Sequence[int]],
-                          stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], transposed: bool,
-                          output_padding: Sequence[int], groups: int, output_mask: Sequence[bool]) -> tuple:
-    # the gradients of ops.py's autograd formulas (_convolution_backward, _transpose_backward)
-    stride, padding, dilation = list(stride), list(padding), list(dilation)
-    dy = ops.like_forward(dy, x, w)
-    dx = dw = db = None
-    if transposed:  # conv_transpose(x) is grad_input's convolution: dX is the forward of dY, dW swaps the roles
-        if output_mask[0]:
-            dx = ops.convolution(dy, w, None, stride, padding, padding, dilation, groups)
-        if output_mask[1]:
-            dw = ops.convolution_grad_weight(dy, x, list(w.shape), stride, padding, padding, dilation, groups)
-    else:
-        if output_mask[0]:
-            dx = ops.convolution_grad_input(dy, w, list(x.shape), stride, padding, padding, dilation, groups)
-        if output_mask[1]:
-            dw = ops.convolution_grad_weight(x, dy, list(w.shape), stride, padding, padding, dilation, groups)
-    if output_mask[2]:
-        db = ops.bias_grad(dy)
-    return dx, dw, db
+def _is_channels_last(ir, node) -> bool:
+    size = node.get_size()
+    if len(size) not in _CHANNELS_LAST_ORDER:
+        return False
+    try:
+        layout = node.get_layout()
+    except (AttributeError, NotImplementedError):  # not realised yet: its layout is Inductor's to choose
+        return False
+    return isinstance(layout, ir.FixedLayout) and layout.is_stride_ordered(_CHANNELS_LAST_ORDER[len(size)])
 
 
-def decompositions() -> dict:
-    """Inductor's decomposition table with aten's convolutions as convdsl's operators."""
-    from torch._inductor.decomposition import select_decomp_table
+def _lowerings() -> dict:
+    """aten.convolution and aten.convolution_backward lowered to convdsl's operators."""
+    from torch._inductor import ir, lowering
+    from torch._inductor.virtualized import V
 
-    table = dict(select_decomp_table())
-    table[aten.convolution.default] = _convolution
-    table[aten.convolution_backward.default] = _convolution_backward
-    return table
+    def channels_last(node):
+        return ir.ExternKernel.require_stride_order(node, _CHANNELS_LAST_ORDER[len(node.get_size())])
+
+    def call(op, *args):
+        return lowering.fallback_handler(op, add_to_fallback_set=False)(*args)
+
+    def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+        # under layout optimisation the activations go channels-last, the kernels' own layout; weights stay as
+        # they are (the operator converts one, as in eager mode)
+        if V.graph.layout_opt and len(x.get_size()) in _CHANNELS_LAST_ORDER:
+            x = channels_last(x)
+        stride, padding, dilation = list(stride), list(padding), list(dilation)  # aten's padding is symmetric
+        if transposed:
+            y = call(ops.conv_transpose, x, w, None, stride, padding, padding, list(output_padding), dilation,
+                     groups)
+        else:
+            y = call(ops.convolution, x, w, None, stride, padding, padding, dilation, groups)
+        if bias is None:
+            return y
+        # the bias as Inductor's add (C, 1, ...), which it fuses into whatever reads y next
+        shape = [bias.get_size()[0]] + [1] * (len(x.get_size()) - 2)
+        return lowering.lowerings[aten.add.Tensor](y, lowering.lowerings[aten.view.default](bias, shape))
+
+    def convolution_backward(dy, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+                             output_mask):
+        # dY in its forward's memory format (ops.like_forward's rule: the saved input's, as the forward ran)
+        if _is_channels_last(ir, x) and not _is_channels_last(ir, dy):
+            dy = channels_last(dy)
+        stride, padding, dilation = list(stride), list(padding), list(dilation)
+        args = (stride, padding, padding, dilation, groups)
+        dx = dw = db = None
+        if transposed:  # conv_transpose(x) is grad_input's convolution: dX is the forward of dY, dW swaps roles
+            if output_mask[0]:
+                dx = call(ops.convolution, dy, w, None, *args)
+            if output_mask[1]:
+                dw = call(ops.convolution_grad_weight, dy, x, list(w.get_size()), *args)
+        else:
+            if output_mask[0]:
+                dx = call(ops.convolution_grad_input, dy, w, list(x.get_size()), *args)
+            if output_mask[1]:
+                dw = call(ops.convolution_grad_weight, x, dy, list(w.get_size()), *args)
+        if output_mask[2]:
+            db = lowering.lowerings[aten.sum.dim_IntList](dy, [0, *range(2, len(dy.get_size()))])
+        return dx, dw, db
+
+    return {aten.convolution.default: convolution, aten.convolution_backward.default: convolution_backward}
+
+
+@contextlib.contextmanager
+def _convdsl_lowerings() -> Iterator[None]:
+    from torch._inductor import lowering
+
+    ours = _lowerings()
+    saved = {op: lowering.lowerings.get(op) for op in ours}
+    lowering.lowerings.update(ours)
+    try:
+        yield
+    finally:
+        for op, fn in saved.items():
+            if fn is None:
+                lowering.lowerings.pop(op, None)
+            else:
+                lowering.lowerings[op] = fn
+
+
+def _inner_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """Inductor's compilation of one graph (the forward, then the backward at its first call) with the
+    convolutions lowered to convdsl's operators."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with _convdsl_lowerings():
+        return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
     """The `torch.compile` backend: Inductor, with the model's convolutions as convdsl's operators.  PyTorch finds
     it by name ("convdsl") through the package's `torch_dynamo_backends` entry point."""
+    from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, decompositions=decompositions())
+    # no compiled-graph cache (AOTAutograd's cache needs it too): see the module's docstring
+    no_cache = {key: False for key in ("fx_graph_cache", "fx_graph_remote_cache") if hasattr(config, key)}
+    return compile_fx(gm, example_inputs, inner_compile=_inner_compile, config_patches=no_cache)
