@@ -7,8 +7,8 @@ This is Inductor with two lowerings of its own: aten.convolution becomes convdsl
 convolution operator, and aten.convolution_backward convdsl's grad_input / grad_weight operators and the bias sum,
 exactly the calls a `convert()`ed model's autograd formulas make.  Lowering (rather than decomposing before
 Inductor sees the graph) keeps aten's convolutions in the graph Inductor plans, so its layout optimisation runs as
-for cuDNN: a contiguous model's activations become channels-last once, at the graph's input, and every kernel
-around the convolutions reads and writes them so (docs/decisions.md#compile-layouts).  Everything else is
+for cuDNN: a contiguous model's 2D convolutions take channels-last operands, its activations made so once, at
+the graph's input, and every kernel around them reads and writes them so (docs/decisions.md#compile-layouts).  Everything else is
 Inductor's: the graphs it generates call convdsl's operators as opaque kernels (on CUDA from C++ once planned,
 ops.py).  Layers convdsl has no kernel for (float64, integer dtypes, an empty batch) run PyTorch's convolution
 inside the operator, with the one-line warning of the eager path.
@@ -28,19 +28,14 @@ from . import ops
 
 aten = torch.ops.aten
 
-# Inductor's stride orders (the rank of each dimension's stride, smallest 0): channels innermost, then W, H(, D), N
-_CHANNELS_LAST_ORDER = {4: [3, 0, 2, 1], 5: [4, 0, 3, 2, 1]}
-
-
 def _is_channels_last(ir, node) -> bool:
-    size = node.get_size()
-    if len(size) not in _CHANNELS_LAST_ORDER:
+    if len(node.get_size()) != 4:
         return False
     try:
         layout = node.get_layout()
     except (AttributeError, NotImplementedError):  # not realised yet: its layout is Inductor's to choose
         return False
-    return isinstance(layout, ir.FixedLayout) and layout.is_stride_ordered(_CHANNELS_LAST_ORDER[len(size)])
+    return isinstance(layout, ir.FixedLayout) and layout.is_stride_ordered(ir.NHWC_STRIDE_ORDER)
 
 
 def _lowerings() -> dict:
@@ -49,16 +44,16 @@ def _lowerings() -> dict:
     from torch._inductor.virtualized import V
 
     def channels_last(node):
-        return ir.ExternKernel.require_stride_order(node, _CHANNELS_LAST_ORDER[len(node.get_size())])
+        return node if _is_channels_last(ir, node) else ir.ExternKernel.require_channels_last(node)
 
     def call(op, *args):
         return lowering.fallback_handler(op, add_to_fallback_set=False)(*args)
 
     def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
-        # under layout optimisation the activations go channels-last, the kernels' own layout; weights stay as
-        # they are (the operator converts one, as in eager mode)
-        if V.graph.layout_opt and len(x.get_size()) in _CHANNELS_LAST_ORDER:
-            x = channels_last(x)
+        # under layout optimisation 2D convolutions take channels-last operands, as Inductor's own lowering
+        # gives cuDNN (the kernels' own layout; a weight's copy is Inductor's kernel then, not the operator's)
+        if V.graph.layout_opt and len(x.get_size()) == 4:
+            x, w = channels_last(x), channels_last(w)
         stride, padding, dilation = list(stride), list(padding), list(dilation)  # aten's padding is symmetric
         if transposed:
             y = call(ops.conv_transpose, x, w, None, stride, padding, padding, list(output_padding), dilation,
@@ -73,9 +68,9 @@ def _lowerings() -> dict:
 
     def convolution_backward(dy, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
                              output_mask):
-        # dY in its forward's memory format (ops.like_forward's rule: the saved input's, as the forward ran)
-        if _is_channels_last(ir, x) and not _is_channels_last(ir, dy):
-            dy = channels_last(dy)
+        # dY and W in the forward's memory format (ops.like_forward's rule: the saved input's, as the forward ran)
+        if _is_channels_last(ir, x):
+            dy, w = channels_last(dy), channels_last(w)
         stride, padding, dilation = list(stride), list(padding), list(dilation)
         args = (stride, padding, padding, dilation, groups)
         dx = dw = db = None
