@@ -29,12 +29,10 @@ from . import ops
 aten = torch.ops.aten
 
 def _is_channels_last(ir, node) -> bool:
-    if len(node.get_size()) != 4:
+    # a node not yet stored has no layout: Inductor's to choose
+    if len(node.get_size()) != 4 or not ir.is_storage_and_layout(node):
         return False
-    try:
-        layout = node.get_layout()
-    except (AttributeError, NotImplementedError):  # not realised yet: its layout is Inductor's to choose
-        return False
+    layout = node.get_layout()
     return isinstance(layout, ir.FixedLayout) and layout.is_stride_ordered(ir.NHWC_STRIDE_ORDER)
 
 
