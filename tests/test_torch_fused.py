@@ -296,3 +296,46 @@ def test_record_step_traces_a_fused_model_as_its_converted_twin():
     assert steps[0].problems and steps[0].problems == steps[1].problems and steps[0].calls == steps[1].calls
     assert fused.get_submodule("up.bn").momentum is None
     assert int(fused.get_submodule("up.bn").num_batches_tracked) == 0
+
+
+def test_the_native_plan_carries_each_training_launch_with_its_buffers_in_the_python_order(monkeypatch):
+    """Where the native launcher is built, a fused BatchNorm's four training launches go to it as data: which
+    launch, its function, grid and block, and per parameter a buffer of the call (in BatchNormActivation's order,
+    the count it passes) or a zero (a parameter the kernel never reads)."""
+    from types import SimpleNamespace
+
+    from convdsl.kernels.batchnorm_launches import batch_norm_launches
+    from convdsl.torch import fused
+
+    made = []
+
+    class FakePlan:
+        def __init__(self, work_elements, channels, residual):
+            self.args, self.sets = (work_elements, channels, residual), {}
+            made.append(self)
+
+        def set(self, which, function, grid, threads, shared_bytes, name, params):
+            self.sets[which] = (function, grid, threads, shared_bytes, name, params)
+
+    monkeypatch.setattr(fused.native, "extension", lambda: SimpleNamespace(BatchNormPlan=FakePlan))
+    monkeypatch.setattr(fused, "launcher_for", fused._driver_launcher)
+    launches = batch_norm_launches((8, 24, 9, 9), True, "bfloat16", "float32", "float32", "relu", True, 0.1, 1e-5, 132,
+                                   True)
+    planned = fused._Planned(launches, torch.device("cuda"), residual=True)
+    passed = {"stats": 6, "apply": 6, "grad_stats": 9, "grad_apply": 9}  # BatchNormActivation's calls
+    for i, name in enumerate(passed):
+        function = SimpleNamespace(handle=SimpleNamespace(value=1000 + i), threads=128, shared_bytes=64 * i,
+                                   name=f"k_{name}", params=passed[name] + 2)
+        run = lambda stream, *tensors: None  # noqa: E731
+        run.function, run.grid = function, getattr(launches, name).grid
+        setattr(planned, name, run)
+    assert planned.native is made[0] and len(made) == 1
+    assert made[0].args == (launches.work_elements, 24, True)
+    for which, name in enumerate(passed):
+        function, grid, threads, shared, kernel, params = made[0].sets[which]
+        assert (function, kernel, threads, shared) == (1000 + which, f"k_{name}", 128, 64 * which)
+        assert grid == tuple(getattr(launches, name).grid)
+        assert params == [(0, i) for i in range(passed[name])] + [(2, 0), (2, 0)]
+    assert planned.native is made[0] and len(made) == 1  # planned once
+    cpu = fused._Planned(launches, torch.device("cpu"))
+    assert cpu.native is None and len(made) == 1

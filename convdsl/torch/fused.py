@@ -28,7 +28,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ..backends.cuda_driver import load_function
 from ..kernels.batchnorm_launches import RESIDUAL_ACTIVATIONS, BatchNormLaunches, batch_norm_launches
 from ..kernels.launch import Launch
-from . import fallback, runtime
+from . import fallback, native, runtime
 from .modules import _ConvMixin, _ConvTransposeMixin, convert
 from .stream import ALIGNMENT, _raw_stream, dtype_name
 
@@ -88,6 +88,7 @@ def _driver_launcher(launch: Launch, device: torch.device) -> Launcher:
 
     def run(stream: int, *tensors: torch.Tensor) -> None:
         bound(stream, [t.data_ptr() for t in tensors])
+    run.function, run.grid = function, launch.grid  # what the native launcher launches (_native_plan)
     return run
 
 
@@ -100,11 +101,20 @@ class _Planned:
 
     _LAUNCHES = ("stats", "apply", "apply_running", "grad_stats", "grad_apply")
 
-    def __init__(self, launches: BatchNormLaunches, device: torch.device) -> None:
-        self.launches, self.device = launches, device
+    def __init__(self, launches: BatchNormLaunches, device: torch.device, residual: bool = False) -> None:
+        self.launches, self.device, self.residual = launches, device, residual
         self.channels = launches.channels
         self.channels_last = launches.channels_last
         self.counters = launches.channel_blocks
+        self._native: object = _UNPLANNED
+
+    @property
+    def native(self) -> Optional[object]:
+        """The training launches as the native launcher's BatchNormPlan (made at first use), None where it is not
+        built or the launches are not the driver's (the interpreter's in tests)."""
+        if self._native is _UNPLANNED:
+            self._native = _native_plan(self)
+        return self._native
 
     def __getattr__(self, name: str) -> Launcher:  # only for a launcher not loaded yet
         if name not in self._LAUNCHES:
@@ -115,6 +125,24 @@ class _Planned:
 
 
 _PLANNED: dict[tuple, _Planned] = {}
+_UNPLANNED = object()
+# the training launches' tensors, in the order BatchNormActivation passes them (kernels/batchnorm_launches.py)
+_NATIVE_LAUNCHES = (("stats", 6), ("apply", 6), ("grad_stats", 9), ("grad_apply", 9))
+_POINTER, _ZERO = 0, 2  # native.cpp's parameter kinds: a buffer of the call, a parameter never read
+
+
+def _native_plan(planned: _Planned) -> Optional[object]:
+    ext = native.extension() if planned.device.type == "cuda" and launcher_for is _driver_launcher else None
+    if ext is None:
+        return None
+    plan = ext.BatchNormPlan(planned.launches.work_elements, planned.channels, planned.residual)
+    for which, (name, tensors) in enumerate(_NATIVE_LAUNCHES):
+        run = getattr(planned, name)
+        function = run.function
+        params = [(_POINTER, i) for i in range(tensors)] + [(_ZERO, 0)] * (function.params - tensors)
+        plan.set(which, function.handle.value, tuple(run.grid), function.threads, function.shared_bytes,
+                 function.name, params)
+    return plan
 
 
 # _planned's answer where no kernel can be had (announced once; the module runs torch.nn's steps)
@@ -146,7 +174,7 @@ def _planned(y: torch.Tensor, weight: torch.Tensor, running: Optional[torch.Tens
                 tuple(y.shape), cl, dtype_name(y.dtype), dtype_name(weight.dtype),
                 dtype_name(running.dtype if running is not None else torch.float32), act, update, momentum, eps,
                 sms, residual)
-            planned = _Planned(launches, y.device)
+            planned = _Planned(launches, y.device, residual)
             for name in needs:
                 getattr(planned, name)
         except Exception as e:  # a compiler's or driver's error: the layer runs torch.nn's steps
@@ -280,6 +308,12 @@ class _FusedNorm:
         batches = buffers.get("num_batches_tracked") if update else None
         if batches is not None:
             batches.add_(1)
+        native_plan = planned.native
+        if native_plan is not None:  # the same launches and autograd node in C++ (native.cpp)
+            stream = _stream(y.device)
+            return native.extension().batch_norm_activation(
+                y, weight, bias, residual, running_mean if update else None, running_var if update else None,
+                batches, _counter(y.device, stream, planned.counters), native_plan)
         return BatchNormActivation.apply(y, weight, bias, residual, running_mean if update else None,
                                          running_var if update else None, batches, planned)
 

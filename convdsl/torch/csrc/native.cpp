@@ -379,6 +379,150 @@ at::Tensor run_program(const Program& program, const at::Tensor& a, const at::Te
   return program.run(a, b);
 }
 
+// --- the fused BatchNorm + activation (fused.py) ---------------------------------------------------------------
+// BatchNormActivation's four launches and its autograd node in C++: a fused layer's forward and backward spend no
+// Python beyond finding the plan.  The launches and the order of their buffers are fused.py's (kernels/batchnorm.py
+// has the kernels): what Python decided once per signature is carried out here.
+
+enum BatchNormLaunch { kStats = 0, kApply = 1, kGradStats = 2, kGradApply = 3 };
+
+struct BatchNormPlan {
+  std::array<Launch, 4> launches;
+  int64_t work_elements = 0, channels = 0;
+  bool residual = false;
+
+  BatchNormPlan(int64_t work_elements, int64_t channels, bool residual)
+      : work_elements(work_elements), channels(channels), residual(residual) {}
+
+  void set(int which, uint64_t function, std::array<unsigned, 3> grid, unsigned threads, unsigned shared_bytes,
+           std::string name, std::vector<std::pair<int, int>> params) {
+    TORCH_CHECK(which >= 0 && which < 4 && params.size() <= kMaxParams, "convdsl: fused BatchNorm launch ", name,
+                ": expected one of 4 launches with at most ", kMaxParams, " parameters");
+    Launch& l = launches[which];
+    l.function = reinterpret_cast<CUfunction>(function);
+    l.grid = grid;
+    l.threads = threads;
+    l.shared_bytes = shared_bytes;
+    l.name = std::move(name);
+    l.params = std::move(params);
+  }
+};
+
+CUstream current_stream(const at::Tensor& t) {
+  return reinterpret_cast<CUstream>(c10::cuda::getCurrentCUDAStream(t.get_device()).stream());
+}
+
+// y as the kernels read it: y's own strides (the plan's), 16-byte aligned
+at::Tensor like_planned(const at::Tensor& t, const at::Tensor& y) {
+  if (t.strides() == y.strides() && reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignment == 0) return t;
+  at::Tensor copy = at::empty_strided(y.sizes(), y.strides(), t.options());
+  copy.copy_(t);
+  return copy;
+}
+
+// A node's owning pointer to itself (what SavedVariable::unpack takes for an output the node saved)
+template <typename P = NodePtr, typename N>
+P self_pointer(N* node) {
+  if constexpr (std::is_same_v<P, std::shared_ptr<Node>>) {
+    return node->shared_from_this();
+  } else {
+    return P::unsafe_reclaim_from_nonowning(node);
+  }
+}
+
+struct BatchNormActivationBackward : public Node {
+  std::shared_ptr<BatchNormPlan> plan;
+  SavedVariable y_, stats_, weight_, bias_, out_;
+  at::Tensor counter;  // the stream's tickets (fused.py's _counter): zero between calls
+  at::ScalarType weight_dtype = at::kFloat, bias_dtype = at::kFloat;
+
+  std::string name() const override { return "ConvdslBatchNormActivationBackward"; }
+
+  void release_variables() override {
+    y_.reset_data();
+    stats_.reset_data();
+    weight_.reset_data();
+    bias_.reset_data();
+    out_.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    // fused.py's once_differentiable: its kernels are not differentiable, so a double backward raises
+    TORCH_CHECK(!at::GradMode::is_enabled(), "convdsl: the fused BatchNorm's backward is not differentiable ",
+                "(a gradient of its gradient, create_graph=True); use torch.nn's BatchNorm for that");
+    variable_list out(4);
+    at::Tensor dout = grads[0];
+    if (!dout.defined()) return out;
+    at::Tensor y = y_.unpack(), stats = stats_.unpack(), weight = weight_.unpack(), bias = bias_.unpack();
+    // with a residual the activation's mask is the output's; a saved output keeps no reference to its node (no
+    // cycle), so unpacking it names the node
+    at::Tensor kept = plan->residual ? out_.unpack(self_pointer(this)) : y;
+    c10::cuda::CUDAGuard device(y.device());
+    dout = like_planned(dout, y);
+    const auto f32 = y.options().dtype(at::kFloat);
+    at::Tensor work = at::empty({plan->work_elements}, f32);
+    at::Tensor sums = at::empty({2 * plan->channels}, f32);  // dbeta, dgamma
+    const CUstream stream = current_stream(y);
+    plan->launches[kGradStats].run(stream, {dout, y, stats, weight, bias, kept, work, counter, sums});
+    at::Tensor dy = at::empty_like(y);
+    at::Tensor dres = plan->residual ? at::empty_like(y) : y;
+    plan->launches[kGradApply].run(stream, {dout, y, stats, weight, bias, kept, sums, dy, dres});
+    out[0] = dy;
+    if (should_compute_output(1)) {
+      at::Tensor dgamma = sums.narrow(0, plan->channels, plan->channels);
+      out[1] = weight_dtype == at::kFloat ? dgamma : dgamma.to(weight_dtype);
+    }
+    if (should_compute_output(2)) {
+      at::Tensor dbeta = sums.narrow(0, 0, plan->channels);
+      out[2] = bias_dtype == at::kFloat ? dbeta : dbeta.to(bias_dtype);
+    }
+    if (plan->residual && should_compute_output(3)) out[3] = dres;
+    return out;
+  }
+};
+
+// out = act(batch_norm(y) (+ residual)) in training mode, the running statistics updated in place by the kernels
+// (running_mean undefined: not tracked); batches: num_batches_tracked (read where momentum is None).  y,
+// residual, weight and bias come as the plan was made for (fused.py checks strides and alignment).
+at::Tensor batch_norm_activation(const at::Tensor& y, const at::Tensor& weight, const at::Tensor& bias,
+                                 const std::optional<at::Tensor>& residual,
+                                 const std::optional<at::Tensor>& running_mean,
+                                 const std::optional<at::Tensor>& running_var,
+                                 const std::optional<at::Tensor>& batches, const at::Tensor& counter,
+                                 const std::shared_ptr<BatchNormPlan>& plan) {
+  c10::cuda::CUDAGuard device(y.device());
+  at::Tensor work, out;
+  {
+    at::AutoGradMode no_grad(false);
+    work = at::empty({plan->work_elements}, y.options().dtype(at::kFloat));  // the statistics, then partials
+    const bool update = running_mean.has_value() && running_mean->defined();
+    const bool counted = batches.has_value() && batches->defined();
+    const CUstream stream = current_stream(y);
+    plan->launches[kStats].run(stream, {y, work, counter, update ? *running_mean : work,
+                                        update ? *running_var : work, counted ? *batches : work});
+    out = at::empty_like(y);
+    const at::Tensor res = residual.has_value() && residual->defined() ? *residual : y;
+    plan->launches[kApply].run(stream, {y, work, weight, bias, res, out});
+  }
+  const at::Tensor res = residual.has_value() ? *residual : at::Tensor();
+  if (at::GradMode::is_enabled() &&
+      (y.requires_grad() || weight.requires_grad() || bias.requires_grad() || (res.defined() && res.requires_grad()))) {
+    auto node = make_node<BatchNormActivationBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(y, weight, bias, res));
+    node->plan = plan;
+    node->y_ = SavedVariable(y, false);
+    node->stats_ = SavedVariable(work, false);
+    node->weight_ = SavedVariable(weight, false);
+    node->bias_ = SavedVariable(bias, false);
+    node->counter = counter;
+    node->weight_dtype = weight.scalar_type();
+    node->bias_dtype = bias.scalar_type();
+    torch::autograd::set_history(out, NodePtr(node));
+    if (plan->residual) node->out_ = SavedVariable(out, true);  // the node's own output: saved once it has it
+  }
+  return out;
+}
+
 // --- the operators' CUDA kernels ----------------------------------------------------------------------------
 // ops.py's torch.library operators (what torch.compile's graphs and the general path call) find the program of a
 // call here, by its signature, and run it without Python; a signature not seen planned yet goes to the Python
@@ -553,6 +697,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<ConvPlan, std::shared_ptr<ConvPlan>>(m, "ConvPlan")
       .def(py::init<std::shared_ptr<Program>, std::shared_ptr<Program>, std::shared_ptr<Program>, const std::string&,
                     const std::string&, int, int, py::object>());
+  py::class_<BatchNormPlan, std::shared_ptr<BatchNormPlan>>(m, "BatchNormPlan")
+      .def(py::init<int64_t, int64_t, bool>())
+      .def("set", &BatchNormPlan::set);
+  m.def("batch_norm_activation", &batch_norm_activation);
   m.def("convolution", &convolution);
   m.def("take_operators", &take_operators);
   m.def("remember", &remember);
