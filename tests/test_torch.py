@@ -310,13 +310,57 @@ def test_torch_compile_backend_runs_an_unconverted_models_convolutions(monkeypat
     real_run = runtime.run
     monkeypatch.setattr(runtime, "run", lambda op, *a, **k: ops_run.append(op) or real_run(op, *a, **k))
     compiled = torch.compile(model, backend="convdsl")
+    for _ in range(2):  # compiles both graphs (again once the CPU kernels' first call has set torch's threads)
+        compiled(x.clone().requires_grad_()).square().sum().backward()
+    model.zero_grad(set_to_none=True)
+    ops_run.clear()
     xg = x.clone().requires_grad_()
-    y = compiled(xg)
-    y.square().sum().backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y = compiled(xg)
+        y.square().sum().backward()
     assert all(type(m) in (nn.Conv2d, nn.ConvTranspose2d, nn.BatchNorm2d, nn.ReLU, nn.Flatten, nn.Linear)
                for m in model)  # nothing converted
+    # the graphs call the operators' twins, which have no (Python) autograd or autocast kernel to pass through
+    called = sorted(e.name for e in prof.events() if e.name.startswith("convdsl::"))
+    # two forwards and the transposed one's dX; the transposed forward; two grad_inputs; three grad_weights
+    assert called == sorted(["convdsl::graph_convolution"] * 3 + ["convdsl::graph_conv_transpose"]
+                            + ["convdsl::graph_convolution_grad_input"] * 2
+                            + ["convdsl::graph_convolution_grad_weight"] * 3), called
     # 3 forwards (the transposed one as grad_input's kernel), 2 grad_inputs + the transposed one's forward, 3 grad_weights
     assert sorted(ops_run) == sorted(["forward"] * 3 + ["grad_input"] * 3 + ["grad_weight"] * 3), ops_run
+    assert _rel(y, want.detach()) <= 1e-5
+    assert _rel(xg.grad, xd.grad) <= 1e-4
+    for mine, exact in zip(model.parameters(), want_model.parameters()):
+        assert _rel(mine.grad, exact.grad) <= 1e-4
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
+                    reason="torch.compile's default backend (Inductor) needs a C++ compiler on the CPU")
+def test_torch_compile_backend_calls_a_converted_models_operators_as_their_graph_twins():
+    """A convert()ed model under backend="convdsl": its operator calls (forward, both gradients, a transposed
+    convolution) become the graph twins in Inductor's graphs; outputs and gradients as torch.nn's in float64."""
+    torch.manual_seed(1)
+    ref = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.ConvTranspose2d(8, 4, 2, stride=2),
+                        nn.Flatten(), nn.Linear(256, 3))
+    want_model = copy.deepcopy(ref).double()
+    x = torch.randn(2, 3, 4, 4)
+    xd = x.double().requires_grad_()
+    want = want_model(xd)
+    want.square().sum().backward()
+    model = ct.convert(ref)
+    compiled = torch.compile(model, backend="convdsl")
+    for _ in range(2):  # compiles both graphs (again once the CPU kernels' first call has set torch's threads)
+        compiled(x.clone().requires_grad_()).square().sum().backward()
+    model.zero_grad(set_to_none=True)
+    xg = x.clone().requires_grad_()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y = compiled(xg)
+        y.square().sum().backward()
+    called = sorted(e.name for e in prof.events() if e.name.startswith("convdsl::"))
+    # the transposed convolution's backward: dX as a forward, dW as grad_weight
+    assert called == sorted(["convdsl::graph_convolution"] * 2 + ["convdsl::graph_conv_transpose"]
+                            + ["convdsl::graph_convolution_grad_input"]
+                            + ["convdsl::graph_convolution_grad_weight"] * 2), called
     assert _rel(y, want.detach()) <= 1e-5
     assert _rel(xg.grad, xd.grad) <= 1e-4
     for mine, exact in zip(model.parameters(), want_model.parameters()):

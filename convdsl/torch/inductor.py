@@ -10,7 +10,8 @@ Inductor sees the graph) keeps aten's convolutions in the graph Inductor plans, 
 for cuDNN: a contiguous model's 2D convolutions take channels-last operands, its activations made so once, at
 the graph's input, and every kernel around them reads and writes them so (docs/decisions.md#compile-layouts).  Everything else is
 Inductor's: the graphs it generates call convdsl's operators as opaque kernels (on CUDA from C++ once planned,
-ops.py).  Layers convdsl has no kernel for (float64, integer dtypes, an empty batch) run PyTorch's convolution
+ops.py), their graph twins, which carry no autograd or autocast kernel for the dispatcher to pass through (a
+`convert()`ed model's operator calls become the twins too).  Layers convdsl has no kernel for (float64, integer dtypes, an empty batch) run PyTorch's convolution
 inside the operator, with the one-line warning of the eager path.
 
 The lowerings are installed only while this backend's graphs are lowered, and Inductor's compiled-graph caches
@@ -54,10 +55,10 @@ def _lowerings() -> dict:
             x, w = channels_last(x), channels_last(w)
         stride, padding, dilation = list(stride), list(padding), list(dilation)  # aten's padding is symmetric
         if transposed:
-            y = call(ops.conv_transpose, x, w, None, stride, padding, padding, list(output_padding), dilation,
+            y = call(ops.graph_conv_transpose, x, w, None, stride, padding, padding, list(output_padding), dilation,
                      groups)
         else:
-            y = call(ops.convolution, x, w, None, stride, padding, padding, dilation, groups)
+            y = call(ops.graph_convolution, x, w, None, stride, padding, padding, dilation, groups)
         if bias is None:
             return y
         # the bias as Inductor's add (C, 1, ...), which it fuses into whatever reads y next
@@ -74,19 +75,25 @@ def _lowerings() -> dict:
         dx = dw = db = None
         if transposed:  # conv_transpose(x) is grad_input's convolution: dX is the forward of dY, dW swaps roles
             if output_mask[0]:
-                dx = call(ops.convolution, dy, w, None, *args)
+                dx = call(ops.graph_convolution, dy, w, None, *args)
             if output_mask[1]:
-                dw = call(ops.convolution_grad_weight, dy, x, list(w.get_size()), *args)
+                dw = call(ops.graph_convolution_grad_weight, dy, x, list(w.get_size()), *args)
         else:
             if output_mask[0]:
-                dx = call(ops.convolution_grad_input, dy, w, list(x.get_size()), *args)
+                dx = call(ops.graph_convolution_grad_input, dy, w, list(x.get_size()), *args)
             if output_mask[1]:
-                dw = call(ops.convolution_grad_weight, x, dy, list(w.get_size()), *args)
+                dw = call(ops.graph_convolution_grad_weight, x, dy, list(w.get_size()), *args)
         if output_mask[2]:
             db = lowering.lowerings[aten.sum.dim_IntList](dy, [0, *range(2, len(dy.get_size()))])
         return dx, dw, db
 
-    return {aten.convolution.default: convolution, aten.convolution_backward.default: convolution_backward}
+    def twin(op):  # a convert()ed model's operator calls, as their graph twins
+        graph_op = getattr(ops, ops.GRAPH_TWINS[op._opname])
+        return lambda *args: call(graph_op, *args)
+
+    ours = {op: twin(op) for op in (ops.convolution, ops.convolution_grad_input, ops.convolution_grad_weight,
+                                    ops.conv_transpose)}
+    return {aten.convolution.default: convolution, aten.convolution_backward.default: convolution_backward, **ours}
 
 
 @contextlib.contextmanager

@@ -120,18 +120,31 @@ def bias_grad(dy: torch.Tensor) -> torch.Tensor:
 # 35 us a call, three times a layer in a compiled training step (docs/decisions.md#operator-registration).
 _library = torch.library.Library(LIB, "DEF")
 _CONV_ARGS = "int[] stride, int[] pad_lo, int[] pad_hi, int[] dilation, int groups"
-_library.define(f"convolution(Tensor x, Tensor w, Tensor? bias, {_CONV_ARGS}) -> Tensor")
-_library.define(f"convolution_grad_input(Tensor dy, Tensor w, int[] input_size, {_CONV_ARGS}) -> Tensor")
-_library.define(f"convolution_grad_weight(Tensor x, Tensor dy, int[] weight_size, {_CONV_ARGS}) -> Tensor")
-_library.define("conv_transpose(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] pad_lo, int[] pad_hi, "
-                "int[] output_padding, int[] dilation, int groups) -> Tensor")
+_SCHEMAS = {
+    "convolution": f"(Tensor x, Tensor w, Tensor? bias, {_CONV_ARGS}) -> Tensor",
+    "convolution_grad_input": f"(Tensor dy, Tensor w, int[] input_size, {_CONV_ARGS}) -> Tensor",
+    "convolution_grad_weight": f"(Tensor x, Tensor dy, int[] weight_size, {_CONV_ARGS}) -> Tensor",
+    "conv_transpose": "(Tensor x, Tensor w, Tensor? bias, int[] stride, int[] pad_lo, int[] pad_hi, "
+                      "int[] output_padding, int[] dilation, int groups) -> Tensor",
+}
+# Each operator has a twin for Inductor's generated graphs (inductor.py lowers to them): the same schema, kernels
+# and fake kernel, but no autograd formula and no autocast kernel.  Such a graph is past autograd and its casts
+# are explicit, yet the dispatcher enters an operator's autograd and autocast kernels whatever the grad mode, and
+# ours are Python (torch.library's): a few microseconds a call, three calls a layer in a host-bound step.
+GRAPH_TWINS = {name: f"graph_{name}" for name in _SCHEMAS}
+for _name, _schema in _SCHEMAS.items():
+    _library.define(_name + _schema)
+    _library.define(GRAPH_TWINS[_name] + _schema)
 # The three convolutions' CUDA kernels live in a library of their own: once the native extension has a program,
 # they are replaced by its C++ kernels (_take_native_operators), which run a planned signature without Python.
-_CUDA_KERNELS = (("convolution", _forward), ("convolution_grad_input", _grad_input),
-                 ("convolution_grad_weight", _grad_weight))
-for _name, _kernel in (*_CUDA_KERNELS, ("conv_transpose", _transposed)):
+_CUDA_KERNELS = tuple((name, kernel) for base, kernel in (("convolution", _forward),
+                                                          ("convolution_grad_input", _grad_input),
+                                                          ("convolution_grad_weight", _grad_weight))
+                      for name in (base, GRAPH_TWINS[base]))
+for _name, _kernel in (*_CUDA_KERNELS, ("conv_transpose", _transposed), ("graph_conv_transpose", _transposed)):
     _library.impl(_name, _kernel, "CPU")
-_library.impl("conv_transpose", _transposed, "CUDA")
+for _name in ("conv_transpose", "graph_conv_transpose"):
+    _library.impl(_name, _transposed, "CUDA")
 
 
 def _python_cuda_kernels() -> torch.library.Library:
@@ -168,10 +181,14 @@ convolution = torch.ops.convdsl.convolution.default
 convolution_grad_input = torch.ops.convdsl.convolution_grad_input.default
 convolution_grad_weight = torch.ops.convdsl.convolution_grad_weight.default
 conv_transpose = torch.ops.convdsl.conv_transpose.default
+graph_convolution = torch.ops.convdsl.graph_convolution.default
+graph_convolution_grad_input = torch.ops.convdsl.graph_convolution_grad_input.default
+graph_convolution_grad_weight = torch.ops.convdsl.graph_convolution_grad_weight.default
+graph_conv_transpose = torch.ops.convdsl.graph_conv_transpose.default
 
 
 @torch.library.register_fake(f"{LIB}::convolution", lib=_library)
-def _(x, w, bias, stride, pad_lo, pad_hi, dilation, groups):
+def _convolution_fake(x, w, bias, stride, pad_lo, pad_hi, dilation, groups):
     runtime.note("forward", x, w, spatial=x.shape[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
                  pad_hi=pad_hi, dilation=dilation, groups=groups)
     out = output_sizes(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, dilation)
@@ -210,14 +227,14 @@ torch.library.register_autograd(f"{LIB}::convolution", _convolution_backward, se
 #   grad_weight(x, dy) = dw:  d/dx = grad_input(dy, h),        d/d(dy) = conv(x, h)
 
 @torch.library.register_fake(f"{LIB}::convolution_grad_input", lib=_library)
-def _(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups):
+def _grad_input_fake(dy, w, input_size, stride, pad_lo, pad_hi, dilation, groups):
     runtime.note("grad_input", dy, w, spatial=input_size[2:], filt=w.shape[2:], stride=stride, pad_lo=pad_lo,
                  pad_hi=pad_hi, dilation=dilation, groups=groups)
     return _empty_like_format(input_size, dy, runtime.result_dtype(dy), w)
 
 
 @torch.library.register_fake(f"{LIB}::convolution_grad_weight", lib=_library)
-def _(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups):
+def _grad_weight_fake(x, dy, weight_size, stride, pad_lo, pad_hi, dilation, groups):
     runtime.note("grad_weight", x, dy, spatial=x.shape[2:], filt=weight_size[2:], stride=stride, pad_lo=pad_lo,
                  pad_hi=pad_hi, dilation=dilation, groups=groups)
     return _empty_like_format(weight_size, x, runtime.result_dtype(x))
@@ -269,7 +286,7 @@ torch.library.register_autograd(f"{LIB}::convolution_grad_weight", _grad_weight_
 # C_out, ...) as it stands.  So its backward is that convolution's forward (for x) and grad_weight (for w).
 
 @torch.library.register_fake(f"{LIB}::conv_transpose", lib=_library)
-def _(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups):
+def _transpose_fake(x, w, bias, stride, pad_lo, pad_hi, output_padding, dilation, groups):
     out = transposed_output_size(x.shape[2:], w.shape[2:], stride, pad_lo, pad_hi, output_padding, dilation)
     runtime.note("grad_input", x, w, spatial=out, filt=w.shape[2:], stride=stride, pad_lo=pad_lo, pad_hi=pad_hi,
                  dilation=dilation, groups=groups)
@@ -304,6 +321,11 @@ torch.library.register_autograd(f"{LIB}::conv_transpose", _transpose_backward, s
 # Under autocast the convolutions run in the autocast dtype of the region (bf16 or f16), as torch.nn's do:
 # autocast leaves custom operators alone unless they register a kernel for its dispatch key.  The casts are
 # ordinary ops, so autograd carries the gradients back to the parameters' dtype.
+
+for _name, _fake in (("convolution", _convolution_fake), ("convolution_grad_input", _grad_input_fake),
+                     ("convolution_grad_weight", _grad_weight_fake), ("conv_transpose", _transpose_fake)):
+    torch.library.register_fake(f"{LIB}::{GRAPH_TWINS[_name]}", _fake, lib=_library)
+
 
 def _register_autocast(op, device_type: str) -> None:
     key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type))

@@ -650,9 +650,13 @@ void take_operators(const std::string& ns, py::object forward, py::object grad_i
   all.python[kGradWeightOp] = std::move(grad_weight);
   all.library = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::CUDA, __FILE__,
                                                  __LINE__);
+  // each with its twin for Inductor's graphs (ops.py's GRAPH_TWINS: no autograd or autocast kernel)
   all.library->impl("convolution", &forward_operator);
+  all.library->impl("graph_convolution", &forward_operator);
   all.library->impl("convolution_grad_input", &grad_input_operator);
+  all.library->impl("graph_convolution_grad_input", &grad_input_operator);
   all.library->impl("convolution_grad_weight", &grad_weight_operator);
+  all.library->impl("graph_convolution_grad_weight", &grad_weight_operator);
 }
 
 // A planned call's program (runtime.run, from its second call), for the operator calls of its signature.
