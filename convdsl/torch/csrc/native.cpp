@@ -129,6 +129,12 @@ struct Launch {
   std::vector<std::pair<int, int>> params;  // (kind, buffer slot or map index)
   std::vector<TensorMapSpec> maps;
 
+  Launch() = default;
+  Launch(uint64_t function, std::array<unsigned, 3> grid, unsigned threads, unsigned shared_bytes, std::string name,
+         std::vector<std::pair<int, int>> params, std::vector<TensorMapSpec> maps)
+      : function(reinterpret_cast<CUfunction>(function)), grid(grid), threads(threads), shared_bytes(shared_bytes),
+        name(std::move(name)), params(std::move(params)), maps(std::move(maps)) {}
+
   void run(CUstream stream, const std::vector<at::Tensor>& buffers) const {
     alignas(64) CUtensorMap descriptors[kMaxMaps];
     std::array<uint64_t, kMaxParams> values{};
@@ -225,16 +231,9 @@ struct Program {
       TORCH_CHECK(kind != kPointer || index < buffers, "convdsl: launch ", name, " reads buffer ", index,
                   " before it exists");
     }
-    Launch l;
-    l.function = reinterpret_cast<CUfunction>(function);
-    l.grid = grid;
-    l.threads = threads;
-    l.shared_bytes = shared_bytes;
-    l.name = std::move(name);
-    l.params = std::move(params);
-    l.maps = std::move(maps);
     steps.push_back({kLaunch, 0, 0, static_cast<int>(launches.size()), {}, {}, at::kFloat});
-    launches.push_back(std::move(l));
+    launches.emplace_back(function, grid, threads, shared_bytes, std::move(name), std::move(params),
+                          std::move(maps));
   }
 
   at::Tensor run(const at::Tensor& a, const at::Tensor& b) const {
@@ -398,13 +397,7 @@ struct BatchNormPlan {
            std::string name, std::vector<std::pair<int, int>> params) {
     TORCH_CHECK(which >= 0 && which < 4 && params.size() <= kMaxParams, "convdsl: fused BatchNorm launch ", name,
                 ": expected one of 4 launches with at most ", kMaxParams, " parameters");
-    Launch& l = launches[which];
-    l.function = reinterpret_cast<CUfunction>(function);
-    l.grid = grid;
-    l.threads = threads;
-    l.shared_bytes = shared_bytes;
-    l.name = std::move(name);
-    l.params = std::move(params);
+    launches[which] = Launch(function, grid, threads, shared_bytes, std::move(name), std::move(params), {});
   }
 };
 
