@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import socket
+from typing import Callable
 
 import pytest
 
@@ -290,6 +291,22 @@ def test_torch_compile_with_inductor_on_the_cpu():
     assert _rel(y, want.detach().double()) <= 1e-5 and _rel(grad, x.grad.double()) <= 1e-5
 
 
+def _compiled_step(model: nn.Module, x: torch.Tensor,
+                   before_profiled: Callable[[], object] = lambda: None) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """One training step of torch.compile(model, backend="convdsl") after two that compile its graphs (again once
+    the CPU kernels' first call has set PyTorch's threads): its output, input and the convdsl operators called."""
+    compiled = torch.compile(model, backend="convdsl")
+    for _ in range(2):
+        compiled(x.clone().requires_grad_()).square().sum().backward()
+    model.zero_grad(set_to_none=True)
+    before_profiled()
+    xg = x.clone().requires_grad_()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y = compiled(xg)
+        y.square().sum().backward()
+    return y, xg, sorted(e.name for e in prof.events() if e.name.startswith("convdsl::"))
+
+
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
                     reason="torch.compile's default backend (Inductor) needs a C++ compiler on the CPU")
 def test_torch_compile_backend_runs_an_unconverted_models_convolutions(monkeypatch):
@@ -309,19 +326,10 @@ def test_torch_compile_backend_runs_an_unconverted_models_convolutions(monkeypat
     ops_run = []
     real_run = runtime.run
     monkeypatch.setattr(runtime, "run", lambda op, *a, **k: ops_run.append(op) or real_run(op, *a, **k))
-    compiled = torch.compile(model, backend="convdsl")
-    for _ in range(2):  # compiles both graphs (again once the CPU kernels' first call has set torch's threads)
-        compiled(x.clone().requires_grad_()).square().sum().backward()
-    model.zero_grad(set_to_none=True)
-    ops_run.clear()
-    xg = x.clone().requires_grad_()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        y = compiled(xg)
-        y.square().sum().backward()
+    y, xg, called = _compiled_step(model, x, ops_run.clear)
     assert all(type(m) in (nn.Conv2d, nn.ConvTranspose2d, nn.BatchNorm2d, nn.ReLU, nn.Flatten, nn.Linear)
                for m in model)  # nothing converted
     # the graphs call the operators' twins, which have no (Python) autograd or autocast kernel to pass through
-    called = sorted(e.name for e in prof.events() if e.name.startswith("convdsl::"))
     # two forwards and the transposed one's dX; the transposed forward; two grad_inputs; three grad_weights
     assert called == sorted(["convdsl::graph_convolution"] * 3 + ["convdsl::graph_conv_transpose"]
                             + ["convdsl::graph_convolution_grad_input"] * 2
@@ -348,15 +356,7 @@ def test_torch_compile_backend_calls_a_converted_models_operators_as_their_graph
     want = want_model(xd)
     want.square().sum().backward()
     model = ct.convert(ref)
-    compiled = torch.compile(model, backend="convdsl")
-    for _ in range(2):  # compiles both graphs (again once the CPU kernels' first call has set torch's threads)
-        compiled(x.clone().requires_grad_()).square().sum().backward()
-    model.zero_grad(set_to_none=True)
-    xg = x.clone().requires_grad_()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        y = compiled(xg)
-        y.square().sum().backward()
-    called = sorted(e.name for e in prof.events() if e.name.startswith("convdsl::"))
+    y, xg, called = _compiled_step(model, x)
     # the transposed convolution's backward: dX as a forward, dW as grad_weight
     assert called == sorted(["convdsl::graph_convolution"] * 2 + ["convdsl::graph_conv_transpose"]
                             + ["convdsl::graph_convolution_grad_input"]

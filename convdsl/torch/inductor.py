@@ -10,7 +10,7 @@ Inductor sees the graph) keeps aten's convolutions in the graph Inductor plans, 
 for cuDNN: a contiguous model's 2D convolutions take channels-last operands, its activations made so once, at
 the graph's input, and every kernel around them reads and writes them so (docs/decisions.md#compile-layouts).  Everything else is
 Inductor's: the graphs it generates call convdsl's operators as opaque kernels (on CUDA from C++ once planned,
-ops.py), their graph twins, which carry no autograd or autocast kernel for the dispatcher to pass through (a
+ops.py), their graph twins, which have no autograd or autocast kernel for the dispatcher to pass through (a
 `convert()`ed model's operator calls become the twins too).  Layers convdsl has no kernel for (float64, integer dtypes, an empty batch) run PyTorch's convolution
 inside the operator, with the one-line warning of the eager path.
 
