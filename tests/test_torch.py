@@ -291,8 +291,8 @@ def test_torch_compile_with_inductor_on_the_cpu():
     assert _rel(y, want.detach().double()) <= 1e-5 and _rel(grad, x.grad.double()) <= 1e-5
 
 
-def _compiled_step(model: nn.Module, x: torch.Tensor,
-                   before_profiled: Callable[[], object] = lambda: None) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def _compiled_step(model: nn.Module, x: torch.Tensor, before_profiled: Callable[[], object] = lambda: None
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """One training step of torch.compile(model, backend="convdsl") after two that compile its graphs (again once
     the CPU kernels' first call has set PyTorch's threads): its output, input and the convdsl operators called."""
     compiled = torch.compile(model, backend="convdsl")
