@@ -3,16 +3,17 @@
     import convdsl.torch
     compiled = torch.compile(model, backend="convdsl")    # the model's torch.nn convolutions, untouched
 
-This is Inductor with two lowerings of its own: aten.convolution becomes convdsl's forward or transposed-
-convolution operator, and aten.convolution_backward convdsl's grad_input / grad_weight operators and the bias sum,
-exactly the calls a `convert()`ed model's autograd formulas make.  Lowering (rather than decomposing before
-Inductor sees the graph) keeps aten's convolutions in the graph Inductor plans, so its layout optimisation runs as
-for cuDNN: a contiguous model's 2D convolutions take channels-last operands, its activations made so once, at
-the graph's input, and every kernel around them reads and writes them so (docs/decisions.md#compile-layouts).  Everything else is
-Inductor's: the graphs it generates call convdsl's operators as opaque kernels (on CUDA from C++ once planned,
-ops.py), their graph twins, which have no autograd or autocast kernel for the dispatcher to pass through (a
-`convert()`ed model's operator calls become the twins too).  Layers convdsl has no kernel for (float64, integer dtypes, an empty batch) run PyTorch's convolution
-inside the operator, with the one-line warning of the eager path.
+This is Inductor with lowerings of its own: aten.convolution becomes convdsl's forward or transposed-convolution
+operator, and aten.convolution_backward convdsl's grad_input / grad_weight operators and the bias sum, exactly the
+calls a `convert()`ed model's autograd formulas make.  Lowering (rather than decomposing before Inductor sees the
+graph) keeps aten's convolutions in the graph Inductor plans, so its layout optimisation runs as for cuDNN: a
+contiguous model's 2D convolutions take channels-last operands, its activations made so once, at the graph's
+input, and every kernel around them reads and writes them so (docs/decisions.md#compile-layouts).  Everything
+else is Inductor's: the graphs it generates call convdsl's operators as opaque kernels (on CUDA from C++ once
+planned, ops.py), as their graph twins, which have no autograd or autocast kernel for the dispatcher to pass
+through (a `convert()`ed model's operator calls become the twins too).  Layers convdsl has no kernel for (float64,
+integer dtypes, an empty batch) run PyTorch's convolution inside the operator, with the one-line warning of the
+eager path.
 
 The lowerings are installed only while this backend's graphs are lowered, and Inductor's compiled-graph caches
 are off for them: a graph of aten's convolutions cached by plain torch.compile would otherwise be taken for
