@@ -291,6 +291,15 @@ def test_torch_compile_with_inductor_on_the_cpu():
     assert _rel(y, want.detach().double()) <= 1e-5 and _rel(grad, x.grad.double()) <= 1e-5
 
 
+def _assert_step_as_float64(y: torch.Tensor, xg: torch.Tensor, model: nn.Module, want: torch.Tensor,
+                            xd: torch.Tensor, want_model: nn.Module) -> None:
+    """A compiled step's output, input gradient and parameter gradients against the float64 model's."""
+    assert _rel(y, want.detach()) <= 1e-5
+    assert _rel(xg.grad, xd.grad) <= 1e-4
+    for mine, exact in zip(model.parameters(), want_model.parameters()):
+        assert _rel(mine.grad, exact.grad) <= 1e-4
+
+
 def _compiled_step(model: nn.Module, x: torch.Tensor, before_profiled: Callable[[], object] = lambda: None
                    ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """One training step of torch.compile(model, backend="convdsl") after two that compile its graphs (again once
@@ -336,10 +345,7 @@ def test_torch_compile_backend_runs_an_unconverted_models_convolutions(monkeypat
                             + ["convdsl::graph_convolution_grad_weight"] * 3), called
     # kernels: forward for 2 forwards and the transposed one's dX, grad_input for 2 and the transposed forward
     assert sorted(ops_run) == sorted(["forward"] * 3 + ["grad_input"] * 3 + ["grad_weight"] * 3), ops_run
-    assert _rel(y, want.detach()) <= 1e-5
-    assert _rel(xg.grad, xd.grad) <= 1e-4
-    for mine, exact in zip(model.parameters(), want_model.parameters()):
-        assert _rel(mine.grad, exact.grad) <= 1e-4
+    _assert_step_as_float64(y, xg, model, want, xd, want_model)
 
 
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
@@ -361,10 +367,7 @@ def test_torch_compile_backend_calls_a_converted_models_operators_as_their_graph
     assert called == sorted(["convdsl::graph_convolution"] * 2 + ["convdsl::graph_conv_transpose"]
                             + ["convdsl::graph_convolution_grad_input"]
                             + ["convdsl::graph_convolution_grad_weight"] * 2), called
-    assert _rel(y, want.detach()) <= 1e-5
-    assert _rel(xg.grad, xd.grad) <= 1e-4
-    for mine, exact in zip(model.parameters(), want_model.parameters()):
-        assert _rel(mine.grad, exact.grad) <= 1e-4
+    _assert_step_as_float64(y, xg, model, want, xd, want_model)
 
 
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
@@ -400,10 +403,7 @@ def test_torch_compile_backend_keeps_inductors_layout_optimisation(monkeypatch):
     y.square().sum().backward()
     assert sorted(op for op, *_ in seen) == sorted(["forward"] * 3 + ["grad_input"] * 3 + ["grad_weight"] * 3)
     assert not any(a or b for _, a, b in seen), seen  # every activation channels-last, grad_weight's dY too
-    assert _rel(y, want_model(xd).detach()) <= 1e-5
-    assert _rel(xg.grad, xd.grad) <= 1e-4
-    for mine, exact in zip(model.parameters(), want_model.parameters()):
-        assert _rel(mine.grad, exact.grad) <= 1e-4
+    _assert_step_as_float64(y, xg, model, want_model(xd), xd, want_model)
 
 
 def test_operator_registrations_pass_opcheck():
