@@ -562,13 +562,14 @@ def numeric_tensors(device: str = "cuda", seed: int = 0) -> tuple[torch.Tensor, 
     return x, w, dy
 
 
-def numeric_ops(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """forward, grad_input and grad_weight of NUMERIC's convolution through convdsl's operators."""
+def numeric_ops(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, prefix: str = "") -> tuple[torch.Tensor, ...]:
+    """forward, grad_input and grad_weight of NUMERIC's convolution through convdsl's operators (prefix "graph_":
+    their graph twins, which torch.compile's graphs call)."""
     one, pad = [1, 1], [1, 1]
     ops = torch.ops.convdsl
-    return (ops.convolution(x, w, None, one, pad, pad, one, 1),
-            ops.convolution_grad_input(dy, w, list(x.shape), one, pad, pad, one, 1),
-            ops.convolution_grad_weight(x, dy, list(w.shape), one, pad, pad, one, 1))
+    return (getattr(ops, prefix + "convolution")(x, w, None, one, pad, pad, one, 1),
+            getattr(ops, prefix + "convolution_grad_input")(dy, w, list(x.shape), one, pad, pad, one, 1),
+            getattr(ops, prefix + "convolution_grad_weight")(x, dy, list(w.shape), one, pad, pad, one, 1))
 
 
 def numeric_reference(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -688,10 +689,12 @@ def test_double_backward_through_the_native_launcher(channels_last, monkeypatch)
         assert _rel(got, want) <= 1e-4
 
 
-def test_operator_calls_run_native_kernels_once_planned():
-    """The operators (torch.compile's graphs call them) take native.cpp's CUDA kernels once a planned call has a
-    program: repeated calls run without the Python kernel, a signature not seen yet still goes through it, results
-    against float64, and a bad call keeps torch.nn's error type on its way through the C++ kernel."""
+@pytest.mark.parametrize("prefix", ["", "graph_"], ids=["operators", "graph_twins"])
+def test_operator_calls_run_native_kernels_once_planned(prefix):
+    """The operators and their graph twins (torch.compile's graphs call them) take native.cpp's CUDA kernels once a
+    planned call has a program: repeated calls run without the Python kernel, a signature not seen yet still goes
+    through it, results against float64, and a bad call keeps torch.nn's error type on its way through the C++
+    kernel."""
     from convdsl.torch import ops
 
     assert native.extension() is not None
@@ -701,7 +704,7 @@ def test_operator_calls_run_native_kernels_once_planned():
     python_run = runtime.run
 
     for _ in range(3):  # the first call plans, the second makes the program, then the native kernels take over
-        got = numeric_ops(x, w, dy)
+        got = numeric_ops(x, w, dy, prefix)
     assert ops._native_operators and runtime.native_programs()
     for g, r in zip(got, want):
         assert _rel(g.double(), r) < 1e-2
@@ -713,13 +716,13 @@ def test_operator_calls_run_native_kernels_once_planned():
         return python_run(*args, **kwargs)
 
     with mock.patch.object(runtime, "run", counted):  # what every Python kernel calls
-        again = numeric_ops(x, w, dy)
+        again = numeric_ops(x, w, dy, prefix)
     assert calls["n"] == 0 and torch.equal(again[1], got[1])
     # another batch size: the C++ kernel hands it to the Python kernel, which plans it; same numbers per image
-    half = numeric_ops(x[:16], w, dy[:16])
+    half = numeric_ops(x[:16], w, dy[:16], prefix)
     assert _rel(half[0].double(), want[0][:16]) < 1e-2 and _rel(half[1].double(), want[1][:16]) < 1e-2
     with pytest.raises(RuntimeError, match="groups"):
-        torch.ops.convdsl.convolution(x, w, None, [1, 1], [1, 1], [1, 1], [1, 1], 3)
+        getattr(torch.ops.convdsl, prefix + "convolution")(x, w, None, [1, 1], [1, 1], [1, 1], [1, 1], 3)
 
 
 def test_a_step_recorded_on_the_cpu_needs_no_other_kernel_on_cuda(tmp_path, monkeypatch):
