@@ -406,6 +406,39 @@ def test_torch_compile_backend_keeps_inductors_layout_optimisation(monkeypatch):
     _assert_step_as_float64(y, xg, model, want_model(xd), xd, want_model)
 
 
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
+                    reason="torch.compile's default backend (Inductor) needs a C++ compiler on the CPU")
+def test_torch_compile_backend_keeps_a_channels_last_3d_models_layout(monkeypatch):
+    """A channels-last-3d model (a video network, whose convolutions Inductor's layout optimisation leaves alone):
+    every convolution, forward and both gradients, gets its activations (and grad_weight its dY) channels-last,
+    so that no kernel transposes them on its calls; results as torch.nn's in float64."""
+    from convdsl.torch import runtime
+
+    torch.manual_seed(2)
+    cl3d = torch.channels_last_3d
+    model = nn.Sequential(nn.Conv3d(3, 8, (1, 3, 3), padding=(0, 1, 1), bias=False), nn.BatchNorm3d(8), nn.ReLU(),
+                          nn.Conv3d(8, 8, (3, 1, 1), stride=(2, 1, 1), padding=(1, 0, 0)), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(8 * 2 * 4 * 4, 3)).to(memory_format=cl3d)
+    x = torch.randn(2, 3, 4, 4, 4).contiguous(memory_format=cl3d)
+    want_model = copy.deepcopy(model).double()
+    xd = x.double().requires_grad_()
+    want = want_model(xd)
+    want.square().sum().backward()
+    seen = []
+    real_run = runtime.run
+
+    def spy(op, a, b, **kwargs):
+        dy_too = op != "grad_weight" or b.is_contiguous(memory_format=cl3d)
+        seen.append((op, a.is_contiguous(memory_format=cl3d) and dy_too))
+        return real_run(op, a, b, **kwargs)
+    monkeypatch.setattr(runtime, "run", spy)
+    y, xg, _ = _compiled_step(model, x, seen.clear)
+    # dX of both convolutions (the step's input asks for its gradient too)
+    assert sorted(op for op, _ in seen) == sorted(["forward", "grad_input", "grad_weight"] * 2), seen
+    assert all(ok for _, ok in seen), seen
+    _assert_step_as_float64(y, xg, model, want, xd, want_model)
+
+
 def test_operator_registrations_pass_opcheck():
     """torch.library's own check of each operator: schema, fake kernel against the real one, autograd
     registration, and AOT dispatch (what torch.compile runs)."""
