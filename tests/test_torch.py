@@ -300,6 +300,16 @@ def _assert_step_as_float64(y: torch.Tensor, xg: torch.Tensor, model: nn.Module,
         assert _rel(mine.grad, exact.grad) <= 1e-4
 
 
+def _float64_step(model: nn.Module, x: torch.Tensor) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The reference for _assert_step_as_float64: a float64 copy of model, x as float64 and its output after the
+    step's backward."""
+    want_model = copy.deepcopy(model).double()
+    xd = x.double().requires_grad_()
+    want = want_model(xd)
+    want.square().sum().backward()
+    return want_model, xd, want
+
+
 def _compiled_step(model: nn.Module, x: torch.Tensor, before_profiled: Callable[[], object] = lambda: None
                    ) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """One training step of torch.compile(model, backend="convdsl") after two that compile its graphs (again once
@@ -328,10 +338,7 @@ def test_torch_compile_backend_runs_an_unconverted_models_convolutions(monkeypat
                           nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=4), nn.ReLU(),
                           nn.ConvTranspose2d(8, 4, 2, stride=2), nn.Flatten(), nn.Linear(256, 3))
     x = torch.randn(2, 3, 8, 8)
-    want_model = copy.deepcopy(model).double()
-    xd = x.double().requires_grad_()
-    want = want_model(xd)
-    want.square().sum().backward()
+    want_model, xd, want = _float64_step(model, x)
     ops_run = []
     real_run = runtime.run
     monkeypatch.setattr(runtime, "run", lambda op, *a, **k: ops_run.append(op) or real_run(op, *a, **k))
@@ -356,11 +363,8 @@ def test_torch_compile_backend_calls_a_converted_models_operators_as_their_graph
     torch.manual_seed(1)
     ref = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.ConvTranspose2d(8, 4, 2, stride=2),
                         nn.Flatten(), nn.Linear(256, 3))
-    want_model = copy.deepcopy(ref).double()
     x = torch.randn(2, 3, 4, 4)
-    xd = x.double().requires_grad_()
-    want = want_model(xd)
-    want.square().sum().backward()
+    want_model, xd, want = _float64_step(ref, x)
     model = ct.convert(ref)
     y, xg, called = _compiled_step(model, x)
     # the transposed convolution's backward: dX as a forward, dW as grad_weight
@@ -387,9 +391,7 @@ def test_torch_compile_backend_keeps_inductors_layout_optimisation(monkeypatch):
                           nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=2, bias=True), nn.ReLU(),
                           nn.ConvTranspose2d(8, 4, 2, stride=2), nn.Flatten(), nn.Linear(256, 3))
     x = torch.randn(2, 3, 8, 8)
-    want_model = copy.deepcopy(model).double()
-    xd = x.double().requires_grad_()
-    want_model(xd).square().sum().backward()
+    want_model, xd, want = _float64_step(model, x)
     seen = []
     real_run = runtime.run
 
@@ -403,7 +405,7 @@ def test_torch_compile_backend_keeps_inductors_layout_optimisation(monkeypatch):
     y.square().sum().backward()
     assert sorted(op for op, *_ in seen) == sorted(["forward"] * 3 + ["grad_input"] * 3 + ["grad_weight"] * 3)
     assert not any(a or b for _, a, b in seen), seen  # every activation channels-last, grad_weight's dY too
-    _assert_step_as_float64(y, xg, model, want_model(xd), xd, want_model)
+    _assert_step_as_float64(y, xg, model, want, xd, want_model)
 
 
 @pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
@@ -420,10 +422,7 @@ def test_torch_compile_backend_keeps_a_channels_last_3d_models_layout(monkeypatc
                           nn.Conv3d(8, 8, (3, 1, 1), stride=(2, 1, 1), padding=(1, 0, 0)), nn.ReLU(),
                           nn.Flatten(), nn.Linear(8 * 2 * 4 * 4, 3)).to(memory_format=cl3d)
     x = torch.randn(2, 3, 4, 4, 4).contiguous(memory_format=cl3d)
-    want_model = copy.deepcopy(model).double()
-    xd = x.double().requires_grad_()
-    want = want_model(xd)
-    want.square().sum().backward()
+    want_model, xd, want = _float64_step(model, x)
     seen = []
     real_run = runtime.run
 
