@@ -262,13 +262,14 @@ def _host_ms_per_step(step: Callable[[int], float], steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def _host_profile(step: Callable[[int], float], steps: int, top: int = 15) -> list[list]:
+def _host_profile(step: Callable[[int], float], steps: int, top: int = 25) -> list[list]:
     """Where a step's host time goes: the operators and runtime calls with the most self CPU time, per step
-    ([name, microseconds, calls]), from PyTorch's profiler; to tell two backends' host-bound steps apart."""
+    ([name, microseconds, calls]), from PyTorch's profiler; to tell two backends' host-bound steps apart.  CUDA
+    activity is on so that the CUDA runtime's calls (launches, allocations, synchronisations) are listed too."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
             step(i)
         torch.cuda.synchronize()

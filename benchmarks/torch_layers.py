@@ -45,8 +45,12 @@ def main(argv=None) -> int:
     ap.add_argument("--format", default="channels_last", help="with --problems: contiguous or channels_last")
     ap.add_argument("--no-reference", action="store_true",
                     help="check each result against cuDNN's instead of a float64 reference (faster)")
+    ap.add_argument("--cudnn-benchmark", action="store_true",
+                    help="let cuDNN time its algorithms for each shape (torch.backends.cudnn.benchmark, as "
+                         "benchmarks/models.py trains) instead of PyTorch's default heuristics")
     ap.add_argument("--out", type=Path, required=True, help="directory for the results JSON")
     args = ap.parse_args(argv)
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     if args.problems is not None:
         return _models(args)
 
@@ -84,7 +88,8 @@ def main(argv=None) -> int:
                "by_op_ms": by_op, "all_correct": all(r["ok"] for r in rows)}
     versions = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                 "cudnn": torch.backends.cudnn.version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "command": "python3 benchmarks/torch_layers.py --bundle BUNDLE --out DIR", "bundle": args.bundle.name}
+                "command": "python3 benchmarks/torch_layers.py --bundle BUNDLE"
+                           + (" --cudnn-benchmark" if args.cudnn_benchmark else "") + " --out DIR", "bundle": args.bundle.name}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"layers-{versions['device'].replace(' ', '_')}-{versions['date'][:10]}.json"
     path.write_text(json.dumps({"versions": versions, "summary": summary, "results": rows}, indent=1) + "\n")
@@ -190,9 +195,10 @@ def _models(args) -> int:
                 "cudnn": torch.backends.cudnn.version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "command": "python3 benchmarks/torch_layers.py --problems PROBLEMS --format "
                            f"{args.format} --models {','.join(models)}" + (" --no-reference" if args.no_reference else "")
-                           + " --out DIR"}
+                           + (" --cudnn-benchmark" if args.cudnn_benchmark else "") + " --out DIR"}
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"model-layers-{args.format}-{versions['device'].replace(' ', '_')}-{versions['date'][:10]}.json"
+    tag = "-cudnn-benchmark" if args.cudnn_benchmark else ""
+    path = args.out / f"model-layers-{args.format}{tag}-{versions['device'].replace(' ', '_')}-{versions['date'][:10]}.json"
     path.write_text(json.dumps({"versions": versions, "summary": summary, "results": rows}, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "models"}))
     print(f"wrote {path}")

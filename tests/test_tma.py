@@ -280,7 +280,7 @@ def test_wide_forward_tiles_where_they_take_fewer_waves(channels, size, stride, 
 
 def test_narrow_forward_tiles_take_256_rows_over_wide_reductions():
     # 64 columns over 128 channels a tap: two warp groups of 128 rows each (docs/decisions.md#tma-narrow)
-    p = BASE.with_(batch=8, in_channels=128, out_channels=64, input=(12, 12), filter=(3, 3), pad_lo=(1, 1),
+    p = BASE.with_(batch=64, in_channels=128, out_channels=64, input=(28, 28), filter=(3, 3), pad_lo=(1, 1),
                    pad_hi=(1, 1))
     tiles = policy.tma_forward_tiles(p, HOPPER)
     assert (tiles.block_m, tiles.block_n, tiles.warps, tiles.stages) == (256, 64, 8, 4)
@@ -321,7 +321,11 @@ def test_stride_one_grad_input_runs_as_forward_reading_the_weight_flipped(p):
     assert policy.grad_input_as_forward(p.with_(pad_lo=(p.filter[0] * p.dilation[0],) * p.dims)) is None
     if gluon_tma_im2col():  # a GKCYX weight keeps its taps inside: no tile of it is a box
         assert policy.tma_stream_launch(p.with_(weight_layout="GKCYX"), HOPPER, Knobs()) is None
-        assert policy.tma_stream_launch(p, HOPPER, Knobs())[2] is True
+        # taken flipped, unless the cp.async kernel runs it faster (48 channels of dY: 16 a step over the taps)
+        slower = policy.tma_forward_slower(q, HOPPER)
+        assert (p.out_channels % 32 != 0) == (slower is not None)
+        launch = policy.tma_stream_launch(p, HOPPER, Knobs())
+        assert launch is None if slower else launch[2] is True
 
 
 @pytest.mark.parametrize("p", [
@@ -348,6 +352,53 @@ def test_tf32_grad_input_runs_as_forward_over_the_reversed_weight_copy(p):
         forward_tma_launch(q, policy.tma_forward_tiles(q, HOPPER), "k", flipped=True, reversed_copy=True)
 
 
+
+R21 = BASE.with_(dims=3, batch=8, in_channels=64, out_channels=144, input=(8, 56, 56), filter=(1, 3, 3),
+                 stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(0, 1, 1), pad_hi=(0, 1, 1), dtype="bf16")
+
+
+def test_forward_tiles_fit_the_columns_and_the_programs():
+    # r2plus1d_18's (2+1)D layers (docs/decisions.md#tma-forward-fit): K = 144 over several taps computes 192
+    # columns in 64-wide tiles of two warp groups, not 256 in 128-wide ones
+    assert policy.tma_forward_tiles(R21, HOPPER).label() == "t256x64x64w8s4"
+    assert policy.tma_forward_tiles(R21.with_(out_channels=192), HOPPER).label() == "t256x64x64w8s4"
+    # 1x1 layers keep 128-wide columns (measured both ways), as do K that fill them or leave more than 64 over
+    one_tap = R21.with_(filter=(1, 1, 1), pad_lo=(0, 0, 0), pad_hi=(0, 0, 0))
+    for p in (one_tap, R21.with_(out_channels=128), R21.with_(out_channels=224), R21.with_(groups=2, in_channels=128,
+                                                                                            out_channels=288)):
+        assert policy.tma_forward_tiles(p, HOPPER).block_n == 128, p.describe()
+    # 128-row tiles that leave more than half the SMs without one take 64 rows: the late 7x7 layers
+    late = R21.with_(in_channels=1152, out_channels=512, input=(1, 7, 7), filter=(3, 1, 1), pad_lo=(1, 0, 0),
+                     pad_hi=(1, 0, 0))
+    assert policy.tma_forward_tiles(late, HOPPER).label() == "t64x128x64w4s4"
+    assert policy.tma_forward_tiles(late.with_(batch=64), HOPPER).block_m == 128  # 196 tiles of 128 rows
+    assert policy.tma_forward_tiles(late.with_(dtype="f32", compute="tf32"), HOPPER).block_m == 128  # TF32's own
+
+
+def test_forwards_the_cp_async_kernel_runs_faster_keep_it():
+    # 16 channels a step over several taps, and few tiles over a long reduction: the cp.async kernel
+    # (docs/decisions.md#tma-forward-fit); the TMA kernel could take both (tma_forward_reason)
+    sixteen = R21.with_(in_channels=144, out_channels=64, filter=(3, 1, 1), pad_lo=(1, 0, 0), pad_hi=(1, 0, 0))
+    long = R21.with_(in_channels=1152, out_channels=512, input=(1, 7, 7))  # 9 taps x 18 steps, 16 tiles
+    for p in (sixteen, long):
+        assert policy.tma_forward_reason(p, HOPPER) in (None, "the installed Triton has no Gluon TMA im2col copies "
+                                                              "(Triton 3.9 has)")
+        assert policy.tma_forward_slower(p, HOPPER) is not None, p.describe()
+    assert "16 channels a step" in policy.tma_forward_slower(sixteen, HOPPER)
+    assert "split-K" in policy.tma_forward_slower(long, HOPPER)
+    # one tap, 32 channels a step, a shorter reduction (3 taps x 18 steps), many tiles, f32: the rules as before
+    for p in (sixteen.with_(filter=(1, 1, 1), pad_lo=(0, 0, 0), pad_hi=(0, 0, 0)), sixteen.with_(in_channels=160),
+              long.with_(filter=(3, 1, 1), pad_lo=(1, 0, 0), pad_hi=(1, 0, 0)), long.with_(batch=64),
+              long.with_(dtype="f32", compute="tf32")):
+        assert policy.tma_forward_slower(p, HOPPER) is None, p.describe()
+    # the same rules hold for a stride-1 grad_input, run as the forward over the flipped weight: r2plus1d_18's
+    # grad_input into 512 channels from 1152 splits its reduction on the cp.async kernel
+    dgrad = R21.with_(op="grad_input", in_channels=512, out_channels=1152, input=(1, 7, 7))
+    assert policy.tma_forward_slower(policy.grad_input_as_forward(dgrad), HOPPER) is not None
+    planned = stream.planned_stream_kernel(dgrad, HOPPER, Knobs())
+    assert "TMA" not in planned.describe() and "split-K" in planned.describe()
+
+
 def test_tf32_narrow_forwards_take_256_rows_over_long_reductions():
     # one-pass TF32 with at most 64 columns: 256 x 64 tiles of two warp groups where a tile's reduction takes
     # TF32_NARROW_STEPS steps (32 channels each) or more: CK 15's and U-Net's 3D grad_inputs as forwards, not
@@ -365,7 +416,7 @@ def test_tf32_narrow_forwards_take_256_rows_over_long_reductions():
     assert tiles("grad_input", 128, 64, 3).block_m == 128  # 128 columns
     assert tiles("forward", 128, 64, 3).label() == "t256x64x32w8s4"  # a forward alike
     # 16-bit keeps its own rule: 128 reduction channels a tap or more
-    assert policy.tma_forward_tiles(BASE.with_(in_channels=64, out_channels=64, dims=3, input=(6,) * 3,
+    assert policy.tma_forward_tiles(BASE.with_(batch=8, in_channels=64, out_channels=64, dims=3, input=(16,) * 3,
                                                filter=(3,) * 3, stride=(1,) * 3, dilation=(1,) * 3,
                                                pad_lo=(1,) * 3, pad_hi=(1,) * 3), HOPPER).block_m == 128
 
@@ -620,13 +671,15 @@ def test_promoted_and_reversed_copy_kernels_compile():
 
 @needs_gluon
 def test_tma_kernel_compiles_and_its_record_round_trips():
-    kernel = stream.planned_stream_kernel(BASE.with_(in_channels=64, out_channels=128), HOPPER, Knobs(), compile=True)
+    # enough rows for 128-row tiles (fewer tiles than half the SMs take 64 rows: #tma-forward-fit)
+    kernel = stream.planned_stream_kernel(BASE.with_(batch=256, in_channels=64, out_channels=128), HOPPER, Knobs(),
+                                          compile=True)
     assert [sl.launch.kernel for sl in kernel.launches] == ["forward_tma"]
     assert "TMA im2col" in kernel.describe()
     # three descriptors passed by value, each with its shape and strides, then Triton's two scratch pointers
     assert kernel.tma_params.count("map") == 3 and len(kernel.tma_params) == kernel.launches[0].binary.params
     x_map, w_map, y_map = kernel.tma_maps
-    assert x_map.im2col and x_map.box == (128, 64) and w_map.shape == (128, 9 * 64) and y_map.shape == (2 * 42, 128)
+    assert x_map.im2col and x_map.box == (128, 64) and w_map.shape == (128, 9 * 64) and y_map.shape == (256 * 42, 128)
     # a 128-column block of 2-byte elements is copied as two 64-column boxes (128-byte swizzle span)
     assert y_map.box == (128, 64) and w_map.box == (128, 64)
     back = stream._from_record(json.loads(json.dumps(stream._to_record(kernel))))

@@ -297,8 +297,31 @@ def tma_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
     return None
 
 
+def tma_forward_slower(p: ConvProblem, target: Target) -> Optional[str]:
+    """Why a forward the TMA kernel can take (tma_forward_reason) runs faster on the cp.async kernel (None: it
+    does not): 16 channels a step over several taps, and few output tiles over a long reduction, which the
+    cp.async kernel splits (policy.output_split) (docs/decisions.md#tma-forward-fit)."""
+    if p.dtype not in ("f16", "bf16") or p.fp8_compute:
+        return None
+    tiles = tma_forward_tiles(p, target)
+    if tiles.block_k == 16 and math.prod(p.filter) > 1:
+        return "16 channels a step over several taps: the cp.async kernel's masked 64-channel steps run faster"
+    if 2 * _forward_tiles_count(p, tiles) < target.gpu.sm_count \
+            and math.prod(p.filter) * -(-p.in_channels // tiles.block_k) >= FEW_TILES_SPLIT_STEPS:
+        return "few output tiles over a long reduction: the cp.async kernel's split-K runs faster"
+    return None
+
+
+def _forward_tiles_count(p: ConvProblem, tiles: TileConfig) -> int:
+    return -(-p.batch * math.prod(p.output) // tiles.block_m) * -(-p.out_channels // tiles.block_n) * p.groups
+
+
 # one-pass TF32 forward with at most 64 columns: reduction steps a tile from which 256-row tiles pay
 TF32_NARROW_STEPS = 32
+# reduction steps (taps x channel steps) from which a forward whose tiles leave more than half the SMs idle runs
+# on the cp.async kernel's split-K: 162 steps ran 0.023 ms split against 0.035-0.049 on TMA tiles, 81 steps
+# 0.032 against 0.021 (docs/decisions.md#tma-forward-fit)
+FEW_TILES_SPLIT_STEPS = 128
 
 
 def tma_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
@@ -325,6 +348,15 @@ def tma_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
         # grad_inputs (108 and 54 steps) 13% and 9% faster, ResNet-50's 3x3 (18) 4% slower
         # (docs/decisions.md#tf32-grad-input-tma)
         return replace(narrow, block_m=256, warps=8)
+    if sixteen_bit and p.groups == 1 and 128 < p.out_channels < 256 and p.out_channels % 128 <= 64 \
+            and math.prod(p.filter) > 1:
+        # K = 144: 64-wide columns compute 192 where 128-wide ones compute 256; two warp groups of 128 rows
+        # (docs/decisions.md#tma-forward-fit)
+        narrow = replace(narrow, block_m=256, block_n=64, warps=8)
+    if sixteen_bit and narrow.block_m == 128 and 2 * _forward_tiles_count(p, narrow) < target.gpu.sm_count:
+        # 128-row tiles leave more than half the SMs without one: 64 rows, twice the tiles
+        # (docs/decisions.md#tma-forward-fit)
+        return replace(narrow, block_m=64)
     if p.dtype == "f32" or p.out_channels < 256 or (p.groups > 1 and p.out_channels % 256):
         return narrow
     rows = -(-p.batch * math.prod(p.output) // 128) * p.groups
@@ -558,15 +590,15 @@ def _halo_plan(p: ConvProblem, target: Target, base: str, flipped: bool) -> TmaP
 
 def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[TmaPlan]:
     """The TMA plan of p for the stream runner; None where the kernel keeps its cp.async form (tma_forward_reason,
-    tma_grad_input_phases_reason, tma_grad_weight_reason, tma_flat_grad_weight_reason).  Tiles in the knobs (the
-    tuning database's, or a sweep's) are the cp.async kernel's: the TMA kernels take their own rules' tiles, and a
-    sweep of cp.async tiles plans without them (passes/plan.plan_kernel's `tma`)."""
+    tma_forward_slower, tma_grad_input_phases_reason, tma_grad_weight_reason, tma_flat_grad_weight_reason).
+    Tiles in the knobs (the tuning database's, or a sweep's) are the cp.async kernel's: the TMA kernels take their
+    own rules' tiles, and a sweep of cp.async tiles plans without them (passes/plan.plan_kernel's `tma`)."""
     if knobs.extern is False:
         return None
     base = re.sub(r"\W", "_", p.name)
     if halo_forward_reason(p, target) is None:
         return _halo_plan(p, target, base, flipped=False)
-    if tma_forward_reason(p, target) is None:
+    if tma_forward_reason(p, target) is None and tma_forward_slower(p, target) is None:
         tiles = tma_forward_tiles(p, target)
         # fp8 compute: X and W rounded into fp8 copies first, which the kernel reads with fp8 wgmma
         staging = tuple((round_fp8_launch(math.prod(shape), dtype, kind, f"{base}_{i}", as_fp8=True), shape)
@@ -578,7 +610,7 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
     # f32 and fp8 keep their cp.async grad_input: the flipped weight tiles are N-major, which TF32 and fp8 wgmma
     # cannot read
     if q is not None and _weight_rows(p) and p.dtype != "f32" and not p.fp8_compute \
-            and tma_forward_reason(q, target) is None:
+            and tma_forward_reason(q, target) is None and tma_forward_slower(q, target) is None:
         if halo_forward_reason(q, target) is None:
             return _halo_plan(q, target, base, flipped=True)
         tiles = tma_forward_tiles(q, target)
