@@ -332,7 +332,9 @@ def tma_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
     lose where the wide tiles leave SMs idle (ResNet-50's 512-channel 7x7 layers: 50 tiles on 132 SMs)
     (docs/decisions.md#tma-wide).  16-bit with K <= 64 over C >= 128: 256 x 64 tiles of two warp groups
     (docs/decisions.md#tma-narrow); one-pass TF32 likewise where a tile's reduction takes TF32_NARROW_STEPS steps
-    or more (#tf32-grad-input-tma)."""
+    or more (#tf32-grad-input-tma).  16-bit, fitted to the problem (#tma-forward-fit): 256 x 64 where 64-wide
+    columns cover 128 < K < 256 with fewer wasted than 128-wide ones, over more than one tap; 64 rows where 128-row
+    tiles leave more than half the SMs without one."""
     # 128 bytes of channels a step where C allows; fp8 wgmma takes at least 32 bytes a product
     steps = (32, 16, 8) if p.dtype == "f32" else (128, 64, 32) if p.fp8_compute else (64, 32, 16)
     block_k = next((b for b in steps if p.in_channels % b == 0), steps[-1])
