@@ -1,0 +1,117 @@
+"""Probe: candidates for the 16-bit grad_weights of real models that lose to cuDNN (with cudnn.benchmark, as
+benchmarks/models.py trains): the TMA grad_weight on 1x1 layers (the rule keeps them on the cp.async kernel's
+one-tap GEMM, policy.tma_grad_weight_reason), the cp.async kernel's tiles, and split-K at half and twice the
+rule's chunks; each against cuDNN on the same tensors, checked against it.
+
+    python3 benchmarks/probes/wgrad_fit.py build P.convk --problems models.problems.json \\
+        --layers model-layers-channels_last-cudnn-benchmark-H200-2026-11-28.json   # where Triton 3.8+ is
+    python3 benchmarks/probes/wgrad_fit.py run P.convk OUT.json                        # on an H100/H200
+
+The grad_weights probed are those of `--layers` (benchmarks/torch_layers.py --cudnn-benchmark) slower than cuDNN
+by more than 5%, taken from `--problems` (benchmarks/models.py record).  Kernels are named <case>:<label>: "rule"
+the plan as policy makes it, "tma" the TMA grad_weight with its own rule's tiles and split, "cpasync" the plan
+without TMA kernels, t... cp.async tiles, split<S> the cp.async kernel's rule tiles with S chunks.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+TILES = ["t128x256x64w8s3", "t128x64x64w4s4", "t64x128x64w4s4", "t128x128x64w8s3"]
+SLOWER_THAN_CUDNN = 1.05
+
+
+def _compile(job):
+    from convdsl import policy
+    from convdsl.policy import hopper
+    from convdsl.problem import problem_from_spec
+    from convdsl.stream import planned_stream_kernel
+    from convdsl.targets import Target
+    from convdsl.tuning.knobs import Knobs
+
+    spec, label = job
+    p = problem_from_spec({**spec, "name": f"{spec['name']}:{label}"})
+    target = Target("cuda", "sm_90")
+    try:
+        if label == "rule":
+            return planned_stream_kernel(p, target, Knobs(), compile=True)
+        if label == "tma":  # the TMA grad_weight on a 1x1 too: the one-tap exclusion lifted, its other needs kept
+            rule = policy.tma_grad_weight_reason
+
+            def lifted(q, t):
+                one_tap_only = (q.op == "grad_weight" and math.prod(q.filter) == 1 and q.dtype != "f32"
+                                and hopper._tma_common_reason(q, t) is None
+                                and q.in_channels % 64 == 0 and q.out_channels % 64 == 0)
+                return None if one_tap_only else rule(q, t)
+
+            with policy.overrides(tma_grad_weight_reason=lifted):
+                kernel = planned_stream_kernel(p, target, Knobs(), compile=True)
+            return kernel if "grad_weight_tma" in kernel.describe() else None
+        if label == "cpasync":
+            return planned_stream_kernel(p, target, Knobs(), compile=True, tma=False)
+        if label.startswith("split"):
+            return planned_stream_kernel(p.with_(split_k=int(label[5:])), target, Knobs(), compile=True, tma=False)
+        return planned_stream_kernel(p, target, Knobs(tiles=label), compile=True, tma=False)
+    except Exception as err:  # a candidate the problem cannot take: left out, said
+        print(f"skip {spec['name']} {label}: {type(err).__name__}: {str(err)[:100]}", flush=True)
+        return None
+
+
+def _rule_split(spec: dict) -> int:
+    """The rule's split-K chunks on the cp.async kernel: its grad_weight_partials launch's third grid axis."""
+    from convdsl.problem import problem_from_spec
+    from convdsl.stream import planned_stream_kernel
+    from convdsl.targets import Target
+    from convdsl.tuning.knobs import Knobs
+
+    kernel = planned_stream_kernel(problem_from_spec(spec), Target("cuda", "sm_90"), Knobs(), tma=False)
+    return next((sl.launch.grid[2] for sl in kernel.launches if sl.launch.kernel == "grad_weight_partials"), 1)
+
+
+def build(out: Path, problems: Path, layers: Path) -> None:
+    from convdsl import stream
+    from convdsl.problem import problem_from_spec
+
+    slow = {r["describe"] for r in json.loads(layers.read_text())["results"]
+            if r["op"] == "grad_weight" and r["convdsl_ms"] > SLOWER_THAN_CUDNN * r["cudnn_ms"]}
+    specs, seen = [], set()
+    for entry in json.loads(problems.read_text())["problems"]:
+        p = problem_from_spec(entry["problem"])
+        if p.describe() in slow and p.describe() not in seen:
+            seen.add(p.describe())
+            specs.append({**entry["problem"], "name": f"wgrad#{len(seen)}"})
+    jobs = []
+    for spec in specs:
+        split = _rule_split(spec)
+        splits = sorted({s for s in (split // 2, split * 2) if s > 1} - {split})
+        jobs += [(spec, label) for label in ["rule", "tma", "cpasync", *TILES, *(f"split{s}" for s in splits)]]
+    with ProcessPoolExecutor(4) as pool:
+        kernels = [k for k in pool.map(_compile, jobs) if k is not None]
+    stream.save_bundle(kernels, out)
+    print(f"wrote {out}: {len(kernels)} kernels of {len(specs)} grad_weights")
+
+
+def run(bundle: Path, result: Path) -> None:
+    import torch
+
+    from benchmarks.probes.tma_forward import timed_rows, write_record
+
+    torch.backends.cudnn.benchmark = True
+    write_record(result, "python3 benchmarks/probes/wgrad_fit.py run P.convk OUT.json", timed_rows(bundle))
+
+
+def main(argv=None) -> int:
+    from benchmarks.probes.tma_forward import probe_main
+
+    return probe_main(__doc__, build, run, argv,
+                      extra=[("--problems", dict(type=Path)), ("--layers", dict(type=Path))])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
