@@ -136,9 +136,10 @@ def build_jobs(out: Path, jobs: list, compile_job) -> None:
     print(f"wrote {out}: {len(kernels)} kernels")
 
 
-def timed_rows(bundle: Path) -> list[dict]:
+def timed_rows(bundle: Path, cudnn_benchmark: bool = False) -> list[dict]:
     """Each kernel of the bundle (named <case>:<label>) called through the stream runner on random inputs,
-    checked against cuDNN on the same tensors, both timed by CUDA-graph replay."""
+    checked against cuDNN on the same tensors, both timed by CUDA-graph replay (cudnn_benchmark: cuDNN times its
+    algorithms per shape first, as benchmarks/models.py trains)."""
     import torch
 
     from benchmarks.gpu_bench import TorchConv, random_args, reference, rel_error
@@ -146,6 +147,7 @@ def timed_rows(bundle: Path) -> list[dict]:
     from convdsl import stream
     from convdsl.torch.stream import StreamRunner
 
+    torch.backends.cudnn.benchmark = cudnn_benchmark
     dev = torch.device("cuda", 0)
     rows, cudnn_times = [], {}
     for k in stream.load_bundle(bundle):

@@ -98,12 +98,10 @@ def build(out: Path, problems: Path, layers: Path) -> None:
 
 
 def run(bundle: Path, result: Path) -> None:
-    import torch
-
     from benchmarks.probes.tma_forward import timed_rows, write_record
 
-    torch.backends.cudnn.benchmark = True
-    write_record(result, "python3 benchmarks/probes/wgrad_fit.py run P.convk OUT.json", timed_rows(bundle))
+    write_record(result, "python3 benchmarks/probes/wgrad_fit.py run P.convk OUT.json",
+                 timed_rows(bundle, cudnn_benchmark=True))
 
 
 def main(argv=None) -> int:
