@@ -89,7 +89,8 @@ def main(argv=None) -> int:
     versions = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                 "cudnn": torch.backends.cudnn.version(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "command": "python3 benchmarks/torch_layers.py --bundle BUNDLE"
-                           + (" --cudnn-benchmark" if args.cudnn_benchmark else "") + " --out DIR", "bundle": args.bundle.name}
+                           + (" --cudnn-benchmark" if args.cudnn_benchmark else "") + " --out DIR",
+                "bundle": args.bundle.name}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"layers-{versions['device'].replace(' ', '_')}-{versions['date'][:10]}.json"
     path.write_text(json.dumps({"versions": versions, "summary": summary, "results": rows}, indent=1) + "\n")
@@ -198,7 +199,8 @@ def _models(args) -> int:
                            + (" --cudnn-benchmark" if args.cudnn_benchmark else "") + " --out DIR"}
     args.out.mkdir(parents=True, exist_ok=True)
     tag = "-cudnn-benchmark" if args.cudnn_benchmark else ""
-    path = args.out / f"model-layers-{args.format}{tag}-{versions['device'].replace(' ', '_')}-{versions['date'][:10]}.json"
+    device = versions["device"].replace(" ", "_")
+    path = args.out / f"model-layers-{args.format}{tag}-{device}-{versions['date'][:10]}.json"
     path.write_text(json.dumps({"versions": versions, "summary": summary, "results": rows}, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "models"}))
     print(f"wrote {path}")

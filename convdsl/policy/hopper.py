@@ -612,12 +612,13 @@ def tma_stream_launch(p: ConvProblem, target: Target, knobs: Knobs) -> Optional[
     # f32 and fp8 keep their cp.async grad_input: the flipped weight tiles are N-major, which TF32 and fp8 wgmma
     # cannot read
     if q is not None and _weight_rows(p) and p.dtype != "f32" and not p.fp8_compute \
-            and tma_forward_reason(q, target) is None and tma_forward_slower(q, target) is None:
+            and tma_forward_reason(q, target) is None:
         if halo_forward_reason(q, target) is None:
             return _halo_plan(q, target, base, flipped=True)
-        tiles = tma_forward_tiles(q, target)
-        programs = tma_forward_programs(q, tiles, target)
-        return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True, programs=programs), True, (), tiles)
+        if tma_forward_slower(q, target) is None:
+            tiles = tma_forward_tiles(q, target)
+            programs = tma_forward_programs(q, tiles, target)
+            return TmaPlan(*forward_tma_launch(q, tiles, base, flipped=True, programs=programs), True, (), tiles)
     # one-pass TF32 reads B K-major only: the same forward over the weight's K-innermost copy, which the cp.async
     # kernel reads too (weight_copy_axes), its taps taken in reverse: CK 15's 3D grad_input 3.33 -> 3.07 ms (cuDNN
     # 2.76), U-Net's 0.640 -> 0.527 (docs/decisions.md#tf32-grad-input-tma)
