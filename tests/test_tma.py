@@ -397,6 +397,12 @@ def test_forwards_the_cp_async_kernel_runs_faster_keep_it():
     assert policy.tma_forward_slower(policy.grad_input_as_forward(dgrad), HOPPER) is not None
     planned = stream.planned_stream_kernel(dgrad, HOPPER, Knobs())
     assert "TMA" not in planned.describe() and "split-K" in planned.describe()
+    # a flipped grad_input the halo kernel takes keeps it, 16 channels a step or not (#halo-grad-input)
+    halo = R21.with_(op="grad_input", batch=2, in_channels=32, out_channels=16, input=(16, 32, 32), filter=(3, 3, 3),
+                     pad_lo=(1, 1, 1), pad_hi=(1, 1, 1))
+    assert policy.tma_forward_slower(policy.grad_input_as_forward(halo), HOPPER) is not None
+    if gluon_tma_im2col():
+        assert policy.tma_stream_launch(halo, HOPPER, Knobs()).launch.kernel == "forward_halo"
 
 
 def test_tf32_narrow_forwards_take_256_rows_over_long_reductions():
