@@ -161,7 +161,7 @@ def extern_candidates(p: ConvProblem, target: Target) -> tuple[Knobs, ...]:
             t = replace(t, block_k=min(t.block_k, 32), stages=min(t.stages, 3))
         out.append(t)
     if p.op == "grad_weight":
-        base = policy.default_grad_weight_tiles(p)
+        base = policy.default_grad_weight_tiles(p, target)
         parts, _ = policy.grad_weight_split(p, base, target)
         out += [replace(base, split=s) for s in {max(1, parts // 2), min(64, parts * 2)} - {parts}]
     return tuple(dict.fromkeys(Knobs(tiles=t.label()) for t in out))

@@ -133,6 +133,29 @@ def test_cpu_plans(p, form, row_chunks):
     assert (plan.form, plan.row_chunks) == (form, row_chunks)
 
 
+def test_grad_weights_summing_few_steps_per_program_take_eight_warps():
+    # r2plus1d_18's (3,1,1) grad_weight over 921 channels: 7 reduction steps a program, where 8 warps and 3 stages
+    # ran 0.54-0.69x the time of 4 warps and 4 stages; every such grad_weight of the 11 models measured gained, and
+    # with more steps some lost (docs/decisions.md#grad-weight-fit)
+    short = ConvProblem(op="grad_weight", dims=3, groups=1, batch=8, in_channels=921, out_channels=512,
+                        input=(1, 7, 7), filter=(3, 1, 1), stride=(1, 1, 1), dilation=(1, 1, 1), pad_lo=(1, 0, 0),
+                        pad_hi=(1, 0, 0), layout="NHWGC", dtype="bf16", name="k")
+
+    def steps_per_program(p, tiles):
+        return -(-policy.grad_weight_split(p, tiles, HOPPER)[1] // tiles.block_k)
+
+    tiles = policy.default_grad_weight_tiles(short, HOPPER)
+    assert (tiles.block_m, tiles.block_n, tiles.warps, tiles.stages) == (128, 128, 8, 3)
+    assert steps_per_program(short, tiles) <= policy.FEW_STEPS_EIGHT_WARPS
+    long = short.with_(in_channels=230, out_channels=128, input=(4, 28, 28))
+    tiles = policy.default_grad_weight_tiles(long, HOPPER)
+    assert (tiles.warps, tiles.stages) == (4, 4) and steps_per_program(long, tiles) > policy.FEW_STEPS_EIGHT_WARPS
+    # one tap and f32 keep their tiles
+    assert policy.default_grad_weight_tiles(short.with_(filter=(1, 1, 1), pad_lo=(0, 0, 0), pad_hi=(0, 0, 0)),
+                                            HOPPER).warps == 4
+    assert policy.default_grad_weight_tiles(short.with_(dtype="f32"), HOPPER).block_n == 64
+
+
 @needs_triton
 @pytest.mark.parametrize("p, target, why", [
     (RESNET_WGRAD, Target("cuda", "sm_75"), "sm_80 or newer"),

@@ -1301,6 +1301,22 @@ def test_swapped_forward_compiles_flipped_and_plain():
         assert binary.shared_bytes >= 4 * (128 * 64 + 64 * 64) * 2
 
 
+def test_one_tap_grad_weights_past_one_row_tile_take_the_tma_kernel():
+    # the TMA grad_weight beat the cp.async one-tap GEMM on 16-bit 1x1s with more than 128 rows (K) and lost by up
+    # to 1.58x with 128 (DenseNet-121's bottlenecks: narrow columns split many ways; docs/decisions.md#grad-weight-fit)
+    wide = RESNET_WGRAD.with_(in_channels=1024, out_channels=2048, input=(14, 14), filter=(1, 1), stride=(2, 2),
+                              pad_lo=(0, 0), pad_hi=(0, 0))
+    assert policy.tma_grad_weight_reason(wide, HOPPER) is None
+    assert "grad_weight_tma" in stream.planned_stream_kernel(wide, HOPPER, Knobs()).launches[0].launch.kernel
+    narrow = wide.with_(in_channels=960, out_channels=128, stride=(1, 1))
+    assert "one tap" in policy.tma_grad_weight_reason(narrow, HOPPER)
+    assert not stream.planned_stream_kernel(narrow, HOPPER, Knobs()).tma_maps
+    for kept in (wide.with_(groups=2), wide.with_(dtype="f32", compute="tf32")):
+        assert "one tap" in policy.tma_grad_weight_reason(kept, HOPPER)
+    # an f32 1x1 is not planned as stacked bf16 parts on the TMA kernel either (only 16-bit 1x1s were measured)
+    assert policy.tma_split_grad_weight(wide.with_(dtype="f32", stride=(1, 1)), HOPPER) is None
+
+
 def test_stride_one_16_bit_1x1_gemms_take_the_tma_forward():
     # ResNet-50's 1x1 layers (plain GEMMs): the persistent TMA forward beat the cp.async one-tap loop on all 20 of
     # ResNet-50's and DenseNet-121's measured (docs/decisions.md#tma-1x1); strided, f32 and grad_weight 1x1s were not
@@ -1315,6 +1331,7 @@ def test_stride_one_16_bit_1x1_gemms_take_the_tma_forward():
     for kept in (one.with_(stride=(2, 2), input=(28, 28)), one.with_(dtype="f32", compute="tf32")):
         assert "one tap" in policy.tma_forward_reason(kept, HOPPER)
         assert not stream.planned_stream_kernel(kept, HOPPER, Knobs()).tma_maps
-    assert "one tap" in policy.tma_grad_weight_reason(one.with_(op="grad_weight"), HOPPER)
+    # grad_weight: only past one 128-row tile (test_one_tap_grad_weights_past_one_row_tile_take_the_tma_kernel)
+    assert "one tap" in policy.tma_grad_weight_reason(one.with_(op="grad_weight", out_channels=128), HOPPER)
     # on Ampere, and in a module, the cp.async kernel
     assert policy.tma_forward_reason(one, AMPERE) is not None

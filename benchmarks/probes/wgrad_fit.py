@@ -4,7 +4,8 @@ one-tap GEMM, policy.tma_grad_weight_reason), the cp.async kernel's tiles, and s
 rule's chunks; each against cuDNN on the same tensors, checked against it.
 
     python3 benchmarks/probes/wgrad_fit.py build P.convk --problems models.problems.json \\
-        --layers model-layers-channels_last-cudnn-benchmark-H200-2026-11-28.json   # where Triton 3.8+ is
+        --layers model-layers-channels_last-cudnn-benchmark-H200-2026-11-28.json   # where Triton 3.9 is
+    python3 benchmarks/probes/wgrad_fit.py build P.convk --problems models.problems.json --family one-by-one
     python3 benchmarks/probes/wgrad_fit.py run P.convk OUT.json                        # on an H100/H200
 
 The grad_weights probed are those of `--layers` (benchmarks/torch_layers.py --cudnn-benchmark) slower than cuDNN
@@ -74,20 +75,47 @@ def _rule_split(spec: dict) -> int:
     return next((sl.launch.grid[2] for sl in kernel.launches if sl.launch.kernel == "grad_weight_partials"), 1)
 
 
-def build(out: Path, problems: Path, layers: Path) -> None:
+def _one_by_one(p) -> bool:
+    """A 16-bit one-group 1x1 grad_weight in whole 64-channel blocks: what the TMA grad_weight could take."""
+    return (p.op == "grad_weight" and math.prod(p.filter) == 1 and p.dtype in ("bf16", "f16") and p.groups == 1
+            and p.in_channels % 64 == 0 and p.out_channels % 64 == 0)
+
+
+def _cp_async_taps(p) -> bool:
+    """A 16-bit one-group grad_weight over several taps that the rule leaves on the cp.async kernel."""
+    from convdsl import policy
+    from convdsl.targets import Target
+
+    return (p.op == "grad_weight" and math.prod(p.filter) > 1 and p.dtype in ("bf16", "f16") and p.groups == 1
+            and policy.tma_grad_weight_reason(p, Target("cuda", "sm_90")) is not None)
+
+
+# --family: which grad_weights of --problems, and which candidates of each
+FAMILIES = {"one-by-one": (_one_by_one, ["rule", "tma"]),
+            "cp-async-taps": (_cp_async_taps, ["rule", "t128x128x64w8s3"])}
+
+
+def build(out: Path, problems: Path, layers: Path | None = None, family: str | None = None) -> None:
+    """The grad_weights of `layers` slower than cuDNN with every candidate; family: every grad_weight of FAMILIES'
+    kind with that family's candidates (does a candidate lose anywhere?)."""
     from convdsl import stream
     from convdsl.problem import problem_from_spec
 
-    slow = {r["describe"] for r in json.loads(layers.read_text())["results"]
-            if r["op"] == "grad_weight" and r["convdsl_ms"] > SLOWER_THAN_CUDNN * r["cudnn_ms"]}
+    slow = set() if family else {
+        r["describe"] for r in json.loads(layers.read_text())["results"]
+        if r["op"] == "grad_weight" and r["convdsl_ms"] > SLOWER_THAN_CUDNN * r["cudnn_ms"]}
     specs, seen = [], set()
     for entry in json.loads(problems.read_text())["problems"]:
         p = problem_from_spec(entry["problem"])
-        if p.describe() in slow and p.describe() not in seen:
+        wanted = FAMILIES[family][0](p) if family else p.describe() in slow
+        if wanted and p.describe() not in seen:
             seen.add(p.describe())
             specs.append({**entry["problem"], "name": f"wgrad#{len(seen)}"})
     jobs = []
     for spec in specs:
+        if family:
+            jobs += [(spec, label) for label in FAMILIES[family][1]]
+            continue
         split = _rule_split(spec)
         splits = sorted({s for s in (split // 2, split * 2) if s > 1} - {split})
         jobs += [(spec, label) for label in ["rule", "tma", "cpasync", *TILES, *(f"split{s}" for s in splits)]]
@@ -108,7 +136,8 @@ def main(argv=None) -> int:
     from benchmarks.probes.tma_forward import probe_main
 
     return probe_main(__doc__, build, run, argv,
-                      extra=[("--problems", dict(type=Path)), ("--layers", dict(type=Path))])
+                      extra=[("--problems", dict(type=Path)), ("--layers", dict(type=Path)),
+                             ("--family", dict(choices=sorted(FAMILIES)))])
 
 
 if __name__ == "__main__":

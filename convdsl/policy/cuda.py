@@ -197,18 +197,30 @@ def direct_grad_input_tiles(p: ConvProblem) -> TileConfig:
     return TileConfig(32, block_n, 1, warps=max(1, block_n // 64), stages=1)
 
 
-def default_grad_weight_tiles(p: ConvProblem) -> TileConfig:
+# a 16-bit cp.async grad_weight over several taps whose programs each sum at most this many reduction steps (after
+# the split) takes 8 warps and 3 stages: its time is the pipeline's fill and the f32 tile's store, which 8 warps
+# halve per thread (docs/decisions.md#grad-weight-fit)
+FEW_STEPS_EIGHT_WARPS = 10
+
+
+def default_grad_weight_tiles(p: ConvProblem, target: Target) -> TileConfig:
     """Rows (K) as tall as K up to 128, 128 columns (taps x C); f32 with 64 columns and 4 warps, which
     pays most for f32 (docs/decisions.md#default-tiles); few-channel groups packed (default_pack).  Dense 16-bit
-    GEMMs: 4 warps and 4 stages, 64 x 64 tiles below 128 rows (docs/decisions.md#step-tiles)."""
+    GEMMs: 4 warps and 4 stages, 64 x 64 tiles below 128 rows (docs/decisions.md#step-tiles); 8 warps and 3
+    stages over several taps where each program sums few reduction steps (FEW_STEPS_EIGHT_WARPS)."""
     pack = default_pack(p)
     _, _, k = packed_sizes(p, pack)
     block_m = matrix_block(k, 128)
     if p.dtype == "f32":
         return TileConfig(block_m, 64, 32, warps=4, stages=3, pack=pack)
     if pack == 1 and p.groups == 1 and p.compute is None:
-        return TileConfig(128, 128, 64, warps=4, stages=4) if block_m >= 128 else \
-            TileConfig(64, 64, 64, warps=4, stages=4)
+        if block_m < 128:
+            return TileConfig(64, 64, 64, warps=4, stages=4)
+        tiles = TileConfig(128, 128, 64, warps=4, stages=4)
+        if p.dtype in ("bf16", "f16") and math.prod(p.filter) > 1 \
+                and grad_weight_split(p, tiles, target)[1] <= FEW_STEPS_EIGHT_WARPS * tiles.block_k:
+            return TileConfig(128, 128, 64, warps=8, stages=3)
+        return tiles
     return TileConfig(block_m, 128, 64, warps=8 if block_m >= 128 else 4, stages=3 if block_m >= 128 else 4,
                       pack=pack)
 
@@ -319,7 +331,7 @@ def dy_read_in_place(p: ConvProblem, tiles: TileConfig) -> bool:
             and tiles_within_images(p, tiles))
 
 
-def kernel_tiles(p: ConvProblem, tiles: Optional[TileConfig]) -> TileConfig:
+def kernel_tiles(p: ConvProblem, tiles: Optional[TileConfig], target: Target) -> TileConfig:
     """The tiles plan_launches uses for p: `tiles`, else the defaults of the kernel p runs on."""
     if tiles is not None:
         return tiles
@@ -328,7 +340,7 @@ def kernel_tiles(p: ConvProblem, tiles: Optional[TileConfig]) -> TileConfig:
     if p.op == "forward":
         return default_forward_tiles(p)
     if p.op == "grad_weight":
-        return depthwise_grad_weight_tiles(p) if p.depthwise else default_grad_weight_tiles(p)
+        return depthwise_grad_weight_tiles(p) if p.depthwise else default_grad_weight_tiles(p, target)
     return direct_grad_input_tiles(p) if direct_grad_input(p) else default_grad_input_tiles(p)
 
 
@@ -366,7 +378,7 @@ def _plan_launches(p: ConvProblem, tiles: Optional[TileConfig], target: Target, 
     packed = tiles is not None and tiles.pack > 1  # depthwise too, as packed GEMMs, where tiles ask for it
     if x_layout and (p.op != "grad_weight" or (p.depthwise and not packed)):
         raise ValueError(f"x_layout: only grad_weight's GEMM kernel reads a copy of X ({p.name})")
-    tiles = kernel_tiles(p, tiles)
+    tiles = kernel_tiles(p, tiles, target)
     if p.op == "grad_weight" and p.depthwise and not packed:
         launch, partials = grad_weight_depthwise_launch(p, tiles, base, *depthwise_grad_weight_split(p, tiles, target),
                                                         tap_rows(p))
@@ -431,7 +443,7 @@ def extern_launches(problem: ConvProblem, target: Target, knobs: Knobs) -> Optio
     if problem.layout == "NGCHW" and relayout_ngchw(problem, knobs):
         # the kernels on NHWGC copies of the activations (contiguous channels)
         inner = problem.with_(layout="NHWGC")
-        tiles = kernel_tiles(inner, tiles)
+        tiles = kernel_tiles(inner, tiles, target)
         if dy_read_in_place(problem, tiles):
             # grad_weight: only X copied; dY is read where it lies (one copy fewer)
             _, launches, partials = plan_launches(problem, tiles, target, x_layout=inner.layout)

@@ -230,12 +230,20 @@ def tma_flat_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]
     return None
 
 
+# a 16-bit 1x1 grad_weight takes the TMA kernel with more rows (K) than this: with one 128-row tile its tile rule
+# splits the reduction many ways on narrow columns and loses to the cp.async kernel's one-tap GEMM, with more it
+# wins on long reductions (docs/decisions.md#grad-weight-fit)
+TMA_ONE_TAP_LEAST_ROWS = 128
+
+
 def tma_grad_weight_reason(p: ConvProblem, target: Target) -> Optional[str]:
     """Why grad_weight does not run on the TMA kernel (None: it does)."""
     if p.op != "grad_weight":
         return "not grad_weight"
-    if math.prod(p.filter) == 1:  # a plain GEMM with dY first (policy.dy_first), not measured on this kernel
-        return "one tap: the cp.async kernel's one-tap GEMM"
+    if math.prod(p.filter) == 1 and not (p.groups == 1 and p.dtype in ("bf16", "f16")
+                                         and p.out_channels > TMA_ONE_TAP_LEAST_ROWS):
+        return (f"one tap with at most {TMA_ONE_TAP_LEAST_ROWS} rows, grouped or not 16-bit: the cp.async kernel's "
+                "one-tap GEMM")
     reason = _tma_common_reason(p, target)
     if reason is not None:
         return reason
@@ -258,8 +266,8 @@ def tma_split_grad_weight(p: ConvProblem, target: Target) -> Optional[tuple[Conv
     exact result.  Stride 1 only: the split copies all of X, s^dims times the positions a strided problem's products
     read (ResNet-50's stride-2 3x3 0.158 -> 0.196 ms) (docs/decisions.md#bf16x3-grad-weight-tma, #promoted-sums)."""
     if p.op != "grad_weight" or p.dtype != "f32" or p.dynamic_batch or any(s != 1 for s in p.stride) \
-            or not (p.tf32 or p.bf16x3 or p.compute is None):
-        return None
+            or not (p.tf32 or p.bf16x3 or p.compute is None) or math.prod(p.filter) == 1:
+        return None  # f32 1x1s keep the one-tap GEMM: the 16-bit kernel's measurements do not carry over
     split = "bf16x6" if p.compute is None else "bf16x3"
     stacked = p.with_(batch=len(SPLIT_PRODUCTS[split]) * p.batch, dtype="bf16", compute=None, out_dtype=None)
     return (stacked, split) if tma_grad_weight_reason(stacked, target) is None else None
