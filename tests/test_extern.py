@@ -744,6 +744,21 @@ def test_the_command_line_reports_a_triton_failure_without_a_traceback(monkeypat
     assert "convdsl: error: kernel" in err and "boom" in err and "Traceback" not in err
 
 
+def test_a_triton_that_miscompiles_is_refused_before_it_compiles(monkeypatch):
+    # Triton 3.8 built a grad_weight kernel that reads out of bounds (docs/decisions.md#grad-weight-fit): refused
+    # with the way around, never compiled into a wrong number; the pinned 3.9 and PyTorch 2.11's 3.6 compile
+    from convdsl import policy
+    from convdsl.kernels import compile as kernels_compile
+
+    _, launches, _ = policy.plan_launches(_p(in_channels=32, out_channels=32), None, HOPPER)
+    monkeypatch.setattr(kernels_compile, "triton_version", lambda: "3.8.0")
+    with pytest.raises(kernels_compile.TritonVersionError, match=r"Triton 3\.8\.0 miscompiles.*Triton 3\.9.*bundle"):
+        kernels_compile.compile_launch.__wrapped__(launches[0], "sm_90")
+    for fine in ("3.6.0", "3.9.0", None):
+        monkeypatch.setattr(kernels_compile, "triton_version", lambda v=fine: v)
+        kernels_compile.check_triton_version()
+
+
 def test_f32_tiles_stay_at_most_128_columns_wide():
     # a 128 x 256 f32 tile with 4 warps spills its accumulator (docs/decisions.md#f32-tiles); 16-bit keeps
     # columns up to 256

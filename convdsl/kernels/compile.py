@@ -18,6 +18,25 @@ HALO_KERNELS = ("forward_halo",)
 # the fused BatchNorm + activation (kernels/batchnorm.py)
 BATCHNORM_KERNELS = ("batch_stats", "apply_act", "apply_running", "grad_stats", "grad_apply")
 
+# Triton releases that miscompile convdsl's kernels: Triton 3.8 built a cp.async grad_weight that reads out of
+# bounds (docs/decisions.md#grad-weight-fit); 3.6 (PyTorch 2.11's) and 3.9 (convdsl[cuda]'s) do not
+MISCOMPILING_TRITON = ("3.8.",)
+
+
+class TritonVersionError(RuntimeError):
+    """The installed Triton is one convdsl refuses to compile with (MISCOMPILING_TRITON)."""
+
+
+def check_triton_version() -> None:
+    """Refuse to compile with a Triton that miscompiles the kernels: a clear error rather than a wrong number."""
+    version = triton_version()
+    if version is not None and version.startswith(MISCOMPILING_TRITON):
+        raise TritonVersionError(
+            f"Triton {version} miscompiles convdsl's kernels (docs/decisions.md#grad-weight-fit): install Triton 3.9 "
+            f"(pip install 'convdsl[cuda]'), or PyTorch 2.11's Triton 3.6, or run kernels compiled ahead into a "
+            f"bundle (CONVDSL_STREAM_BUNDLES)")
+
+
 @functools.lru_cache(maxsize=None)
 def gluon_tma_im2col() -> bool:
     """Whether the installed Triton compiles Gluon kernels with TMA im2col copies (Triton 3.9 does; PyTorch's
@@ -35,6 +54,7 @@ def compile_tma_launch(launch: Launch, maps: tuple[TmaMap, ...], arch: str
     """Compile a TMA launch with Triton's Gluon for `arch` (sm_90): its binary, the maps with the binary's boxes
     and swizzles, and the kinds of its parameters in order ("map": a 128-byte CUtensorMap by value, "ptr<i>": the
     device address of operand i (one no map reads), "u32", "u64")."""
+    check_triton_version()
     import triton  # optional dependencies: planned only where they are installed (policy.tma_forward_reason)
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -98,6 +118,7 @@ def triton_version() -> Optional[str]:
 @functools.lru_cache(maxsize=None)
 def compile_launch(launch: Launch, arch: str) -> Binary:
     """Compile one launch with Triton for `arch` (no GPU needed: Triton's LLVM and its bundled ptxas)."""
+    check_triton_version()
     import triton  # an optional dependency: planned only where it is installed (policy.unsupported_reason)
     from triton.backends.compiler import GPUTarget
 
