@@ -769,7 +769,8 @@ def test_f32_tiles_stay_at_most_128_columns_wide():
                     filter=(3, 3), stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1), layout="NHWGC",
                     weight_layout="GKYXC", dtype="f32", compute="tf32", name="k")
     for q in (p, p.with_(compute=None), p.with_(op="forward", in_channels=1024, out_channels=256)):
-        tiles = policy.default_grad_input_tiles(q) if q.op == "grad_input" else policy.default_forward_tiles(q)
+        tiles = (policy.default_grad_input_tiles(q, HOPPER) if q.op == "grad_input"
+                 else policy.default_forward_tiles(q, HOPPER))
         assert tiles.block_n <= 128 and tiles.block_k == 32, (q.describe(), tiles)
-    wide = policy.default_grad_input_tiles(p.with_(dtype="bf16", compute=None, in_channels=512, groups=1))
+    wide = policy.default_grad_input_tiles(p.with_(dtype="bf16", compute=None, in_channels=512, groups=1), HOPPER)
     assert wide.block_n >= 128

@@ -133,6 +133,23 @@ def test_cpu_plans(p, form, row_chunks):
     assert (plan.form, plan.row_chunks) == (form, row_chunks)
 
 
+def test_cp_async_gemms_whose_128_tiles_leave_most_sms_idle_take_64_by_64():
+    # r2plus1d_18's late layers on the cp.async kernel (N = 8, 7x7 maps, 921 channels): 128 x 128 tiles gave 16 to
+    # 56 programs on 132 SMs; 64 x 64 ran 0.44-0.59x the time (docs/decisions.md#layer-fit)
+    dgrad = ConvProblem(op="grad_input", dims=3, groups=1, batch=8, in_channels=256, out_channels=921,
+                        input=(2, 14, 14), filter=(1, 3, 3), stride=(1, 2, 2), dilation=(1, 1, 1), pad_lo=(0, 1, 1),
+                        pad_hi=(0, 1, 1), layout="NHWGC", dtype="bf16", name="k")
+    forward = dgrad.with_(op="forward", in_channels=921, out_channels=512, input=(2, 7, 7), filter=(3, 1, 1),
+                          stride=(2, 1, 1), pad_lo=(1, 0, 0), pad_hi=(1, 0, 0))
+    for p in (dgrad, forward):
+        tiles = (policy.default_grad_input_tiles(p, HOPPER) if p.op == "grad_input"
+                 else policy.default_forward_tiles(p, HOPPER))
+        assert (tiles.block_m, tiles.block_n, tiles.warps) == (64, 64, 4), p.describe()
+    # the stride phases count: 4 phases of 7 x 2 tiles are 56 programs; at batch 64 there are enough
+    assert policy.default_grad_input_tiles(dgrad.with_(batch=64), HOPPER).block_m == 128
+    assert policy.default_forward_tiles(forward.with_(batch=64), HOPPER).block_m == 128
+
+
 def test_grad_weights_summing_few_steps_per_program_take_eight_warps():
     # r2plus1d_18's (3,1,1) grad_weight over 921 channels: 7 reduction steps a program, where 8 warps and 3 stages
     # ran 0.54-0.69x the time of 4 warps and 4 stages; every such grad_weight of the 11 models measured gained, and

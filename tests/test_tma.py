@@ -375,6 +375,22 @@ def test_forward_tiles_fit_the_columns_and_the_programs():
     assert policy.tma_forward_tiles(late.with_(dtype="f32", compute="tf32"), HOPPER).block_m == 128  # TF32's own
 
 
+def test_forward_tiles_take_32_columns_for_32_output_channels():
+    # DenseNet-121's growth layers (K = 32 from C = 128, 3x3): 32-wide columns, not 64 computed for 32 in 256-row
+    # tiles (0.50-0.83x the time at 7x7 to 56x56; docs/decisions.md#layer-fit); few tiles still take 64 rows
+    growth = R21.with_(dims=2, batch=64, in_channels=128, out_channels=32, input=(28, 28), filter=(3, 3),
+                       stride=(1, 1), dilation=(1, 1), pad_lo=(1, 1), pad_hi=(1, 1))
+    assert policy.tma_forward_tiles(growth, HOPPER).label() == "t128x32x64w4s4"
+    assert policy.tma_forward_tiles(growth.with_(input=(7, 7)), HOPPER).label() == "t64x32x64w4s4"
+    planned = stream.planned_stream_kernel(growth, HOPPER, Knobs())
+    assert "forward_tma" in planned.launches[0].launch.kernel and planned.tiles == "t128x32x64w4s4"
+    # 64 output channels keep 64-wide columns (256 rows over C >= 128: #tma-narrow), as do K = 24 over 144 channels
+    # 16 a step (EfficientNet's 1x1s: 1.07-1.13x slower on 32 columns)
+    assert policy.tma_forward_tiles(growth.with_(out_channels=64), HOPPER).label() == "t256x64x64w8s4"
+    assert policy.tma_forward_tiles(growth.with_(in_channels=144, out_channels=24, filter=(1, 1), pad_lo=(0, 0),
+                                                 pad_hi=(0, 0)), HOPPER).label() == "t256x64x16w8s4"
+
+
 def test_forwards_the_cp_async_kernel_runs_faster_keep_it():
     # 16 channels a step over several taps, and few tiles over a long reduction: the cp.async kernel
     # (docs/decisions.md#tma-forward-fit); the TMA kernel could take both (tma_forward_reason)

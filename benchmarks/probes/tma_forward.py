@@ -151,7 +151,7 @@ def timed_rows(bundle: Path, cudnn_benchmark: bool = False) -> list[dict]:
     dev = torch.device("cuda", 0)
     rows, cudnn_times = [], {}
     for k in stream.load_bundle(bundle):
-        case, label = k.problem.name.split(":")
+        case, label = k.problem.name.split(":", 1)
         p = k.problem.with_(name=case)
         cd = _case_dict(p)
         args = random_args(cd, seed=1)

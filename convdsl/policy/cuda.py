@@ -135,29 +135,35 @@ def direct_forward(p: ConvProblem) -> bool:
 DENSE_WIDE_ROWS = 8192
 
 
-def _dense_16bit_tiles(p: ConvProblem, rows: int, columns: int, reduction: int) -> Optional[TileConfig]:
+def _dense_16bit_tiles(p: ConvProblem, rows: int, columns: int, reduction: int, phases: int, target: Target
+                       ) -> Optional[TileConfig]:
     """forward's and grad_input's tiles for one dense 16-bit GEMM (one group, no packing, no fp8 compute) with at
     least 128 columns, as a CUDA-graph sweep of ResNet-50's step chose them (docs/decisions.md#step-tiles):
     a reduction of one step (64) takes 128 x 64 tiles (the kernel is bound by its loads and stores); filters of
     several taps with 256 columns or more and at least DENSE_WIDE_ROWS rows take 128 x 256 (measured faster
     there, though fewer programs than SMs); the rest 128 x 128 (256-wide tiles leave most SMs idle on the 7x7
-    maps).  None outside that domain."""
+    maps), or 64 x 64 where 128 x 128 tiles over the `phases` stride phases leave more than half the SMs without
+    one.  None outside that domain."""
     if p.dtype not in ("f16", "bf16") or p.compute is not None or p.groups != 1 or columns < 128:
         return None
     if reduction <= 64:
         return TileConfig(128, 64, 64, warps=4, stages=4)
     if math.prod(p.filter) > 1 and columns >= 256 and rows >= DENSE_WIDE_ROWS:
         return TileConfig(128, 256, 64, warps=8, stages=3)
+    if 2 * -(-rows // 128) * -(-columns // 128) * phases < target.gpu.sm_count:
+        # 128 x 128 tiles that leave more than half the SMs without one (video models' late layers, N = 8): 64 x 64
+        # tiles, four times the programs (docs/decisions.md#layer-fit)
+        return TileConfig(64, 64, 64, warps=4, stages=4)
     return TileConfig(128, 128, 64, warps=8, stages=3)
 
 
-def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
+def default_grad_input_tiles(p: ConvProblem, target: Target) -> TileConfig:
     """Tiles for shapes the tuning database does not hold: dense 16-bit GEMMs as _dense_16bit_tiles says (rows:
     the positions of one stride phase), else columns as wide as C up to 256 (f32: 128), three stages for the widest;
     few-channel groups packed (default_pack) (docs/decisions.md#default-tiles)."""
     taps = math.prod(p.filter)
     dense = _dense_16bit_tiles(p, p.batch * math.prod(p.input) // math.prod(p.stride), p.in_channels,
-                               p.out_channels * taps)
+                               p.out_channels * taps, math.prod(p.stride), target)
     if dense is not None and default_pack(p) == 1:
         return dense
     pack = default_pack(p)
@@ -172,18 +178,18 @@ def default_grad_input_tiles(p: ConvProblem) -> TileConfig:
                       stages=3 if wide or block_n >= 128 else 4, pack=pack)
 
 
-def default_forward_tiles(p: ConvProblem) -> TileConfig:
+def default_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
     """Forward runs on grad_input's GEMM kernel with the channels' roles swapped (columns K, reduction C x taps):
     dense 16-bit GEMMs with C >= 64 as _dense_16bit_tiles says (docs/decisions.md#step-tiles), else grad_input's
     tiles of the swapped problem."""
-    swapped = default_grad_input_tiles(p.with_(in_channels=p.out_channels, out_channels=p.in_channels))
+    swapped = default_grad_input_tiles(p.with_(in_channels=p.out_channels, out_channels=p.in_channels), target)
     if swapped.pack == 1 and p.in_channels < MATRIX_BLOCK and math.prod(p.filter) > 1:
         # few input channels (an RGB stem): the reduction over (taps, C) flattened (launch.flat_reduction),
         # up to 64 of them per step, 64 rows (docs/decisions.md#flat-reduction)
         return replace(swapped, block_m=64, block_k=matrix_block(p.in_channels * math.prod(p.filter), 64),
                        warps=4, stages=3)
     dense = _dense_16bit_tiles(p, p.batch * math.prod(p.output), p.out_channels,
-                               p.in_channels * math.prod(p.filter))
+                               p.in_channels * math.prod(p.filter), 1, target)
     if dense is None or swapped.pack != 1 or p.in_channels < 64:
         return swapped
     return dense
@@ -338,10 +344,10 @@ def kernel_tiles(p: ConvProblem, tiles: Optional[TileConfig], target: Target) ->
     if direct_forward(p):
         return direct_grad_input_tiles(p)
     if p.op == "forward":
-        return default_forward_tiles(p)
+        return default_forward_tiles(p, target)
     if p.op == "grad_weight":
         return depthwise_grad_weight_tiles(p) if p.depthwise else default_grad_weight_tiles(p, target)
-    return direct_grad_input_tiles(p) if direct_grad_input(p) else default_grad_input_tiles(p)
+    return direct_grad_input_tiles(p) if direct_grad_input(p) else default_grad_input_tiles(p, target)
 
 
 LaunchPlan = tuple[TileConfig, tuple[Launch, ...], tuple[int, ...]]

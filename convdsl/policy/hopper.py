@@ -348,7 +348,11 @@ def tma_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
     block_k = next((b for b in steps if p.in_channels % b == 0), steps[-1])
     narrow = TileConfig(128, 64 if p.out_channels <= 64 else 128, block_k, warps=4, stages=4)
     sixteen_bit = p.dtype in ("f16", "bf16") and not p.fp8_compute
-    if sixteen_bit and p.groups == 1 and p.out_channels <= 64 and p.in_channels >= 128:
+    if sixteen_bit and p.groups == 1 and p.out_channels <= 32 and not (block_k == 16 and p.in_channels >= 128):
+        # K <= 32 (DenseNet's growth layers): 32-wide columns, not 64 computed for 32; over C >= 128 in steps of 16
+        # channels the 256 x 64 tiles below stayed faster (docs/decisions.md#layer-fit)
+        narrow = replace(narrow, block_n=32)
+    elif sixteen_bit and p.groups == 1 and p.out_channels <= 64 and p.in_channels >= 128:
         # 64 columns over a reduction of 128 channels a tap or more: 256 rows in two warp groups, CK 15's 3D
         # grad_input 12% faster; over 64 channels a tap no change (docs/decisions.md#tma-narrow)
         return replace(narrow, block_m=256, warps=8)
@@ -542,8 +546,9 @@ def halo_forward_reason(p: ConvProblem, target: Target) -> Optional[str]:
     if p.batch * math.prod(p.input) * p.in_channels >= 2**31 or p.batch * math.prod(p.output) * p.out_channels >= 2**31:
         return "the halo kernel addresses X and Y with 32-bit offsets"
     efficiency = halo_forward_efficiency(p, target)
-    # against the TMA im2col kernel, whose tiles spend their columns' products on K of them
-    least = HALO_LEAST_EFFICIENCY * min(1.0, p.out_channels / tma_forward_tiles(p, target).block_n)
+    # against the TMA im2col kernel, whose tiles spend their columns' products on K of them; the halo kernel was
+    # measured against its tiles of 64 columns or more (its 32-column tiles, #layer-fit, were not measured on 3D)
+    least = HALO_LEAST_EFFICIENCY * min(1.0, p.out_channels / max(64, tma_forward_tiles(p, target).block_n))
     if efficiency < least:
         # short sweeps, partial waves or padded rows: the TMA im2col kernel wins (a video layer of 16 planes at
         # 0.66 ran 5% slower on it; docs/decisions.md#halo-grad-input)
