@@ -46,38 +46,8 @@ def candidates(p, target) -> list[str]:
     return [*tma, "cpasync", *(f"cp:{t}" for t in CP_FORWARD_TILES)]
 
 
-def _compile(job):
-    from convdsl import policy
-    from convdsl.kernels.tiles import parse_tiles
-    from convdsl.problem import problem_from_spec
-    from convdsl.stream import planned_stream_kernel
-    from convdsl.targets import Target
-    from convdsl.tuning.knobs import Knobs
-
-    spec, label = job
-    p = problem_from_spec({**spec, "name": f"{spec['name']}:{label}"})
-    target = Target("cuda", "sm_90")
-    try:
-        if label == "rule":
-            return planned_stream_kernel(p, target, Knobs(), compile=True)
-        if label == "cpasync":
-            return planned_stream_kernel(p, target, Knobs(), compile=True, tma=False)
-        if label.startswith("cp:"):
-            return planned_stream_kernel(p, target, Knobs(tiles=label[3:]), compile=True, tma=False)
-        if label == "tma":  # the TMA grad_weight with every rule but the kernel's own needs lifted
-            kernel = planned_stream_kernel(p, target, Knobs(), compile=True)
-            return kernel if "grad_weight_tma" in kernel.describe() else None
-        forced = parse_tiles(label[4:])
-        with policy.overrides(tma_forward_tiles=lambda q, t: forced, tma_forward_slower=lambda q, t: None):
-            kernel = planned_stream_kernel(p, target, Knobs(), compile=True)
-        return kernel if "forward_tma" in kernel.describe() else None
-    except Exception as err:  # a candidate the problem cannot take: left out, said
-        print(f"skip {spec['name']} {label}: {type(err).__name__}: {str(err)[:100]}", flush=True)
-        return None
-
-
 def build(out: Path, problems: Path, layers: Path, least_us: float = 10.0) -> None:
-    from benchmarks.probes.tma_forward import build_jobs
+    from benchmarks.probes.tma_forward import build_jobs, compile_candidate
     from convdsl.problem import problem_from_spec
     from convdsl.targets import Target
 
@@ -93,7 +63,7 @@ def build(out: Path, problems: Path, layers: Path, least_us: float = 10.0) -> No
         spec = {**entry["problem"], "name": f"{p.op}#{len(seen)}"}
         jobs += [(spec, label) for label in ["rule", *candidates(p, target)]]
     print(f"{len(seen)} problems, {len(jobs)} kernels", flush=True)
-    build_jobs(out, jobs, _compile)
+    build_jobs(out, jobs, compile_candidate)
 
 
 def run(bundle: Path, result: Path) -> None:

@@ -136,6 +136,53 @@ def build_jobs(out: Path, jobs: list, compile_job) -> None:
     print(f"wrote {out}: {len(kernels)} kernels")
 
 
+def compile_candidate(job: tuple[dict, str]):
+    """One probe candidate (spec, label) compiled for sm_90 as a kernel named <spec name>:<label>, or None where
+    the problem cannot take it (said): "rule" the plan as policy makes it; "cpasync" the plan without TMA kernels;
+    "cp:<tiles>" (or plain "<tiles>") forced cp.async tiles; "split<S>" the cp.async kernel with S split-K chunks;
+    "tma" the TMA grad_weight, 1x1 layers in whole 64-channel blocks included; "tma:<tiles>" a forced TMA forward
+    tile (of the forward a stride-1 grad_input runs as)."""
+    from convdsl import policy
+    from convdsl.kernels.tiles import parse_tiles
+    from convdsl.policy import hopper
+    from convdsl.problem import problem_from_spec
+    from convdsl.stream import planned_stream_kernel
+    from convdsl.targets import Target
+    from convdsl.tuning.knobs import Knobs
+
+    spec, label = job
+    p = problem_from_spec({**spec, "name": f"{spec['name']}:{label}"})
+    target = Target("cuda", "sm_90")
+    try:
+        if label == "rule":
+            return planned_stream_kernel(p, target, Knobs(), compile=True)
+        if label == "cpasync":
+            return planned_stream_kernel(p, target, Knobs(), compile=True, tma=False)
+        if label.startswith("split"):
+            return planned_stream_kernel(p.with_(split_k=int(label[5:])), target, Knobs(), compile=True, tma=False)
+        if label == "tma":  # the one-tap exclusion lifted, the kernel's other needs kept
+            rule = policy.tma_grad_weight_reason
+
+            def lifted(q, t):
+                one_tap_only = (q.op == "grad_weight" and math.prod(q.filter) == 1 and q.dtype != "f32"
+                                and hopper._tma_common_reason(q, t) is None
+                                and q.in_channels % 64 == 0 and q.out_channels % 64 == 0)
+                return None if one_tap_only else rule(q, t)
+
+            with policy.overrides(tma_grad_weight_reason=lifted):
+                kernel = planned_stream_kernel(p, target, Knobs(), compile=True)
+            return kernel if "grad_weight_tma" in kernel.describe() else None
+        if label.startswith("tma:"):
+            forced = parse_tiles(label[4:])
+            with policy.overrides(tma_forward_tiles=lambda q, t: forced, tma_forward_slower=lambda q, t: None):
+                kernel = planned_stream_kernel(p, target, Knobs(), compile=True)
+            return kernel if "forward_tma" in kernel.describe() else None
+        return planned_stream_kernel(p, target, Knobs(tiles=label.removeprefix("cp:")), compile=True, tma=False)
+    except Exception as err:  # a candidate the problem cannot take: left out, said
+        print(f"skip {spec['name']} {label}: {type(err).__name__}: {str(err)[:100]}", flush=True)
+        return None
+
+
 def timed_rows(bundle: Path, cudnn_benchmark: bool = False) -> list[dict]:
     """Each kernel of the bundle (named <case>:<label>) called through the stream runner on random inputs,
     checked against cuDNN on the same tensors, both timed by CUDA-graph replay (cudnn_benchmark: cuDNN times its

@@ -1,7 +1,7 @@
 """Probe: candidates for the 16-bit grad_weights of real models that lose to cuDNN (with cudnn.benchmark, as
-benchmarks/models.py trains): the TMA grad_weight on 1x1 layers (the rule keeps them on the cp.async kernel's
-one-tap GEMM, policy.tma_grad_weight_reason), the cp.async kernel's tiles, and split-K at half and twice the
-rule's chunks; each against cuDNN on the same tensors, checked against it.
+benchmarks/models.py trains): the TMA grad_weight on 1x1 layers (which the rule kept on the cp.async kernel's
+one-tap GEMM before docs/decisions.md#grad-weight-fit), the cp.async kernel's tiles, and split-K at half and
+twice the rule's chunks; each against cuDNN on the same tensors, checked against it.
 
     python3 benchmarks/probes/wgrad_fit.py build P.convk --problems models.problems.json \\
         --layers model-layers-channels_last-cudnn-benchmark-H200-2026-11-28.json   # where Triton 3.9 is
@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,42 +25,6 @@ sys.path.insert(0, str(ROOT))
 
 TILES = ["t128x256x64w8s3", "t128x64x64w4s4", "t64x128x64w4s4", "t128x128x64w8s3"]
 SLOWER_THAN_CUDNN = 1.05
-
-
-def _compile(job):
-    from convdsl import policy
-    from convdsl.policy import hopper
-    from convdsl.problem import problem_from_spec
-    from convdsl.stream import planned_stream_kernel
-    from convdsl.targets import Target
-    from convdsl.tuning.knobs import Knobs
-
-    spec, label = job
-    p = problem_from_spec({**spec, "name": f"{spec['name']}:{label}"})
-    target = Target("cuda", "sm_90")
-    try:
-        if label == "rule":
-            return planned_stream_kernel(p, target, Knobs(), compile=True)
-        if label == "tma":  # the TMA grad_weight on a 1x1 too: the one-tap exclusion lifted, its other needs kept
-            rule = policy.tma_grad_weight_reason
-
-            def lifted(q, t):
-                one_tap_only = (q.op == "grad_weight" and math.prod(q.filter) == 1 and q.dtype != "f32"
-                                and hopper._tma_common_reason(q, t) is None
-                                and q.in_channels % 64 == 0 and q.out_channels % 64 == 0)
-                return None if one_tap_only else rule(q, t)
-
-            with policy.overrides(tma_grad_weight_reason=lifted):
-                kernel = planned_stream_kernel(p, target, Knobs(), compile=True)
-            return kernel if "grad_weight_tma" in kernel.describe() else None
-        if label == "cpasync":
-            return planned_stream_kernel(p, target, Knobs(), compile=True, tma=False)
-        if label.startswith("split"):
-            return planned_stream_kernel(p.with_(split_k=int(label[5:])), target, Knobs(), compile=True, tma=False)
-        return planned_stream_kernel(p, target, Knobs(tiles=label), compile=True, tma=False)
-    except Exception as err:  # a candidate the problem cannot take: left out, said
-        print(f"skip {spec['name']} {label}: {type(err).__name__}: {str(err)[:100]}", flush=True)
-        return None
 
 
 def _rule_split(spec: dict) -> int:
@@ -98,7 +61,7 @@ FAMILIES = {"one-by-one": (_one_by_one, ["rule", "tma"]),
 def build(out: Path, problems: Path, layers: Path | None = None, family: str | None = None) -> None:
     """The grad_weights of `layers` slower than cuDNN with every candidate; family: every grad_weight of FAMILIES'
     kind with that family's candidates (does a candidate lose anywhere?)."""
-    from convdsl import stream
+    from benchmarks.probes.tma_forward import build_jobs, compile_candidate
     from convdsl.problem import problem_from_spec
 
     slow = set() if family else {
@@ -119,10 +82,8 @@ def build(out: Path, problems: Path, layers: Path | None = None, family: str | N
         split = _rule_split(spec)
         splits = sorted({s for s in (split // 2, split * 2) if s > 1} - {split})
         jobs += [(spec, label) for label in ["rule", "tma", "cpasync", *TILES, *(f"split{s}" for s in splits)]]
-    with ProcessPoolExecutor(4) as pool:
-        kernels = [k for k in pool.map(_compile, jobs) if k is not None]
-    stream.save_bundle(kernels, out)
-    print(f"wrote {out}: {len(kernels)} kernels of {len(specs)} grad_weights")
+    print(f"{len(specs)} grad_weights, {len(jobs)} kernels", flush=True)
+    build_jobs(out, jobs, compile_candidate)
 
 
 def run(bundle: Path, result: Path) -> None:

@@ -267,7 +267,7 @@ def tma_split_grad_weight(p: ConvProblem, target: Target) -> Optional[tuple[Conv
     read (ResNet-50's stride-2 3x3 0.158 -> 0.196 ms) (docs/decisions.md#bf16x3-grad-weight-tma, #promoted-sums)."""
     if p.op != "grad_weight" or p.dtype != "f32" or p.dynamic_batch or any(s != 1 for s in p.stride) \
             or not (p.tf32 or p.bf16x3 or p.compute is None) or math.prod(p.filter) == 1:
-        return None  # f32 1x1s keep the one-tap GEMM: the 16-bit kernel's measurements do not carry over
+        return None  # f32 1x1s keep the one-tap GEMM: only 16-bit 1x1s were measured on the TMA kernel
     split = "bf16x6" if p.compute is None else "bf16x3"
     stacked = p.with_(batch=len(SPLIT_PRODUCTS[split]) * p.batch, dtype="bf16", compute=None, out_dtype=None)
     return (stacked, split) if tma_grad_weight_reason(stacked, target) is None else None
