@@ -150,6 +150,22 @@ def test_cp_async_gemms_whose_128_tiles_leave_most_sms_idle_take_64_by_64():
     assert policy.default_forward_tiles(forward.with_(batch=64), HOPPER).block_m == 128
 
 
+def test_gemms_of_at_most_64_rows_take_64_by_32_tiles():
+    # squeeze-excitation's 1x1 convolutions on 1x1 maps (RegNetY, MobileNetV3, EfficientNet at batch 64): 0.66-1.04x
+    # the time of the tiles before, 0.90x geomean over the 42 such problems of the 11 models
+    # (docs/decisions.md#layer-fit)
+    squeeze = ConvProblem(op="forward", dims=2, groups=1, batch=64, in_channels=320, out_channels=80, input=(1, 1),
+                          filter=(1, 1), stride=(1, 1), dilation=(1, 1), pad_lo=(0, 0), pad_hi=(0, 0),
+                          layout="NHWGC", dtype="bf16", name="k")
+    for p in (squeeze, squeeze.with_(op="grad_input", in_channels=80, out_channels=320)):
+        tiles = (policy.default_grad_input_tiles(p, HOPPER) if p.op == "grad_input"
+                 else policy.default_forward_tiles(p, HOPPER))
+        assert (tiles.block_m, tiles.block_n, tiles.warps) == (64, 32, 4), p.describe()
+    # more rows, or f32: the tiles as before
+    assert policy.default_forward_tiles(squeeze.with_(batch=128), HOPPER).block_m == 128
+    assert policy.default_forward_tiles(squeeze.with_(dtype="f32"), HOPPER).block_m == 128
+
+
 def test_grad_weights_summing_few_steps_per_program_take_eight_warps():
     # r2plus1d_18's (3,1,1) grad_weight over 921 channels: 7 reduction steps a program, where 8 warps and 3 stages
     # ran 0.54-0.69x the time of 4 warps and 4 stages; every such grad_weight of the 11 models measured gained, and

@@ -27,7 +27,8 @@ from .cpu import (CPU_DEPTHWISE_CHANNELS, CPU_DEPTHWISE_WIDENED, CPU_KEPT_WORKSP
                   cpu_depthwise_channels, cpu_depthwise_named, cpu_depthwise_width, cpu_gather_forward, cpu_im2col,
                   cpu_im2col_row_chunks, cpu_im2col_split_reason, cpu_keeps_workspace, cpu_packed_matmul_distribution)
 from .cuda import (DENSE_WIDE_ROWS, FEW_STEPS_EIGHT_WARPS, OUTPUT_SPLIT_LEAST_REDUCTION, OUTPUT_SPLIT_LEAST_STEPS,
-                   OUTPUT_SPLIT_MOST, SPACE_TO_DEPTH_MOST_CHANNELS, TAPS_PER_THREAD_MOST, ExternLaunches, LaunchPlan,
+                   OUTPUT_SPLIT_MOST, SPACE_TO_DEPTH_MOST_CHANNELS, TAPS_PER_THREAD_MOST, TINY_ROWS, ExternLaunches,
+                   LaunchPlan,
                    default_forward_tiles, default_grad_input_tiles, default_grad_weight_tiles, default_pack,
                    depthwise_grad_weight_parts, depthwise_grad_weight_split, depthwise_grad_weight_tiles,
                    direct_forward, direct_grad_input, direct_grad_input_tiles, dot_precision, dy_read_in_place,
@@ -58,7 +59,7 @@ __all__ = [
     "cpu_depthwise_channels", "cpu_depthwise_named", "cpu_depthwise_width", "cpu_gather_forward", "cpu_im2col",
     "cpu_im2col_row_chunks", "cpu_im2col_split_reason", "cpu_keeps_workspace", "cpu_packed_matmul_distribution",
     "DENSE_WIDE_ROWS", "FEW_STEPS_EIGHT_WARPS", "OUTPUT_SPLIT_LEAST_REDUCTION", "OUTPUT_SPLIT_LEAST_STEPS", "OUTPUT_SPLIT_MOST",
-    "SPACE_TO_DEPTH_MOST_CHANNELS", "TAPS_PER_THREAD_MOST", "ExternLaunches", "LaunchPlan",
+    "SPACE_TO_DEPTH_MOST_CHANNELS", "TAPS_PER_THREAD_MOST", "TINY_ROWS", "ExternLaunches", "LaunchPlan",
     "default_forward_tiles", "default_grad_input_tiles", "default_grad_weight_tiles", "default_pack",
     "depthwise_grad_weight_parts", "depthwise_grad_weight_split", "depthwise_grad_weight_tiles", "direct_forward",
     "direct_grad_input", "direct_grad_input_tiles", "dot_precision", "dy_read_in_place", "extern_choice",

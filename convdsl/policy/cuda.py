@@ -157,6 +157,10 @@ def _dense_16bit_tiles(p: ConvProblem, rows: int, columns: int, reduction: int, 
     return TileConfig(128, 128, 64, warps=8, stages=3)
 
 
+# forward and grad_input GEMMs of at most this many rows (positions) outside the dense rule take 64 x 32 tiles
+TINY_ROWS = 64
+
+
 def default_grad_input_tiles(p: ConvProblem, target: Target) -> TileConfig:
     """Tiles for shapes the tuning database does not hold: dense 16-bit GEMMs as _dense_16bit_tiles says (rows:
     the positions of one stride phase), else columns as wide as C up to 256 (f32: 128), three stages for the widest;
@@ -172,6 +176,10 @@ def default_grad_input_tiles(p: ConvProblem, target: Target) -> TileConfig:
     # f32 columns up to 128: a 128 x 256 f32 tile with 4 warps spills its accumulator (docs/decisions.md#f32-tiles)
     block_n = matrix_block(c, 128 if wide else 256)
     block_k = matrix_block(k, 32 if wide else 64)
+    if p.dtype in ("f16", "bf16") and pack == 1 and p.groups == 1 and p.compute is None \
+            and p.batch * math.prod(p.input) // math.prod(p.stride) <= TINY_ROWS:
+        # a GEMM of at most 64 rows (squeeze-excitation's 1x1 maps): 64 x 32 tiles (docs/decisions.md#layer-fit)
+        return TileConfig(64, 32, block_k, warps=4, stages=4)
     # one-pass TF32 keeps 4 warps on wide columns (CK 15's 3D forward shapes: 2.46 against 2.71 ms with 8,
     # docs/decisions.md#tf32-staged)
     return TileConfig(128, block_n, block_k, warps=8 if block_n >= 128 and not p.tf32 else 4,
