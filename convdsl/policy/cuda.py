@@ -164,7 +164,8 @@ TINY_ROWS = 64
 def default_grad_input_tiles(p: ConvProblem, target: Target) -> TileConfig:
     """Tiles for shapes the tuning database does not hold: dense 16-bit GEMMs as _dense_16bit_tiles says (rows:
     the positions of one stride phase), else columns as wide as C up to 256 (f32: 128), three stages for the widest;
-    few-channel groups packed (default_pack) (docs/decisions.md#default-tiles)."""
+    few-channel groups packed (default_pack) (docs/decisions.md#default-tiles); 16-bit GEMMs of at most TINY_ROWS
+    rows 64 x 32 (#layer-fit)."""
     taps = math.prod(p.filter)
     dense = _dense_16bit_tiles(p, p.batch * math.prod(p.input) // math.prod(p.stride), p.in_channels,
                                p.out_channels * taps, math.prod(p.stride), target)
