@@ -10,7 +10,7 @@ times its calls a step, is at least `--least-us` microseconds in some model; its
   forced cp.async tiles (32 to 128 rows).
 
     python3 benchmarks/probes/layer_fit.py build P.convk --problems models.problems.json \\
-        --layers model-layers-channels_last-cudnn-benchmark-H200-2026-11-28.json   # where Triton 3.9 is
+        --layers model-layers-after-fits-cudnn-benchmark-H200-2026-11-28.json   # where Triton 3.9 is
     python3 benchmarks/probes/layer_fit.py run P.convk OUT.json                        # on an H100/H200
 
 Kernels are named <case>:<label>; "rule" is the plan as policy makes it; tma:t... a forced TMA forward tile, cp:t...
