@@ -46,6 +46,33 @@ def test_the_cpu_device_keeps_released_memory_for_reuse():
     assert held_bytes(device) == before
 
 
+def test_the_cache_keeps_the_buffers_of_many_kernels():
+    """Released buffers of more sizes than IREE's default free list holds (64) are all served again from the
+    cache: a process that calls a model's kernels, each with its own result and workspace sizes."""
+    import iree.runtime as rt
+
+    from convdsl.backends.iree import CACHED_FREE_BUFFERS
+
+    device = runtime_config("local-task").device
+    device.allocator.trim()
+    sizes = [4096 * (i + 1) for i in range(min(200, CACHED_FREE_BUFFERS))]
+
+    def allocate_all() -> list:
+        return [device.allocator.allocate_buffer(memory_type=rt.MemoryType.DEVICE_LOCAL,
+                                                 allowed_usage=rt.BufferUsage.DEFAULT, allocation_size=size)
+                for size in sizes]
+
+    buffers = allocate_all()
+    del buffers
+    gc.collect()
+    allocated = device.allocator.statistics["device_bytes_allocated"]
+    buffers = allocate_all()
+    assert device.allocator.statistics["device_bytes_allocated"] == allocated  # every one from the cache
+    del buffers
+    gc.collect()
+    device.allocator.trim()
+
+
 def _misaligned(a: np.ndarray) -> np.ndarray:
     """A copy of `a` whose data starts 16 bytes past a 64-byte boundary."""
     raw = np.empty(a.nbytes + 128, np.uint8)

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..abi import INTO_SUFFIX
+from ..abi import ASYNC_SUFFIX, INTO_SUFFIX, TRANSIENTS_SIZE_CONSTANT
 from ..targets import Target, TargetError
 from .into_call import HOST_DRIVERS, IntoCall, allocate_result, default_wait
 from .iree_cpu_config import DistributionRule, with_distribution
@@ -80,6 +80,34 @@ def with_device_targets(mlir: str, target: Target) -> str:
         module = ir.Module.parse(mlir)
         module.operation.attributes["hal.device.targets"] = ir.ArrayAttr.get([ir.Attribute.parse(attr)])
         return str(module)
+
+
+def transient_sizes(mlir: str, target: Target) -> dict[str, int]:
+    """Per kernel function of the module: the bytes of transient storage iree-compile plans for one call, read
+    from its destination-passing twin's reflection (`iree.abi.transients.size.constant`, convdsl/abi.py) after
+    IREE's stream phase; absent where the size is not static (`batch = ?`).  Where compile_mlir may compile the
+    module twice (zero borders fused, then not) the larger of the two plans'."""
+    import iree.compiler as ireec
+    from iree.compiler import ir
+
+    mlir = with_device_targets(mlir, target)
+    flags = [*target.compile_flags(), "--compile-to=stream"]
+    variants = [[*flags, FUSE_PAD_FLAG], flags] if "tensor.pad" in mlir else [flags]
+    sizes: dict[str, int] = {}
+    for variant in variants:
+        with ir.Context():
+            module = ir.Module.parse(ireec.compile_str(mlir, extra_args=variant).decode())
+            for op in module.body.operations:
+                name = ir.StringAttr(op.attributes["sym_name"]).value if "sym_name" in op.attributes else ""
+                if not name.endswith(INTO_SUFFIX) or name.endswith(ASYNC_SUFFIX) or \
+                        "iree.reflection" not in op.attributes:
+                    continue
+                reflection = ir.DictAttr(op.attributes["iree.reflection"])
+                if TRANSIENTS_SIZE_CONSTANT in reflection:
+                    kernel = name[:-len(INTO_SUFFIX)]
+                    size = ir.IntegerAttr(reflection[TRANSIENTS_SIZE_CONSTANT]).value
+                    sizes[kernel] = max(sizes.get(kernel, 0), size)
+    return sizes
 
 
 def _compile_distributed(mlir: str, flags: list[str], rule: DistributionRule) -> Optional[bytes]:
@@ -162,10 +190,14 @@ def _element_type(dtype: str):
     return getattr(rt.HalElementType, ELEMENT_TYPES[dtype][0])
 
 
-# Allocator specs layered over each device's own allocator (iree-run-module's --device_allocator=):
-# "caching" keeps released buffers for reuse, so the allocating functions stop asking the device for
-# result and workspace memory on every call.
-DEVICE_ALLOCATORS: tuple[str, ...] = ("caching",)
+# Free buffers IREE's caching allocator keeps per heap.  Its default, 64, fills up once a process has called
+# kernels of a few dozen buffer sizes (every layer of a model has its own): each later release is then freed,
+# each allocation asks the device again (docs/decisions.md#runtime-config).
+CACHED_FREE_BUFFERS = 1024
+# Allocator specs layered over each device's own allocator (iree-run-module's --device_allocator=): a caching
+# allocator over the device-local heap ("<heap>=<largest size>;<bytes held>;<free buffers>", `*` = no limit),
+# so that the allocating functions stop asking the device for result and workspace memory on every call.
+DEVICE_ALLOCATORS: tuple[str, ...] = (f"caching:device_local=*;*;{CACHED_FREE_BUFFERS}",)
 
 
 @functools.lru_cache(maxsize=None)
