@@ -11,6 +11,8 @@ from typing import Callable, Mapping, Optional, Sequence
 from iree.compiler import ir
 from iree.compiler.passmanager import PassManager
 
+from .. import policy
+from ..backends.iree import transient_sizes
 from ..kernels.compile import compile_launch
 from ..kernels.launch import Binary
 from ..problem import ConvProblem
@@ -19,6 +21,7 @@ from ..targets import Target
 from ..tuning.knobs import Knobs
 from .lower import emit_kernel
 from .plan import KernelPlan, plan_kernel
+from .workspace import keep_workspaces
 
 
 class LoweringError(RuntimeError):
@@ -38,6 +41,8 @@ class Stage:
     binaries: tuple[tuple[str, Binary], ...] = ()
     # told as each kernel is lowered (the caller shows it; compiler.compile's `progress`)
     progress: Optional[ProgressFn] = field(default=None, compare=False, repr=False)
+    # kernel name -> bytes of transient storage its plain function keeps in the module (passes/workspace.py)
+    workspaces: tuple[tuple[str, int], ...] = ()
 
 
 def plan_kernels(stage: Stage) -> Stage:
@@ -91,6 +96,22 @@ def canonicalize(stage: Stage) -> Stage:
     return stage
 
 
+def keep_module_workspaces(stage: Stage) -> Stage:
+    # a CUDA module's plain functions take their transients from a buffer the module allocates once: IREE's
+    # allocations around every call cost the call host waits (docs/decisions.md#module-workspace)
+    if not policy.module_workspaces(stage.target):
+        return stage
+    try:
+        sizes = transient_sizes(str(stage.module), stage.target)
+    except Exception:  # noqa: BLE001 - the module's own compile reports (and saves) what iree-compile rejects
+        return stage
+    kept = {p.name: sizes[p.name] for p in stage.problems
+            if p.name in sizes and policy.module_keeps_workspace(stage.target, sizes[p.name])}
+    if kept:
+        keep_workspaces(stage.module, kept)
+    return replace(stage, workspaces=tuple(kept.items()))
+
+
 def check_iree_forms(stage: Stage) -> Stage:
     # IREE's CUDA backend fails ("failed to pack reduction dimensions") on a contraction whose first
     # operand is not the image; refuse to hand such IR on instead of failing deep in iree-compile.
@@ -142,6 +163,7 @@ PIPELINE: tuple[tuple[str, Callable[[Stage], Stage]], ...] = (
     ("linalg", emit_linalg),
     ("canonical", canonicalize),
     ("iree-forms", check_iree_forms),
+    ("workspaces", keep_module_workspaces),
 )
 STAGE_NAMES = tuple(name for name, _ in PIPELINE)
 

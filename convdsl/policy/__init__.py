@@ -47,8 +47,8 @@ from .hopper import (FLAT_PLANES_MOST_BYTES, HALO_LEAST_EFFICIENCY, HALO_SHARED_
                      tma_grad_input_phases_shared_bytes, tma_grad_input_phases_tiles, tma_grad_weight_parts,
                      tma_grad_weight_promote, tma_grad_weight_reason, tma_grad_weight_specialised,
                      tma_grad_weight_split, tma_grad_weight_tiles, tma_split_grad_weight, tma_stream_launch)
-from .iree import (PAD_FORMS, WEIGHT_K_INNER_BACKENDS, default_pad_form, iree_knobs, knobs_for, pad_form,
-                   weight_k_inner)
+from .iree import (MODULE_WORKSPACE_MOST_BYTES, PAD_FORMS, WEIGHT_K_INNER_BACKENDS, default_pad_form, iree_knobs,
+                   knobs_for, module_keeps_workspace, module_workspaces, pad_form, weight_k_inner)
 
 __all__ = [
     "CHANNELS_LAST_BACKENDS", "FAST_WEIGHT_LAYOUT", "MAX_GROUP_MACS", "MAX_WEIGHT_SLICES", "MIN_PARTIALS",
@@ -78,8 +78,9 @@ __all__ = [
     "tma_grad_input_phases_programs",
     "tma_grad_input_phases_reason", "tma_grad_input_phases_shared_bytes", "tma_grad_input_phases_tiles",
     "tma_grad_weight_parts", "tma_grad_weight_promote", "tma_grad_weight_reason", "tma_grad_weight_specialised",
-    "tma_grad_weight_split", "tma_grad_weight_tiles", "tma_split_grad_weight", "tma_stream_launch", "PAD_FORMS",
-    "WEIGHT_K_INNER_BACKENDS", "default_pad_form", "iree_knobs", "knobs_for", "pad_form", "weight_k_inner",
+    "tma_grad_weight_split", "tma_grad_weight_tiles", "tma_split_grad_weight", "tma_stream_launch",
+    "MODULE_WORKSPACE_MOST_BYTES", "PAD_FORMS", "WEIGHT_K_INNER_BACKENDS", "default_pad_form", "iree_knobs",
+    "knobs_for", "module_keeps_workspace", "module_workspaces", "pad_form", "weight_k_inner",
     "overrides", "overrides_generation", "RULE_MODULES"
 ]
 

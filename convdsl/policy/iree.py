@@ -92,3 +92,21 @@ def knobs_for(p: ConvProblem, target: Target, tuned: Optional[Knobs]) -> Knobs:
     if target.backend == "cpu":
         return Knobs()
     return tuned if tuned is not None else iree_knobs(p, target)
+
+
+# A plain (allocating) function of a CUDA module keeps transient buffers of at most this many bytes in the module
+# between calls: beyond it a kernel runs for milliseconds, where an allocation per call costs little, and a module
+# should not hold so much memory for its whole life (docs/decisions.md#module-workspace).
+MODULE_WORKSPACE_MOST_BYTES = 64 << 20
+
+
+def module_workspaces(target: Target) -> bool:
+    """Whether the plain functions of `target`'s modules may keep their transient buffers in the module (CUDA:
+    measured there; ROCm's runtime was not, the CPU's allocations cost nothing measurable)."""
+    return target.backend == "cuda"
+
+
+def module_keeps_workspace(target: Target, transient_bytes: int) -> bool:
+    """Whether a module's plain function takes its transient buffers (split-K partials, zero borders, stride
+    phases) from one buffer the module allocates once, instead of from IREE's allocations around every call."""
+    return module_workspaces(target) and 0 < transient_bytes <= MODULE_WORKSPACE_MOST_BYTES
