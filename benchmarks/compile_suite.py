@@ -75,8 +75,9 @@ FLAG_SETS = {
 
 
 def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH),
-                 impls: tuple[str, ...] = ("convdsl", "iree-today")) -> dict:
-    """Both forms of one case; never raises: a failure is recorded in the returned entry."""
+                 impls: tuple[str, ...] = ("convdsl", "iree-today"), forward: bool = False) -> dict:
+    """Both forms of one case; never raises: a failure is recorded in the returned entry.  `forward`: the
+    forward convolution of the case's shape instead, named `<case>_fwd` (as benchmarks/torch_bench.py names it)."""
     import convdsl
     from benchmarks.iree_today import TODAY_FLAGS, today_mlir
     from convdsl.backends.iree import compile_mlir
@@ -87,6 +88,9 @@ def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH
     out = Path(out_dir)
     case = load_suite(suite, names=[name])[0]
     p = case.problem
+    if forward:
+        name = f"{name}_fwd"
+        p = p.with_(op="forward", name=name, split_k=None, out_dtype=None)
     target = Target.parse("cuda", arch)
     kernel = manifest([p], target)["kernels"][0]
     entry = {
@@ -197,12 +201,21 @@ def main(argv=None) -> int:
                          "convdsl:<arch> (another chip, e.g. convdsl:sm_90), convdsl@<knobs> (e.g. convdsl@n2-m2-p3), "
                          "convdsl+flag:<name> (IREE codegen flags: " + ", ".join(FLAG_SETS) + "), "
                          "convdsl+partials:<n> (gather grad_weight with gather.MIN_PARTIALS = n)")
+    ap.add_argument("--forwards", action="store_true",
+                    help="the forward convolution of each distinct shape of the cases instead (<case>_fwd)")
     ap.add_argument("--keep-today", action="store_true",
                     help="compile convdsl only; keep the iree-today vmfbs of the existing cases.json (its forms "
                          "and flags do not depend on convdsl)")
     args = ap.parse_args(argv)
 
-    names = [c.name for c in load_suite(args.suite, names=args.cases.split(",") if args.cases else None)]
+    cases = load_suite(args.suite, names=args.cases.split(",") if args.cases else None)
+    names = [c.name for c in cases]
+    if args.forwards:  # one forward per distinct shape: the gradients of one layer share it
+        shapes: dict[str, str] = {}
+        for c in cases:
+            shapes.setdefault(repr(c.problem.with_(op="forward", name="", split_k=None, out_dtype=None).record()),
+                              c.name)
+        names = list(shapes.values())
     impls = ("convdsl",) + (() if args.keep_today else ("iree-today",))
     impls += ("iree-today-channel-major",) if args.also_channel_major else ()
     impls += tuple(v for v in args.variants.split(",") if v)
@@ -213,7 +226,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.error.txt"):
-        if stale.name.split(".")[0] in names:
+        if stale.name.split(".")[0] in {f"{n}_fwd" if args.forwards else n for n in names}:
             stale.unlink()
 
     from importlib.metadata import version
@@ -221,7 +234,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     entries: dict[str, dict] = {}
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = {pool.submit(compile_case, n, args.arch, str(out), args.suite, impls): n for n in names}
+        futures = {pool.submit(compile_case, n, args.arch, str(out), args.suite, impls, args.forwards): n
+                   for n in names}
         for fut in as_completed(futures):
             n = futures[fut]
             try:
@@ -259,7 +273,7 @@ def main(argv=None) -> int:
             if "iree-today" in prev.get("errors", {}):
                 e["errors"]["iree-today"] = prev["errors"]["iree-today"]
     # merge with an existing manifest when only some cases were rebuilt
-    if args.cases and path.exists():
+    if args.cases and path.exists() and not args.forwards:
         old = json.loads(path.read_text())
         if old.get("arch") == args.arch:
             merged = {c["name"]: c for c in old.get("cases", [])}
