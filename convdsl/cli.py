@@ -319,6 +319,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
         elif name == "gemm-cores":
             print(describe_binaries(stage.binaries))
         else:
+            if name == "workspaces":
+                for kernel, size in stage.workspaces:
+                    print(f"// {kernel}: the plain function's transients ({size} bytes) are kept in the module")
+                if not stage.workspaces:
+                    print("// no plain function keeps its transients in the module (policy.module_keeps_workspace)")
             print(stage.module)
 
     plans = [compiler.plan(p, target) for p in problems]  # the plans `convdsl compile` builds both artifacts from
