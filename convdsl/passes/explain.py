@@ -57,7 +57,12 @@ def describe_plan(self: KernelPlan) -> str:
                    if self.extern.weight_axes[-1] == "k" else "GKCYX tiles load element by element")
             lines.append(f"  layout: w copied to {weight_axes_name(p, self.extern.weight_axes)} for the kernels below"
                          f" ({why})")
-        if self.channels_last is not None:
+        if self.space_to_depth is not None:
+            q = self.space_to_depth.problem
+            lines.append(f"  layout: X and W regrouped space-to-depth (two copies) for the kernels below: a stride-1 "
+                         f"forward over {q.in_channels} channels, {'x'.join(map(str, q.filter))} taps")
+            lines.extend(_describe_extern(self.space_to_depth))
+        elif self.channels_last is not None:
             lines.append("  layout: NGCHW activations copied to NHWGC and back around the kernels below")
             lines.extend(_describe_extern(self.channels_last))
         else:

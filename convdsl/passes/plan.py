@@ -57,6 +57,9 @@ class KernelPlan:
     # policy plans them for both artifacts (the stream kernel reads the same record); in a plan with
     # `channels_last`, the NHWGC plan's record copies nothing (the outer plan's copies every activation)
     extern: Optional[policy.ExternLaunches] = None
+    # form "extern", a few-channel strided forward: the plan of the stride-1 forward over X and W regrouped
+    # space-to-depth (policy.space_to_depth_forward), whose launches `extern` holds; the regrouping is linalg
+    space_to_depth: Optional["KernelPlan"] = None
     # why a CUDA kernel keeps the linalg form (shown by explain); None where not asked
     linalg_reason: Optional[str] = None
     # depthwise-named grad_weight: the channels each convolution runs over (G*C and zeros up to it), and the taps
@@ -127,6 +130,12 @@ def _module_plan(problem: ConvProblem, target: Target, knobs: Knobs) -> KernelPl
 
 
 def _plan_extern(problem: ConvProblem, target: Target, knobs: Knobs) -> KernelPlan:
+    # a few-channel strided forward runs stride 1 over its operands regrouped space-to-depth, as the stream
+    # kernel does (docs/decisions.md#stem-space-to-depth)
+    regrouped = policy.space_to_depth_forward(problem)
+    if regrouped is not None and policy.extern_launches(regrouped, target, knobs) is not None:
+        inner = _plan_extern(regrouped, target, knobs)
+        return KernelPlan(problem, target, "extern", extern=inner.extern, space_to_depth=inner)
     ext = policy.extern_launches(problem, target, knobs)
     assert ext is not None  # extern_choice said use
     if ext.problem is problem:
