@@ -119,8 +119,10 @@ def test_fuse_flag_is_added_only_for_a_gpu_module_with_tensor_pad(monkeypatch):
 
     import iree.compiler as ireec
 
-    monkeypatch.setattr(ireec, "compile_str", fake_compile_str)
     p = _problem("grad_weight", dtype="f16")
-    compile_mlir(lower_to_mlir([p], CUDA, knobs={"k": Knobs(pad="fuse", extern=False)}), CUDA)
-    compile_mlir(lower_to_mlir([p], CUDA, knobs={"k": Knobs(pad="gather", extern=False)}), CUDA)
+    fused, gathered = (lower_to_mlir([p], CUDA, knobs={"k": Knobs(pad=form, extern=False)})
+                       for form in ("fuse", "gather"))
+    monkeypatch.setattr(ireec, "compile_str", fake_compile_str)
+    compile_mlir(fused, CUDA)
+    compile_mlir(gathered, CUDA)
     assert FUSE_PAD_FLAG in seen[0] and FUSE_PAD_FLAG not in seen[1]

@@ -31,7 +31,6 @@ from .ir import (
     float_const,
     generic,
     multiply_add,
-    pad_gather,
     permute,
     window,
     round_to_fp8_grid,
@@ -136,7 +135,12 @@ def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, 
     p, ext = plan.problem, plan.extern
     assert ext is not None
     if plan.space_to_depth is not None:
-        return _emit_extern(plan.space_to_depth, _space_to_depth(p, plan.space_to_depth.problem, *args), binaries)
+        # X and W regrouped by the stream kernel's two copies (kernels/elementwise.space_to_depth), then its forward
+        q = plan.space_to_depth.problem
+        elem = element_type(p.dtype)
+        regrouped = [extern.dispatch(launch, binaries[launch.name], [value], tensor_type(list(shape), elem))
+                     for launch, value, shape in zip(ext.launches, args, (q.x_shape, q.w_shape))]
+        return _emit_extern(plan.space_to_depth, regrouped, binaries)
     if plan.channels_last is not None:
         return _between_layout_copies(plan, args, lambda inner, moved: _emit_extern(inner, moved, binaries))
     if ext.copied_channels_last:  # NGCHW grad_weight: X copied channels-last, dY read in place
@@ -163,55 +167,6 @@ def _emit_extern(plan: KernelPlan, args: list[ir.Value], binaries: Mapping[str, 
         # the linalg GEMM's dispatch instead, with IREE's slower GEMM
         result = _epilogue_generic(p, result, dict(zip(p.epilogue.tensors, args[2:])), alpha_applied=True)
     return result
-
-
-def _space_to_depth(p: ConvProblem, q: ConvProblem, x: ir.Value, w: ir.Value) -> list[ir.Value]:
-    """X and W of the strided forward p regrouped for the stride-1 forward q (policy.space_to_depth_forward):
-         X'[n, j.., g, (r.., c)] = X[n, j*s + r - lo, g, c]   (0 outside X; j < q.input)
-         W'[g, k, t'.., (r.., c)] = W[g, k, t'*s + r, c]      (0 for taps past F; t' < q.filter)
-    so that Y[n, o, k] = sum over t', (r, c) of X'[n, o + t', (r, c)] * W'[k, t', (r, c)] is p's forward.  Each is
-    one zero-bordered copy (pad_gather), a reshape splitting every spatial axis into (j, r), and one transpose
-    that moves the r axes beside the channels."""
-    s = p.stride
-    sp = [f"sp{i}" for i in range(p.dims)]
-    x_axes = activation_axes(p, "ch")  # NHWGC: n, sp.., g, ch
-    extent = [j * si for j, si in zip(q.input, s)]
-    low = [p.pad_lo[sp.index(a)] if a in sp else 0 for a in x_axes]
-    high = [extent[sp.index(a)] - p.pad_lo[sp.index(a)] - p.input[sp.index(a)] if a in sp else 0 for a in x_axes]
-    shape = shape_of(x)
-    bordered = pad_gather(x, low, high, [extent[sp.index(a)] if a in sp else n for a, n in zip(x_axes, shape)])
-    w_axes = ["g", "k", *[f"t{i}" for i in range(p.dims)], "c"]  # GKYXC, the regrouped weight's layout
-    if weight_axes(p) != w_axes:
-        w = permute(w, weight_axes(p), w_axes)
-    taps = [t * si for t, si in zip(q.filter, s)]
-    w_shape = shape_of(w)
-    w_bordered = pad_gather(w, [0] * len(w_axes), [0, 0, *(t - f for t, f in zip(taps, p.filter)), 0],
-                            [*w_shape[:2], *taps, w_shape[-1]])
-    return [_split_strides(bordered, x_axes, "sp", s, q.input), _split_strides(w_bordered, w_axes, "t", s, q.filter)]
-
-
-def _split_strides(value: ir.Value, axes: list[str], prefix: str, stride: tuple[int, ...],
-                   outer: tuple[int, ...]) -> ir.Value:
-    """value [.., (outer_i * stride_i).., .., ch] as [.., outer_i.., .., (r_0, .., r_d, ch)]: the spatial axes
-    named prefix<i> split into (outer, r), the r axes moved before the last (channel) axis and merged with it."""
-    split_axes, groups, shape = [], [], []
-    for a, n in zip(axes, shape_of(value)):
-        at = len(split_axes)
-        if a.startswith(prefix) and a[len(prefix):].isdigit():
-            i = int(a[len(prefix):])
-            split_axes += [a, f"r{i}"]
-            groups.append([at, at + 1])
-            shape += [outer[i], stride[i]]
-        else:
-            split_axes.append(a)
-            groups.append([at])
-            shape.append(n)
-    rs = [f"r{i}" for i in range(len(stride))]
-    moved = [a for a in split_axes if a not in rs]
-    moved = [*moved[:-1], *rs, moved[-1]]
-    result = permute(expand(value, groups, shape), split_axes, moved)
-    last = len(moved) - 1 - len(rs)
-    return collapse(result, [[i] for i in range(last)] + [list(range(last, len(moved)))])
 
 
 def _emit_planned(plan: KernelPlan, args: list[ir.Value]) -> ir.Value:

@@ -58,7 +58,7 @@ class KernelPlan:
     # `channels_last`, the NHWGC plan's record copies nothing (the outer plan's copies every activation)
     extern: Optional[policy.ExternLaunches] = None
     # form "extern", a few-channel strided forward: the plan of the stride-1 forward over X and W regrouped
-    # space-to-depth (policy.space_to_depth_forward), whose launches `extern` holds; the regrouping is linalg
+    # space-to-depth (policy.space_to_depth_forward); `extern` holds the two regrouping copies, then its launches
     space_to_depth: Optional["KernelPlan"] = None
     # why a CUDA kernel keeps the linalg form (shown by explain); None where not asked
     linalg_reason: Optional[str] = None
@@ -135,7 +135,11 @@ def _plan_extern(problem: ConvProblem, target: Target, knobs: Knobs) -> KernelPl
     regrouped = policy.space_to_depth_forward(problem)
     if regrouped is not None and policy.extern_launches(regrouped, target, knobs) is not None:
         inner = _plan_extern(regrouped, target, knobs)
-        return KernelPlan(problem, target, "extern", extern=inner.extern, space_to_depth=inner)
+        base = inner.extern.launches[0].name
+        copies = tuple(space_to_depth_launch(problem, regrouped, name, base)[0] for name in ("x", "w"))
+        # the two copies run first: their launches lead the outer record's, which the pipeline compiles
+        return KernelPlan(problem, target, "extern", extern=replace(inner.extern, launches=(
+            *copies, *inner.extern.launches)), space_to_depth=inner)
     ext = policy.extern_launches(problem, target, knobs)
     assert ext is not None  # extern_choice said use
     if ext.problem is problem:
