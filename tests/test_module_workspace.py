@@ -51,7 +51,8 @@ def test_large_transients_and_other_targets_allocate_per_call():
     with policy.overrides(MODULE_WORKSPACE_MOST_BYTES=1024):
         assert WORKSPACE_SUFFIX not in lower_to_mlir([SPLIT_K], CUDA)
     assert WORKSPACE_SUFFIX not in lower_to_mlir([SPLIT_K.with_(dtype="f32")], CPU)
-    assert WORKSPACE_SUFFIX not in lower_to_mlir([SPLIT_K.with_(dynamic_batch=True)], CUDA)  # `batch = ?`: no static size
+    # `batch = ?`: no static size to allocate at load
+    assert WORKSPACE_SUFFIX not in lower_to_mlir([SPLIT_K.with_(dynamic_batch=True)], CUDA)
 
 
 def _stream_plan(mlir: str, target: Target, name: str) -> str:
