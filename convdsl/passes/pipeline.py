@@ -5,6 +5,7 @@ IR after every pass that produced one, and hands each stage to `observe` (`convd
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -22,6 +23,9 @@ from ..tuning.knobs import Knobs
 from .lower import emit_kernel
 from .plan import KernelPlan, plan_kernel
 from .workspace import keep_workspaces
+
+
+log = logging.getLogger(__name__)
 
 
 class LoweringError(RuntimeError):
@@ -103,7 +107,8 @@ def keep_module_workspaces(stage: Stage) -> Stage:
         return stage
     try:
         sizes = transient_sizes(str(stage.module), stage.target)
-    except Exception:  # noqa: BLE001 - the module's own compile reports (and saves) what iree-compile rejects
+    except Exception as err:  # noqa: BLE001 - the module's own compile reports (and saves) what iree-compile rejects
+        log.debug("no module workspaces: IREE's stream phase failed (%s)", str(err).strip().splitlines()[-1:])
         return stage
     kept = {p.name: sizes[p.name] for p in stage.problems
             if p.name in sizes and policy.module_keeps_workspace(stage.target, sizes[p.name])}
