@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.suite import SUITE_PATH, load_suite  # noqa: E402
+from benchmarks.suite import SUITE_PATH, forward_of, load_suite  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "build"
 
@@ -89,8 +89,8 @@ def compile_case(name: str, arch: str, out_dir: str, suite: str = str(SUITE_PATH
     case = load_suite(suite, names=[name])[0]
     p = case.problem
     if forward:
-        name = f"{name}_fwd"
-        p = p.with_(op="forward", name=name, split_k=None, out_dtype=None)
+        p = forward_of(p)
+        name = p.name
     target = Target.parse("cuda", arch)
     kernel = manifest([p], target)["kernels"][0]
     entry = {
@@ -213,8 +213,7 @@ def main(argv=None) -> int:
     if args.forwards:  # one forward per distinct shape: the gradients of one layer share it
         shapes: dict[str, str] = {}
         for c in cases:
-            shapes.setdefault(repr(c.problem.with_(op="forward", name="", split_k=None, out_dtype=None).record()),
-                              c.name)
+            shapes.setdefault(repr(forward_of(c.problem).with_(name="").record()), c.name)
         names = list(shapes.values())
     impls = ("convdsl",) + (() if args.keep_today else ("iree-today",))
     impls += ("iree-today-channel-major",) if args.also_channel_major else ()

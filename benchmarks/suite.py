@@ -88,6 +88,11 @@ def case_to_problem(case: dict) -> ConvProblem:
     )
 
 
+def forward_of(p: ConvProblem) -> ConvProblem:
+    """The forward convolution of p's shape, named `<name>_fwd` (the gradients of one layer share it)."""
+    return p.with_(op="forward", name=f"{p.name}_fwd", split_k=None, out_dtype=None)
+
+
 def minimal_bytes(p: ConvProblem) -> int:
     """Each input read once, the output written once, in their storage dtypes."""
     moved = sum(math.prod(s) * DTYPE_BYTES[d] for s, d in zip(p.arg_shapes, p.arg_dtypes))

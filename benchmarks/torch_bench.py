@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.suite import load_suite  # noqa: E402
+from benchmarks.suite import forward_of, load_suite  # noqa: E402
 from convdsl.problem import ConvProblem  # noqa: E402
 from convdsl.targets import Target  # noqa: E402
 
@@ -42,7 +42,7 @@ def problems(names: list[str], tf32: bool = False) -> list[ConvProblem]:
     out = twins if tf32 else [*suite, *twins]
     seen = set()
     for p in list(out):
-        fwd = p.with_(op="forward", name=f"{p.name}_fwd", split_k=None, out_dtype=None)
+        fwd = forward_of(p)
         key = fwd.with_(name="").record()
         key = repr(key)
         if key not in seen:
