@@ -713,25 +713,28 @@ def versions() -> dict:
     return v
 
 
-# (mode, IREE runtime flags, allocator specs) for --compare-allocators: what a plain iree.runtime user or
-# iree-run-module gets, and the documented caching allocator (README, Deployment).  On CUDA the allocating
-# functions take results and transients from the stream-ordered pool unless async allocations are off.
-# The caching spec is convdsl's own devices' (convdsl/backends/iree.py DEVICE_ALLOCATORS): IREE's default free
-# list (64 buffers) fills up over the suite's 27 modules.  With async allocations on, the pool serves the
-# allocating functions whatever allocator is layered (measured: as the defaults).
-ALLOCATOR_MODES = (("default", "", ""),
-                   ("caching", "--cuda_async_allocations=false", "caching:device_local=*;*;1024"))
+def allocator_modes() -> tuple[tuple[str, str, str], ...]:
+    """(mode, IREE runtime flags, allocator specs) for --compare-allocators: what a plain iree.runtime user or
+    iree-run-module gets, and the documented caching allocator (README, Deployment), the one convdsl's own devices
+    have (IREE's default free list of 64 buffers fills up over the suite's 27 modules).  On CUDA the allocating
+    functions take results and transients from the stream-ordered pool unless async allocations are off (with them
+    on, the pool serves them whatever allocator is layered: measured as the defaults)."""
+    from convdsl.backends.iree import DEVICE_ALLOCATORS  # as into_calls: convdsl on PYTHONPATH
+
+    return (("default", "", ""), ("caching", "--cuda_async_allocations=false", ",".join(DEVICE_ALLOCATORS)))
 
 
 def compare_allocators(args: argparse.Namespace, argv: list[str]) -> int:
-    """Run this script once per ALLOCATOR_MODES entry (convdsl only) and put the allocating and kept-buffer
+    """Run this script once per allocator_modes() entry (convdsl only) and put the allocating and kept-buffer
     times side by side."""
     import subprocess
+
+    modes_run = allocator_modes()
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict] = {}
-    for mode, flags, allocators in ALLOCATOR_MODES:
+    for mode, flags, allocators in modes_run:
         tag = (f"{args.tag}-" if args.tag else "") + f"alloc-{mode}"
         rest = [a for i, a in enumerate(argv)  # the user's arguments less --tag (each run gets its own)
                 if not a.startswith("--tag") and not (i > 0 and argv[i - 1] == "--tag")]
@@ -745,7 +748,7 @@ def compare_allocators(args: argparse.Namespace, argv: list[str]) -> int:
                          key=lambda p: p.stat().st_mtime)
         runs[mode] = json.loads(written[-1].read_text())
     rows = []
-    modes = [m for m, _, _ in ALLOCATOR_MODES]
+    modes = [m for m, _, _ in modes_run]
     for case in runs["default"]["results"]:
         row = {"name": case["name"]}
         for mode in modes:
@@ -769,7 +772,7 @@ def compare_allocators(args: argparse.Namespace, argv: list[str]) -> int:
     (out / f"{stem}.json").write_text(json.dumps(
         {"device": base["device"], "date": base["date"], "versions": base.get("versions"),
          "command": " ".join(["python3 benchmarks/gpu_bench.py", *argv, "--compare-allocators"]),
-         "modes": [{"mode": m, "iree_flags": f, "allocators": a} for m, f, a in ALLOCATOR_MODES],
+         "modes": [{"mode": m, "iree_flags": f, "allocators": a} for m, f, a in modes_run],
          "results": rows}, indent=1, default=str) + "\n")
 
     def ms(v):
