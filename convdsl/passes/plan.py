@@ -115,7 +115,7 @@ def plan_kernel(problem: ConvProblem, target: Target, knobs: Optional[Knobs] = N
     (Triton's interpreter runs none; sweeps of cp.async tiles plan without them)."""
     knobs = knobs if knobs is not None else Knobs()
     module = _module_plan(problem, target, knobs)
-    stream, reason = _stream_plan(problem, target, knobs, knobs_source, tma, module.extern,
+    stream, reason = _stream_plan(problem, target, knobs, knobs_source, tma, module.extern, module.space_to_depth,
                                   policy.overrides_generation())
     return replace(module, knobs=knobs, knobs_source=knobs_source, stream=stream, stream_reason=reason)
 
@@ -248,7 +248,8 @@ def _plan(problem: ConvProblem, target: Target) -> KernelPlan:
 
 @functools.lru_cache(maxsize=256)
 def _stream_plan(p: ConvProblem, target: Target, knobs: Knobs, source: str, tma: bool,
-                 extern: Optional[policy.ExternLaunches], rules: int) -> tuple[Optional[StreamKernel], Optional[str]]:
+                 extern: Optional[policy.ExternLaunches], space_to_depth: Optional[KernelPlan], rules: int
+                 ) -> tuple[Optional[StreamKernel], Optional[str]]:
     # a pure function of frozen arguments (policy.overrides arrives as the rules' generation): cached, so that asking
     # whether a kernel exists and then building it plans it once
     if target.backend != "cuda":
@@ -259,15 +260,15 @@ def _stream_plan(p: ConvProblem, target: Target, knobs: Knobs, source: str, tma:
     if not use:
         return None, reason
     try:
-        return _stream_kernel(p, target, knobs, source, tma, extern), None
+        return _stream_kernel(p, target, knobs, source, tma, extern, space_to_depth), None
     except ValueError as err:  # a plan the kernels cannot run (a split_k the TMA kernel cannot cut, ...)
         return None, str(err)
 
 
 def _stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str, tma: bool,
-                   extern: Optional[policy.ExternLaunches]) -> StreamKernel:
+                   extern: Optional[policy.ExternLaunches], space_to_depth: Optional[KernelPlan]) -> StreamKernel:
     """The stream kernel's launches as policy decides them with `knobs`: a TMA kernel where one applies, else the
-    module's cp.async launches (`extern`), or those of the space-to-depth regrouped forward."""
+    module plan's cp.async launches (`extern`), or those of its space-to-depth regrouped forward (`space_to_depth`)."""
     tma_plan = policy.tma_stream_launch(p, target, knobs) if tma else None
     if tma_plan is not None:
         launch, maps, flipped, partials, tiles, staging, weight_copy = tma_plan
@@ -281,11 +282,12 @@ def _stream_kernel(p: ConvProblem, target: Target, knobs: Knobs, source: str, tm
                             staging=tuple(uncompiled(la) for la, _ in staging),
                             staged_shapes=tuple(shape for _, shape in staging),
                             halo_splits=halo_splits, promote_every=promote)
-    # a few-channel strided forward runs stride 1 over its operands regrouped space-to-depth (two copies first)
-    regrouped = policy.space_to_depth_forward(p)
-    ext = policy.extern_launches(regrouped, target, knobs) if regrouped else extern
+    # a few-channel strided forward runs stride 1 over its operands regrouped space-to-depth, as the module plan
+    # has it (two copies first)
+    regrouped = space_to_depth.problem if space_to_depth is not None else None
+    ext = space_to_depth.extern if space_to_depth is not None else extern
     if ext is None:
-        _, _, reason = policy.extern_choice(regrouped or p, target, knobs)
+        _, _, reason = policy.extern_choice(p, target, knobs)
         raise ValueError(f"kernel {p.name}: no stream kernel on {target}: {reason}")
     if p.op != "grad_weight" and not regrouped:  # few output tiles over a long reduction: split-K
         ext = policy.split_output_launches(p, ext, target)
