@@ -166,6 +166,26 @@ def test_gemms_of_at_most_64_rows_take_64_by_32_tiles():
     assert policy.default_forward_tiles(squeeze.with_(dtype="f32"), HOPPER).block_m == 128
 
 
+def test_depthwise_direct_programs_take_the_channel_block_that_fits():
+    # 16-bit depthwise forwards and grad_inputs, blocks measured on the 91 channels-last depthwise layers of the
+    # models and the suite (docs/decisions.md#depthwise-channels): 144 channels in blocks of 64 (three one-warp
+    # programs a row, not two of two warps with 112 channels masked), 72 in one block of 128, 7-wide filters a
+    # channel a thread; 960 keeps 128 (blocks of 64 save a warp in 16 and ran 1.23x the time)
+    def tiles(groups: int, width: int = 3, dtype: str = "bf16", op: str = "forward"):
+        p = ConvProblem(op=op, dims=2, groups=groups, batch=64, in_channels=1, out_channels=1, input=(56, 56),
+                        filter=(width, width), stride=(1, 1), dilation=(1, 1), pad_lo=(width // 2,) * 2,
+                        pad_hi=(width // 2,) * 2, layout="NHWGC", dtype=dtype, name="dw")
+        tiles = policy.direct_grad_input_tiles(p)
+        return tiles.block_n, tiles.warps
+
+    assert tiles(144) == tiles(144, op="grad_input") == tiles(192) == (64, 1)
+    assert tiles(72) == tiles(96) == tiles(960) == tiles(384) == (128, 2)
+    assert tiles(64) == (64, 1) and tiles(32) == tiles(16) == (32, 1)
+    assert tiles(768, width=7) == tiles(96, width=7) == (32, 1) and tiles(960, width=5) == (128, 2)
+    # f32: the rule as it was (by channel count only)
+    assert tiles(144, dtype="f32") == (128, 2) and tiles(72, dtype="f32") == (64, 1)
+
+
 def test_grad_weights_summing_few_steps_per_program_take_eight_warps():
     # r2plus1d_18's (3,1,1) grad_weight over 921 channels: 7 reduction steps a program, where 8 warps and 3 stages
     # ran 0.54-0.69x the time of 4 warps and 4 stages; every such grad_weight of the 11 models measured gained, and

@@ -204,12 +204,40 @@ def default_forward_tiles(p: ConvProblem, target: Target) -> TileConfig:
     return dense
 
 
+# the channel blocks of a depthwise direct program, (channels, warps): two channels a thread in the first
+DIRECT_CHANNEL_BLOCKS = ((128, 2), (64, 1), (32, 1))
+# a 16-bit depthwise layer of 128+ channels leaves 128-channel blocks only for a block that saves this share of the
+# warps a row takes (docs/decisions.md#depthwise-channels)
+DIRECT_WARPS_SAVED = 0.2
+
+
 def direct_grad_input_tiles(p: ConvProblem) -> TileConfig:
     """grad_input_direct and forward_direct: chunks of at most block_m positions along the innermost dimension x
-    block_n channels over the warps (block_k unused), two channels per thread (docs/decisions.md#depthwise-tiles;
-    chosen on grad_input, the forward kernel's loads and sums are alike)."""
+    block_n channels over the warps (block_k unused) (docs/decisions.md#depthwise-tiles; chosen on grad_input, the
+    forward kernel's loads and sums are alike).  16-bit: the block fitted to the channels
+    (docs/decisions.md#depthwise-channels)."""
     block_n = 128 if p.groups >= 128 else 64 if p.groups >= 64 else 32
+    if p.dtype in ("f16", "bf16") and p.groups >= 32:
+        block_n = _direct_channel_block(p.groups, p.filter[-1])
     return TileConfig(32, block_n, 1, warps=max(1, block_n // 64), stages=1)
+
+
+def _direct_channel_block(channels: int, width: int) -> int:
+    """The channels a depthwise direct program takes: 32 (a channel a thread) for filters 7 or more wide, whose
+    window of sums the threads then hold once; else the block of fewest warps a row, then fewest masked channels,
+    then the largest (the fewest programs), with 128 kept unless the other saves DIRECT_WARPS_SAVED of its warps."""
+    if width >= 7:
+        return 32
+
+    def cost(block: tuple[int, int]) -> tuple[int, int, int]:
+        programs = -(-channels // block[0])
+        return programs * block[1], programs * block[0] - channels, -block[0]
+
+    best = min(DIRECT_CHANNEL_BLOCKS, key=cost)
+    widest = DIRECT_CHANNEL_BLOCKS[0]
+    if channels >= widest[0] and cost(best)[0] > (1 - DIRECT_WARPS_SAVED) * cost(widest)[0]:
+        return widest[0]
+    return best[0]
 
 
 # a 16-bit cp.async grad_weight over several taps whose programs each sum at most this many reduction steps (after
