@@ -32,6 +32,10 @@ MODULES = [
     # grad_input (a forward of dY) of the second
     ("Conv2d", dict(in_channels=128, out_channels=64, kernel_size=3, padding=1), (4, 128, 12, 12)),
     ("Conv2d", dict(in_channels=64, out_channels=128, kernel_size=3, padding=1), (4, 64, 12, 12)),
+    # depthwise: 144 channels in programs of 64 (16-bit), a 7-wide filter a channel a thread
+    # (docs/decisions.md#depthwise-channels)
+    ("Conv2d", dict(in_channels=144, out_channels=144, kernel_size=3, padding=1, groups=144), (8, 144, 14, 14)),
+    ("Conv2d", dict(in_channels=96, out_channels=96, kernel_size=7, padding=3, groups=96), (4, 96, 14, 14)),
     # an RGB stem: 16-bit channels-last forward over X and W regrouped space-to-depth
     ("Conv2d", dict(in_channels=3, out_channels=64, kernel_size=7, stride=2, padding=3), (4, 3, 64, 64)),
     # 128 channels (last: test_f32_in_tf32_takes_bf16x3_or_the_flat_planes_and_the_tma_forward): f32 grad_weight
