@@ -155,7 +155,7 @@ def _build_vmfb(plans: Sequence[KernelPlan], target: Target, extra_flags: Sequen
         cached = cache.load(key)
         if cached is not None:
             return key, cached
-    mlir = lower_to_mlir(problems, target, knobs, progress, plans=plans)
+    mlir = lower_to_mlir(problems, target, knobs, progress, plans=plans, iree_flags=extra_flags)
     if progress is not None:
         progress(CompileStep("backend", len(problems), len(problems), "iree-compile"))
     if target.backend == "cpu" or all(k.config_default for k in knobs.values()):

@@ -47,6 +47,16 @@ def test_a_cuda_modules_plain_function_keeps_its_transients_in_the_module():
     assert compile_mlir(mlir, CUDA)[:8]  # and iree-compile takes it
 
 
+def test_the_kept_workspace_is_sized_with_the_modules_own_iree_flags():
+    # a caller's iree-compile flags can change what IREE plans (here transient slices aligned to 64 KiB): the module
+    # is compiled with them, so its kept buffer is sized with them
+    flags = ("--iree-stream-resource-min-offset-alignment=65536",)
+    plain = lower_to_mlir([SPLIT_K], CUDA)
+    default, aligned = transient_sizes(plain, CUDA)["gw"], transient_sizes(plain, CUDA, flags)["gw"]
+    assert aligned > default
+    assert f"tensor<{aligned}xi8>" in lower_to_mlir([SPLIT_K], CUDA, iree_flags=flags)
+
+
 def test_large_transients_and_other_targets_allocate_per_call():
     with policy.overrides(MODULE_WORKSPACE_MOST_BYTES=1024):
         assert WORKSPACE_SUFFIX not in lower_to_mlir([SPLIT_K], CUDA)

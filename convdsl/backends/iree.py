@@ -82,16 +82,17 @@ def with_device_targets(mlir: str, target: Target) -> str:
         return str(module)
 
 
-def transient_sizes(mlir: str, target: Target) -> dict[str, int]:
-    """Per kernel function of the module: the bytes of transient storage iree-compile plans for one call, read
-    from its destination-passing twin's reflection (`iree.abi.transients.size.constant`, convdsl/abi.py) after
-    IREE's stream phase; absent where the size is not static (`batch = ?`).  Where compile_mlir may compile the
-    module twice (zero borders fused, then not) the larger of the two plans'."""
+def transient_sizes(mlir: str, target: Target, extra_flags: Sequence[str] = ()) -> dict[str, int]:
+    """Per kernel function of the module: the bytes of transient storage iree-compile plans for one call (with
+    the module's `extra_flags`, as compile_mlir compiles it), read from its destination-passing twin's reflection
+    (`iree.abi.transients.size.constant`, convdsl/abi.py) after IREE's stream phase; absent where the size is not
+    static (`batch = ?`).  Where compile_mlir may compile the module twice (zero borders fused, then not) the
+    larger of the two plans'."""
     import iree.compiler as ireec
     from iree.compiler import ir
 
     mlir = with_device_targets(mlir, target)
-    flags = [*target.compile_flags(), "--compile-to=stream"]
+    flags = [*target.compile_flags(), *extra_flags, "--compile-to=stream"]
     variants = [[*flags, FUSE_PAD_FLAG], flags] if "tensor.pad" in mlir else [flags]
     sizes: dict[str, int] = {}
     for variant in variants:

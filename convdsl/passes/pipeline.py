@@ -47,6 +47,8 @@ class Stage:
     progress: Optional[ProgressFn] = field(default=None, compare=False, repr=False)
     # kernel name -> bytes of transient storage its plain function keeps in the module (passes/workspace.py)
     workspaces: tuple[tuple[str, int], ...] = ()
+    # the caller's own iree-compile flags: the module is compiled with them, so what IREE plans is planned with them
+    iree_flags: tuple[str, ...] = ()
 
 
 def plan_kernels(stage: Stage) -> Stage:
@@ -106,7 +108,7 @@ def keep_module_workspaces(stage: Stage) -> Stage:
     if not policy.module_workspaces(stage.target):
         return stage
     try:
-        sizes = transient_sizes(str(stage.module), stage.target)
+        sizes = transient_sizes(str(stage.module), stage.target, stage.iree_flags)
     except Exception as err:  # noqa: BLE001 - the module's own compile reports (and saves) what iree-compile rejects
         log.debug("no module workspaces: IREE's stream phase failed (%s)", str(err).strip().splitlines()[-1:])
         return stage
@@ -180,13 +182,15 @@ def run_pipeline(
     knobs: Optional[Mapping[str, Knobs]] = None,
     progress: Optional[ProgressFn] = None,
     plans: Sequence[KernelPlan] = (),
+    iree_flags: Sequence[str] = (),
 ) -> Stage:
     """The pipeline over `problems`, planned with `knobs` (by kernel name; the rules' where absent), or taking
-    `plans` already made for them (one per problem, in order)."""
+    `plans` already made for them (one per problem, in order); `iree_flags`: the extra iree-compile flags the module
+    will be compiled with."""
     if plans and [pl.problem for pl in plans] != list(problems):
         raise ValueError("plans: expected one plan per problem, in the problems' order")
     stage = Stage(tuple(problems), target, plans=tuple(plans), knobs=tuple(sorted((knobs or {}).items())),
-                  progress=progress)
+                  progress=progress, iree_flags=tuple(iree_flags))
     for name, pass_fn in PIPELINE:
         stage = pass_fn(stage)
         if stage.module is not None and not stage.module.operation.verify():
@@ -198,5 +202,6 @@ def run_pipeline(
 
 def lower_to_mlir(problems: Sequence[ConvProblem], target: Target,
                   knobs: Optional[Mapping[str, Knobs]] = None, progress: Optional[ProgressFn] = None,
-                  plans: Sequence[KernelPlan] = ()) -> str:
-    return str(run_pipeline(problems, target, knobs=knobs, progress=progress, plans=plans).module)
+                  plans: Sequence[KernelPlan] = (), iree_flags: Sequence[str] = ()) -> str:
+    return str(run_pipeline(problems, target, knobs=knobs, progress=progress, plans=plans,
+                            iree_flags=iree_flags).module)
