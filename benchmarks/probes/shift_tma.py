@@ -112,7 +112,8 @@ def _canonical(v, fill):
     return (fill,) * (3 - len(v)) + tuple(v)
 
 
-def _time(fn, rounds: int = 30, per: int = 10) -> float:
+def time_launches(fn, rounds: int = 30, per: int = 10) -> float:
+    """The median over `rounds` of the time per call of `per` back-to-back calls of fn, by CUDA events (ms)."""
     import torch
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -170,8 +171,8 @@ def run(out: Path) -> None:
             err = (y.double() - ref).abs().max().item() / scale
             ms_cudnn, ms = [], []
             for _ in range(3):  # interleaved
-                ms_cudnn.append(_time(cudnn))
-                ms.append(_time(launch))
+                ms_cudnn.append(time_launches(cudnn))
+                ms.append(time_launches(launch))
             row["tiles"][label] = {"err": err, "ok": err < 4 * max(cudnn_err, 1e-3), "ms": statistics.median(ms),
                                    "cudnn_ms": statistics.median(ms_cudnn)}
             row["tiles"][label]["cudnn_over_this"] = row["tiles"][label]["cudnn_ms"] / row["tiles"][label]["ms"]

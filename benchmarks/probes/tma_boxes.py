@@ -173,24 +173,11 @@ def build(out: Path) -> None:
     print(f"wrote {out}: {len(entries)} kernels")
 
 
-def _time(fn, rounds: int = 30, per: int = 10) -> float:
-    import torch
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(rounds):
-        start.record()
-        for _ in range(per):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / per)
-    return statistics.median(times)
-
-
 def run(built: Path, result: Path) -> None:
     import torch
     import torch.nn.functional as F
 
+    from benchmarks.probes.shift_tma import time_launches
     from convdsl.backends.cuda_driver import load_function
 
     torch.backends.cudnn.benchmark = True
@@ -232,8 +219,8 @@ def run(built: Path, result: Path) -> None:
         err = (y.double().reshape(ref.shape) - ref).abs().max().item() / scale
         ms, ms_cudnn = [], []
         for _ in range(3):
-            ms_cudnn.append(_time(cudnn))
-            ms.append(_time(launch))
+            ms_cudnn.append(time_launches(cudnn))
+            ms.append(time_launches(launch))
         row = {"case": key, "kernel": e["label"], "err": err, "cudnn_err": cudnn_err,
                "ok": bool(err <= 4 * max(cudnn_err, 1e-3)), "ms": statistics.median(ms),
                "cudnn_ms": statistics.median(ms_cudnn), "rows_used": e["rows_used"]}
